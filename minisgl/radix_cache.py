@@ -1,0 +1,248 @@
+"""Radix cache: reuse the KV cache of shared prompt prefixes.
+
+Many requests start with the same tokens (a system prompt, a few-shot preamble,
+earlier turns of a chat). Their KV entries are identical, so we compute them once
+and keep them in a radix tree (a trie whose edges hold runs of tokens):
+
+* each edge stores a run of token ids (``key``) and, position by position, the
+  KV-pool slot that holds that token's keys/values (``slots``);
+* ``match_prefix`` finds the longest cached prefix of a new prompt, so the
+  scheduler only has to run prefill on the remaining suffix;
+* ``insert`` adds a finished (or chunked) sequence so later requests can reuse it;
+* ``lock``/``unlock`` mark nodes in use by running requests, and ``evict`` frees
+  the least-recently-used unlocked leaves when the KV pool runs short.
+
+Ownership rule: every KV slot is owned by exactly one of {the pool's free list,
+a request, the tree}. Slots handed to ``insert`` beyond the already-cached prefix
+become owned by the tree; the tree gives slots back only through ``free_slots``
+(from ``evict``/``flush``). Page size is 1: one slot per token.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+
+class TreeNode:
+    """One edge of the radix tree, named after the node it leads to."""
+
+    _ids = itertools.count()  # unique id, used to break ties in the eviction heap
+
+    def __init__(self, key: Tuple[int, ...], slots: torch.Tensor,
+                 parent: Optional["TreeNode"] = None, last_access: int = 0) -> None:
+        self.children: Dict[int, TreeNode] = {}  # keyed by the child's first token id
+        self.parent = parent
+        self.key = key                            # token ids on the edge into this node
+        self.slots = slots                        # int64 KV slot per token of `key`
+        self.lock_ref = 0                         # number of locks held on this node's subtree
+        self.last_access = last_access            # logical clock value, not wall time
+        self.id = next(TreeNode._ids)
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(key={self.key}, lock_ref={self.lock_ref}, last_access={self.last_access})"
+
+
+def _as_key(token_ids: Sequence[int]) -> Tuple[int, ...]:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.tolist()
+    return tuple(int(t) for t in token_ids)
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class RadixCache:
+    def __init__(self, free_slots: Callable[[torch.Tensor], None], enabled: bool = True) -> None:
+        self.free_slots = free_slots
+        self.enabled = enabled
+        self.root = TreeNode(key=(), slots=torch.empty(0, dtype=torch.int64))
+        self._clock = 0
+        self._evictable = 0   # tokens in nodes with lock_ref == 0
+        self._protected = 0   # tokens in nodes with lock_ref > 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    @property
+    def protected_size(self) -> int:
+        return self._protected
+
+    @property
+    def total_size(self) -> int:
+        return self._evictable + self._protected
+
+    # ---------------------------------------------------------------- lookups
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _walk(self, key: Tuple[int, ...]) -> Tuple[TreeNode, int, List[torch.Tensor]]:
+        """Follow `key` down the tree, splitting an edge if the match ends inside it.
+
+        Returns (deepest matched node, number of matched tokens, matched slot runs).
+        Every node on the path gets the same fresh `last_access`, so a parent is
+        never "older" than its children.
+        """
+        now = self._tick()
+        node, pos, runs = self.root, 0, []
+        node.last_access = now
+        while pos < len(key) and key[pos] in node.children:
+            child = node.children[key[pos]]
+            n = _common_prefix_len(child.key, key[pos:])  # n >= 1: first tokens agree
+            if n < len(child):
+                child = self._split(child, n)
+            child.last_access = now
+            runs.append(child.slots)
+            node, pos = child, pos + n
+            # After a split the next token (if any) differs from the old edge's
+            # continuation, so the loop ends here on its own.
+        return node, pos, runs
+
+    def _split(self, node: TreeNode, n: int) -> TreeNode:
+        """Cut `node`'s edge after `n` tokens; return the new upper node.
+
+        The upper half inherits lock_ref (the same locks cover both halves) and
+        last_access, so evictable/protected sizes do not change.
+        """
+        assert 0 < n < len(node)
+        parent = node.parent
+        assert parent is not None
+        upper = TreeNode(node.key[:n], node.slots[:n], parent, node.last_access)
+        upper.lock_ref = node.lock_ref
+        node.key, node.slots = node.key[n:], node.slots[n:]
+        node.parent = upper
+        upper.children[node.key[0]] = node
+        parent.children[upper.key[0]] = upper
+        return upper
+
+    def match_prefix(self, token_ids: Sequence[int]) -> Tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of `token_ids`: (its slots, node ending exactly there)."""
+        if not self.enabled:
+            return torch.empty(0, dtype=torch.int64), self.root
+        node, _, runs = self._walk(_as_key(token_ids))
+        if not runs:
+            return torch.empty(0, dtype=torch.int64), node
+        return torch.cat(runs), node
+
+    def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
+        """Store key -> slots. Returns how many leading tokens were already cached.
+
+        For those leading positions the tree keeps its own slots; the caller still
+        owns its copies and must free the ones it did not get from match_prefix.
+        Slots after that prefix now belong to the tree.
+        """
+        if not self.enabled:
+            return 0
+        key = _as_key(token_ids)
+        if len(key) != len(slots):
+            raise ValueError(f"{len(key)} tokens but {len(slots)} slots")
+        node, matched, _ = self._walk(key)
+        if matched < len(key):
+            # clone: the caller's tensor may be a view into a table it will overwrite
+            new_slots = torch.as_tensor(slots[matched:], dtype=torch.int64).clone()
+            leaf = TreeNode(key[matched:], new_slots, node, node.last_access)
+            node.children[leaf.key[0]] = leaf
+            self._evictable += len(leaf)  # new leaf starts unlocked
+        return matched
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: TreeNode) -> None:
+        """Protect `node` and all its ancestors from eviction. Locking root is a no-op."""
+        while node is not self.root:
+            if node.lock_ref == 0:  # crossing 0 -> 1 moves tokens to protected
+                self._evictable -= len(node)
+                self._protected += len(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock(node)`."""
+        # An ancestor's lock_ref is >= its descendants', so checking `node` suffices
+        # to guarantee nothing on the path goes negative.
+        if node is not self.root and node.lock_ref <= 0:
+            raise ValueError(f"unlock without matching lock: {node!r}")
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:  # crossing 1 -> 0 makes tokens evictable again
+                self._protected -= len(node)
+                self._evictable += len(node)
+            node = node.parent
+
+    # --------------------------------------------------------------- eviction
+    def _unlocked_leaves(self) -> List[TreeNode]:
+        leaves, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.root and node.is_leaf() and node.lock_ref == 0:
+                leaves.append(node)
+        return leaves
+
+    def evict(self, num_tokens: int) -> int:
+        """Free >= num_tokens slots (or all evictable ones), oldest leaves first."""
+        if num_tokens <= 0:
+            return 0
+        heap = [(n.last_access, n.id, n) for n in self._unlocked_leaves()]
+        heapq.heapify(heap)
+        freed: List[torch.Tensor] = []
+        num_freed = 0
+        while heap and num_freed < num_tokens:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[0]]
+            freed.append(node.slots)
+            num_freed += len(node)
+            self._evictable -= len(node)
+            # The parent may now be an unlocked leaf itself: it joins the queue.
+            if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        if freed:
+            self.free_slots(torch.cat(freed))
+        return num_freed
+
+    def flush(self) -> int:
+        """Evict every unlocked node."""
+        return self.evict(self._evictable)
+
+    # ------------------------------------------------------------- debugging
+    def check_invariants(self) -> None:
+        """Walk the whole tree and assert that the bookkeeping is consistent."""
+        evictable = protected = 0
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for first, child in node.children.items():
+                assert len(child) > 0, "child with empty key"
+                assert child.key[0] == first, "child stored under wrong first token"
+                assert child.parent is node, "broken parent pointer"
+                assert child.slots.dim() == 1 and len(child.slots) == len(child), \
+                    "slots/key length mismatch"
+                assert child.lock_ref >= 0, "negative lock_ref"
+                assert node is self.root or node.lock_ref >= child.lock_ref, \
+                    "parent less locked than child"
+                if child.lock_ref == 0:
+                    evictable += len(child)
+                else:
+                    protected += len(child)
+                stack.append(child)
+        assert evictable == self._evictable, f"evictable {self._evictable} != {evictable}"
+        assert protected == self._protected, f"protected {self._protected} != {protected}"
