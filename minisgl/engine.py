@@ -1,0 +1,140 @@
+"""The engine: model forward and sampling, queued on a dedicated stream.
+
+`Engine.launch(batch)` returns at once (article 001: `_forward()` inside
+`engine_stream_ctx`). What it returns is a *handle*: the sampled tokens on the device
+(already published into the FutureMap for the next batch), a host tensor that the
+device-to-host copy will fill, and `copy_done`, the event after that copy. Only after
+`copy_done.synchronize()` may the host read the tokens.
+
+On CPU the "device" is the stream's worker thread; `device_delay_ms` adds a sleep at the
+start of every forward there (GIL released) to emulate a slower device. That is a teaching
+aid: it makes device time large and predictable, so the overlap and its race windows are
+visible and deterministic.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .attention import AttentionMetadata, KVCache, TorchAttentionBackend
+from .future_map import FutureMap
+from .kv_pool import ReqToTokenPool
+from .model import load_model
+from .sampler import sample
+from .staging import DeviceInputs, StagingBuffer
+from .streams import Event, Stream, make_device_stream
+from .trace import Tracer
+
+
+@dataclass
+class ForwardBatch:
+    """What crosses from the scheduler to the engine. Host lists here are never rewritten."""
+
+    batch_id: int
+    is_prefill: bool
+    qo_lens: list[int]  # new tokens per request
+    kv_lens: list[int]  # positions per request after this batch (prefix + new)
+    staging: StagingBuffer  # device-bound metadata, written by the scheduler
+    all_greedy: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.qo_lens)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.qo_lens)
+
+
+@dataclass
+class ForwardResult:
+    batch_id: int
+    next_tokens: torch.Tensor  # [B] on the device
+    next_tokens_host: torch.Tensor  # [B] on the host, valid after copy_done
+    copy_done: Event
+
+
+class Engine:
+    def __init__(self, model_path: str | Path, device: torch.device, dtype: torch.dtype, num_rows: int,
+                 device_delay_ms: float = 0.0) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.model, self.config = load_model(model_path, dtype, device)
+        self.stream: Stream = make_device_stream("engine", device)
+        self.device_delay_s = device_delay_ms / 1000.0
+        self.backend = TorchAttentionBackend()
+        self.future_map = FutureMap(num_rows, device)
+        self.kv: KVCache | None = None
+        self.req_to_token: ReqToTokenPool | None = None
+        self.tracer = Tracer(enabled=False)
+
+    def bytes_per_token(self) -> int:
+        m = self.model
+        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def attach_memory(self, kv: KVCache, req_to_token: ReqToTokenPool) -> None:
+        self.kv = kv
+        self.req_to_token = req_to_token
+
+    def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
+        """Queue batch's forward + sampling on the engine stream; return without waiting."""
+        B = batch.num_reqs
+        next_tokens = torch.empty(B, dtype=torch.int64, device=self.device)
+        next_tokens_host = torch.empty(B, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        inputs: list[DeviceInputs] = []
+        span: list[object] = []
+        iteration = self.tracer.iteration
+        # The engine first waits for the scheduler's stream, so that everything the scheduler
+        # wrote for this batch (request-table rows of new requests) is visible
+        # (article 000: run_batch() makes forward_stream wait on schedule_stream).
+        self.stream.wait_stream(after)
+
+        def copy_in() -> None:
+            span.append(self.tracer.device_begin(self.stream.name, self.device))
+            if self.device_delay_s:
+                time.sleep(self.device_delay_s)  # emulated: the device is still busy with earlier work
+            inputs.append(batch.staging.to_device(batch.num_tokens, B))
+
+        self.stream.launch(copy_in)
+        # The host may rewrite this staging buffer once the device has passed this point.
+        batch.staging.consumed = self.stream.record_event()
+
+        def forward() -> None:
+            self._forward_and_sample(batch, inputs.pop(), next_tokens, next_tokens_host)
+            self.tracer.device_end(span.pop(), "forward", self.stream.name, self.device, iteration, batch.batch_id)
+
+        self.stream.launch(forward)
+        copy_done = self.stream.record_event()
+        return ForwardResult(batch.batch_id, next_tokens, next_tokens_host, copy_done)
+
+    def _forward_and_sample(self, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
+                            next_tokens_host: torch.Tensor) -> None:
+        """Runs on the engine stream (device side)."""
+        assert self.kv is not None and self.req_to_token is not None
+        table = self.req_to_token.table
+        input_ids = self.future_map.resolve(inp.input_ids)
+        # The slots of this batch's new positions enter the request table on the device, in
+        # stream order. (Prefix slots of a new request were written by the scheduler.)
+        table[inp.token_rows, inp.positions] = inp.out_slots
+        meta = self._attention_metadata(batch, inp, table)
+        logits = self.model(input_ids, meta, self.kv, self.backend)
+        tokens = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.sample_steps,
+                        batch.all_greedy)
+        self.future_map.publish(inp.rows, tokens)  # materialized: batch n+1 may now read it
+        next_tokens.copy_(tokens)
+        next_tokens_host.copy_(tokens, non_blocking=True)
+
+    def _attention_metadata(self, batch: ForwardBatch, inp: DeviceInputs, table: torch.Tensor) -> AttentionMetadata:
+        """Gather every request's KV slots from its row of the request table."""
+        total_kv = sum(batch.kv_lens)
+        req_of_kv = torch.repeat_interleave(torch.arange(batch.num_reqs, device=self.device), inp.kv_lens,
+                                            output_size=total_kv)
+        pos_in_req = torch.arange(total_kv, device=self.device) - inp.kv_indptr[req_of_kv]
+        kv_indices = table[inp.rows[req_of_kv], pos_in_req]
+        return AttentionMetadata(positions=inp.positions, out_slots=inp.out_slots,
+                                 qo_indptr=inp.qo_indptr.to(torch.int32), kv_indptr=inp.kv_indptr.to(torch.int32),
+                                 kv_indices=kv_indices, qo_lens=batch.qo_lens, kv_lens=batch.kv_lens)

@@ -1,0 +1,93 @@
+"""KV memory: a pool of token slots and the request-to-token table (request-pool rows).
+
+Ownership is exact (article 000 continues the series' "KV 所有权闭环"): every usable slot is
+in exactly one place at any time: the free list, a request's row (private), or the radix
+cache. `memory_report()` must therefore always satisfy, once no batch is in flight,
+`kv_free + kv_cached + held_by_requests == kv_total`.
+
+Page size is 1: a slot holds the K and V of one token in every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVAccountingError(RuntimeError):
+    """A slot or row was freed twice, or more was freed than allocated."""
+
+
+class KVPool:
+    """Free list of KV slots. Slot 0 is reserved as the target of padded (dummy) tokens."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(f"kv_tokens must be >= 1, got {num_slots - 1}")
+        self.num_slots = num_slots
+        # A stack: the most recently freed slot is handed out first. Reuse is therefore
+        # immediate and deterministic, which is what makes the reuse hazards of the overlap
+        # pipeline (article 000, "缓存 checkpoint 与资源回收的安全点") show up every time
+        # a safety mechanism is switched off, rather than once in a while.
+        self._free: list[int] = list(range(num_slots - 1, 0, -1))
+        self._is_free = torch.ones(num_slots, dtype=torch.bool)
+        self._is_free[0] = False
+
+    @property
+    def total(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVAccountingError(f"asked for {n} KV slots, {len(self._free)} free")
+        slots = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        self._is_free[slots] = False
+        return slots
+
+    def free(self, slots: list[int] | torch.Tensor) -> None:
+        if isinstance(slots, torch.Tensor):
+            slots = slots.tolist()
+        if not slots:
+            return
+        if len(set(slots)) != len(slots) or bool(self._is_free[slots].any()):
+            raise KVAccountingError(f"double free of KV slots {sorted(set(s for s in slots if self._is_free[s]))[:8]}")
+        self._is_free[slots] = True
+        self._free.extend(reversed(slots))
+
+
+class ReqToTokenPool:
+    """Request-pool rows: row r of `table` lists the KV slot of every position of one request.
+
+    A row is a request's stable address for its whole life: the KV page table, and the
+    FutureMap mailbox key (article 000, "future token"). Each reuse bumps the row's
+    generation so that a late reader can detect ABA reuse.
+    """
+
+    def __init__(self, num_rows: int, max_context: int, device: torch.device) -> None:
+        self.num_rows = num_rows
+        self.max_context = max_context
+        # One extra row at the end for padded (dummy) requests; its entries all point at slot 0.
+        self.table = torch.zeros(num_rows + 1, max_context, dtype=torch.int64, device=device)
+        self.padding_row = num_rows
+        self.generation = [0] * num_rows
+        self._free: list[int] = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise KVAccountingError("no free request-pool row")
+        row = self._free.pop()
+        self.generation[row] += 1
+        return row
+
+    def free(self, row: int) -> None:
+        if row in self._free:
+            raise KVAccountingError(f"double free of request-pool row {row}")
+        self._free.append(row)

@@ -1,0 +1,45 @@
+"""The named overlap mechanisms: every one can be switched off to watch what breaks.
+
+Each name is checked at the line that implements it (`sched.on("name")`), next to a comment
+saying what breaks without it and which section of the articles explains it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+MECHANISMS: dict[str, str] = {
+    "future_map": "next batch's input ids gathered on the device from a buffer keyed by request-pool row "
+    "(off: the scheduler waits for batch n's tokens before building n+1, the bubble returns)",
+    "batch_snapshot": "the result queue holds a snapshot of batch n, not the live running batch "
+    "(off: results land on the wrong requests after filter/merge)",
+    "skip_finished": "late results of requests already finished (overshoot, aborted) are dropped "
+    "(off: a token after EOS leaks into the output and the request is finished and freed twice)",
+    "release_allocated": "KV released by allocated length, covering the overshoot slot "
+    "(off: KV slots leak, kv_free ends below kv_total)",
+    "commit_point_cache": "a finished prefix is handed to the radix cache (and its slots released) only at the "
+    "commit point (off: handed over when its last step is planned; a request in the same batch reuses slots "
+    "that step still reads: wrong tokens)",
+    "deferred_row_free": "a request-pool row is reused only after the last in-flight batch that uses it commits "
+    "(off: the old request's late write lands in the recycled row, ABA: wrong tokens)",
+    "staging_double_buffer": "host staging buffers for batch metadata alternate, with a write-after-read wait "
+    "(off: batch n's metadata is overwritten while the device has not read it yet: wrong tokens)",
+    "length_lookahead": "requests that will finish by length are left out of the next batch "
+    "(off: wasted overshoot steps, counted in stats)",
+    "prefill_sync": "consecutive prefill batches commit before the next launch "
+    "(off: better throughput, later first tokens)",
+    "cuda_graph": "(GPU) decode batches replay captured CUDA graphs (off: eager launches)",
+    "pinned_copy": "(GPU) results copied device-to-host into pinned memory with a copy_done event "
+    "(off: a blocking copy that stalls the host)",
+}
+
+
+def check_disable(names: Iterable[str]) -> frozenset[str]:
+    """Validate a `disable=` argument: an unknown name is a ValueError that lists the valid ones."""
+    if isinstance(names, str):
+        names = [n for n in names.split(",") if n]
+    disabled = frozenset(names)
+    unknown = sorted(disabled - MECHANISMS.keys())
+    if unknown:
+        raise ValueError(f"unknown mechanism(s) {unknown}; valid names: {sorted(MECHANISMS)}")
+    return disabled

@@ -1,0 +1,138 @@
+"""Requests and their sampling parameters: what the scheduler tracks for one generation.
+
+The overlap scheduler keeps four moments of a token apart (article 000, "延迟提交"):
+
+- planned      the scheduler allocated a KV slot for it and built metadata (not launched)
+- in flight    its batch is queued on the engine stream; the host cannot read the result
+- materialized the sampled id sits in the FutureMap on the device; the next batch may use it
+- committed    copy_done passed and the host appended it to `output_ids`
+
+So a request carries several lengths, each a different moment, never mixed up:
+`allocated_len` (planned KV slots) >= `launched_len` (positions whose KV a launched batch
+writes) >= `kv_committed_len` (positions written by batches already committed), and
+`committed_len` (prompt + committed output ids) lags the device by `inflight_samples`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .radix_cache import TreeNode
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = -1  # -1 means the whole vocabulary
+    top_p: float = 1.0
+    seed: int | None = None  # same seed, same tokens, whatever else is in the batch
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        """Raise one clear ValueError for a bad parameter (the engine keeps running)."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+
+
+@dataclass
+class RequestOutput:
+    rid: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Req:
+    """One generation request, as the scheduler sees it."""
+
+    def __init__(self, rid: int, prompt_ids: list[int], params: SamplingParams, eos_ids: frozenset[int],
+                 max_context: int, sample_seed: int) -> None:
+        self.rid = rid
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.sample_seed = sample_seed  # params.seed, or one drawn at arrival for unseeded sampling
+        # EOS ids (from the model's config) plus the request's own stop ids.
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+        # The context window caps generation: finishing there counts as "length".
+        self.max_new_tokens = min(params.max_new_tokens, max_context - len(prompt_ids))
+
+        self.output_ids: list[int] = []  # committed tokens only
+        self.finish_reason: str | None = None
+        self.abort_requested = False
+
+        # Request-pool row and its generation (bumped at every reuse, so late readers can
+        # tell a recycled row from the one they were launched with).
+        self.row: int | None = None
+        self.row_generation = -1
+        # KV slot of every planned position, host mirror of this row of the req-to-token table.
+        self.slot_ids: list[int] = []
+        self.prefix_node: TreeNode | None = None  # radix-cache node locked for the matched prefix
+        self.cached_len = 0  # prompt positions taken from the radix cache at admission
+
+        self.launched_len = 0  # positions whose KV a launched batch writes
+        self.kv_committed_len = 0  # positions whose KV batches already committed have written
+        self.inflight_samples = 0  # sampled tokens launched but not yet committed
+        self.reserved_tokens = 0  # KV slots this request may still need (admission promise)
+        self.released = False  # KV, cache lock and row given back (exactly once)
+
+        self.metrics: dict[str, Any] = {"arrival": time.perf_counter(), "token_times": []}
+
+    # --- derived lengths: properties, so they can never drift apart -------------------------
+    @property
+    def allocated_len(self) -> int:
+        return len(self.slot_ids)
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_launched(self) -> bool:
+        return self.launched_len >= self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_at(self, position: int) -> int:
+        """Committed token id at `position` (prompt or output)."""
+        if position < self.prompt_len:
+            return self.prompt_ids[position]
+        return self.output_ids[position - self.prompt_len]
+
+    def committed_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def will_finish_by_length(self) -> bool:
+        """True when the samples already launched reach max_new_tokens (known before commit)."""
+        return len(self.output_ids) + self.inflight_samples >= self.max_new_tokens
+
+    def commit_token(self, token: int) -> None:
+        """Append a committed token and decide whether the request is finished."""
+        self.output_ids.append(token)
+        self.metrics["token_times"].append(time.perf_counter())
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.max_new_tokens:
+            self.finish_reason = "length"
+
+    def __repr__(self) -> str:
+        return (f"Req(rid={self.rid}, row={self.row}, prompt={self.prompt_len}, out={len(self.output_ids)}, "
+                f"launched={self.launched_len}, alloc={self.allocated_len}, finish={self.finish_reason})")

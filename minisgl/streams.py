@@ -1,0 +1,201 @@
+"""Streams and events: the device model of the articles, on CUDA and on a laptop CPU.
+
+A *stream* is an ordered queue of device work that the host does not wait for; an *event*
+marks a point in it. "launch returned" therefore only means "queued" (article 000,
+"Overlap Scheduler 的执行时间线": run_batch() returning is not batch n finishing).
+
+- On CUDA we wrap `torch.cuda.Stream` / `torch.cuda.Event`: launching runs the Python code
+  at once, under the stream context, and the kernels it issues queue on the stream.
+- On CPU there is no such queue, so we build one: `CpuStream` is a worker thread draining
+  an ordered queue of closures. The scheduler (main thread) plays the host, the worker
+  plays the device. An event completes when the worker reaches it.
+
+Both expose the same five verbs: `launch(fn)`, `record_event()`, `wait_event(ev)`,
+`wait_stream(other)`, `synchronize()`; events expose `synchronize()` and `query()`.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from typing import Callable, Protocol
+
+import torch
+
+
+class Event(Protocol):
+    def synchronize(self) -> None: ...
+    def query(self) -> bool: ...
+
+
+class Stream(Protocol):
+    name: str
+
+    def launch(self, fn: Callable[[], None]) -> None: ...
+    def record_event(self) -> Event: ...
+    def wait_event(self, event: Event) -> None: ...
+    def wait_stream(self, other: "Stream") -> None: ...
+    def synchronize(self) -> None: ...
+
+
+class DeviceError(RuntimeError):
+    """Work queued on a CPU stream raised; re-raised on the host at the next wait."""
+
+
+# --------------------------------------------------------------------------- CPU emulation
+
+
+class CpuEvent:
+    """Completes when the stream's worker thread reaches it (or at once if recorded on the host)."""
+
+    def __init__(self, stream: "CpuStream | None" = None) -> None:
+        self._done = threading.Event()
+        self._stream = stream
+
+    def _set(self) -> None:
+        self._done.set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self._stream is not None and self._stream.error is not None:
+            raise DeviceError(f"work on stream {self._stream.name!r} failed") from self._stream.error
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+class CpuStream:
+    """A worker thread that runs queued closures in order: a CUDA stream, emulated.
+
+    Facts this class protects (measured on a 2-core CPU, see DESIGN.md):
+    - `torch.inference_mode()` is thread-local, so the worker enters it itself.
+    - torch kernels release the GIL, Python code does not. With CPython's default 5 ms
+      switch interval the host and the worker convoy and overlap *loses*; a short interval
+      lets the host run while the worker is inside a kernel.
+    """
+
+    SWITCH_INTERVAL_S = 5e-5
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        sys.setswitchinterval(self.SWITCH_INTERVAL_S)
+        self._thread = threading.Thread(target=self._run, name=f"stream-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                fn = self._queue.get()
+                if fn is None:
+                    return
+                if self.error is not None and not isinstance(fn, _Marker):
+                    continue  # after a failure only events still complete, so the host never hangs
+                try:
+                    fn()
+                except BaseException as exc:  # noqa: BLE001 - surfaced on the host at the next wait
+                    self.error = exc
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        self._queue.put(fn)
+
+    def record_event(self) -> CpuEvent:
+        event = CpuEvent(self)
+        self._queue.put(_Marker(event._set))
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        self._queue.put(_Marker(event.synchronize))
+
+    def wait_stream(self, other: Stream) -> None:
+        self.wait_event(other.record_event())
+
+    def synchronize(self) -> None:
+        self.record_event().synchronize()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+class _Marker:
+    """A queue entry that must run even after a failure (event records and waits)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+
+    def __call__(self) -> None:
+        self._fn()
+
+
+class HostStream:
+    """The CPU scheduler's own 'stream': work runs inline on the host, in program order."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.error: BaseException | None = None
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def record_event(self) -> CpuEvent:
+        event = CpuEvent()
+        event._set()
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        event.synchronize()
+
+    def wait_stream(self, other: Stream) -> None:
+        other.synchronize()
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+class CudaStream:
+    """`torch.cuda.Stream` behind the same verbs: `launch` runs fn now, its kernels queue."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self.error: BaseException | None = None
+        self.raw = torch.cuda.Stream(device=device)
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        with torch.cuda.stream(self.raw):
+            fn()
+
+    def record_event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self.raw)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        self.raw.wait_event(event)  # type: ignore[arg-type]
+
+    def wait_stream(self, other: Stream) -> None:
+        self.raw.wait_stream(other.raw)  # type: ignore[attr-defined]
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def close(self) -> None:
+        pass
+
+
+def make_device_stream(name: str, device: torch.device) -> Stream:
+    """A stream the host does not wait for: a CUDA stream, or a worker thread on CPU."""
+    return CudaStream(name, device) if device.type == "cuda" else CpuStream(name)
+
+
+def make_host_stream(name: str, device: torch.device) -> Stream:
+    """The scheduler's stream: a CUDA stream for its H2D copies, or inline host work on CPU."""
+    return CudaStream(name, device) if device.type == "cuda" else HostStream(name)

@@ -1,0 +1,91 @@
+"""Recording where time goes: host spans on the scheduler, device spans on the engine stream.
+
+Recording is off unless asked for (`LLM(..., trace=True)`), and cheap when on: a span is
+one tuple appended to a list. Host spans are timed on the scheduler thread. Device spans
+are timed where the work really runs: on the CPU stream's worker thread, or, on CUDA, by a
+pair of CUDA events resolved after the run (so recording never syncs the device).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class Span:
+    name: str  # receive | schedule | launch | wait | commit | forward | ...
+    lane: str  # "host" or the device stream's name
+    start: float  # seconds, time.perf_counter() clock
+    end: float
+    iteration: int
+    batch_id: int = -1
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class Tracer:
+    def __init__(self, enabled: bool = False) -> None:
+        self.enabled = enabled
+        self.spans: list[Span] = []
+        self.iteration = 0
+        self._cuda_pending: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event, int, int]] = []
+        self._cuda_origin: tuple[torch.cuda.Event, float] | None = None
+
+    @contextmanager
+    def host(self, name: str, batch_id: int = -1) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append(Span(name, "host", start, time.perf_counter(), self.iteration, batch_id))
+
+    def device_begin(self, stream_name: str, device: torch.device) -> object:
+        """Call where device work starts (inside the stream's closure on CPU)."""
+        if not self.enabled:
+            return None
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            if self._cuda_origin is None:
+                self._cuda_origin = (event, time.perf_counter())
+            return event
+        return time.perf_counter()
+
+    def device_end(self, token: object, name: str, stream_name: str, device: torch.device, iteration: int,
+                   batch_id: int) -> None:
+        if token is None:
+            return
+        if device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._cuda_pending.append((name, stream_name, token, end, iteration, batch_id))  # type: ignore[arg-type]
+        else:
+            self.spans.append(Span(name, stream_name, token, time.perf_counter(), iteration, batch_id))  # type: ignore[arg-type]
+
+    def resolve(self) -> list[Span]:
+        """Turn pending CUDA event pairs into spans on the host clock (syncs once, at the end)."""
+        if self._cuda_pending and self._cuda_origin is not None:
+            torch.cuda.synchronize()
+            origin_event, origin_time = self._cuda_origin
+            for name, lane, start, end, iteration, batch_id in self._cuda_pending:
+                s = origin_time + origin_event.elapsed_time(start) / 1000.0
+                e = origin_time + origin_event.elapsed_time(end) / 1000.0
+                self.spans.append(Span(name, lane, s, e, iteration, batch_id))
+            self._cuda_pending.clear()
+        self.spans.sort(key=lambda sp: sp.start)
+        return self.spans
+
+    def clear(self) -> None:
+        self.spans.clear()
+        self._cuda_pending.clear()
+        self._cuda_origin = None
