@@ -1,0 +1,149 @@
+"""Paged attention: the KV pool, the per-batch metadata, and a plain-torch backend.
+
+The KV cache is a *pool* of slots. Each slot holds the key and value of one
+token (for every layer). A request does not own a contiguous region: it owns a
+list of slot ids, one per position, handed out by whoever manages memory. The
+attention kernel therefore reads a request's past keys/values *through* that
+list ("paged" attention with a page size of one token).
+
+A batch mixes requests freely: some are prefilling a (chunk of a) prompt, some
+are decoding one token. All new tokens of the batch are packed into one flat
+tensor of T rows; `qo_indptr` says which rows belong to which request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs to know about one batched forward pass.
+
+    Example: two requests, A with 3 new tokens (a fresh prompt) and B with 1
+    new token after 4 cached ones:
+        qo_indptr  = [0, 3, 4]        rows 0..2 are A, row 3 is B
+        kv_indptr  = [0, 3, 8]        A has 3 kv positions, B has 5
+        kv_indices = [a0 a1 a2 | b0 b1 b2 b3 b4]   (slot ids; b4 is B's new token)
+        positions  = [0, 1, 2, 4]
+        out_slots  = [a0, a1, a2, b4]
+    """
+
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    out_slots: torch.Tensor  # [T] int64, slot where each new token's K/V is written
+    qo_indptr: torch.Tensor  # [B+1] int32, request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]
+    kv_indptr: torch.Tensor  # [B+1] int32, request b's slots are kv_indices[kv_indptr[b]:kv_indptr[b+1]]
+    kv_indices: torch.Tensor  # [sum kv_len] int64, slot of positions 0..kv_len-1, new tokens last
+    qo_lens: list[int]  # host copies of the lengths, so Python loops need no GPU sync
+    kv_lens: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.qo_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every request adds exactly one token (a pure decode step)."""
+        return all(n == 1 for n in self.qo_lens)
+
+
+class KVCache:
+    """The KV pool: per layer, one K and one V buffer of shape [num_slots, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_slots, num_kv_heads, head_dim)
+        # Zeros rather than empty: unused slots then never hold NaN garbage.
+        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+class AttentionBackend(Protocol):
+    """What the model calls once per layer. q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D].
+
+    A backend must (1) write the new k/v into the pool at meta.out_slots and
+    (2) attend every new query to its request's kv positions up to its own.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv: KVCache,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend:
+    """Reference backend in plain torch: one small attention per request, in float32.
+
+    Slow but easy to read and to trust; faster backends must produce the same numbers.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv: KVCache,
+    ) -> torch.Tensor:
+        k_pool, v_pool = kv.k[layer_id], kv.v[layer_id]
+        # 1) Store the new tokens' K/V first, so the gather below sees them too.
+        k_pool[meta.out_slots] = k.to(k_pool.dtype)
+        v_pool[meta.out_slots] = v.to(v_pool.dtype)
+
+        out = torch.empty_like(q)
+        q_start = kv_start = 0
+        for q_len, kv_len in zip(meta.qo_lens, meta.kv_lens):
+            # 2) Gather this request's whole K/V history through its slot list.
+            slots = meta.kv_indices[kv_start : kv_start + kv_len]
+            rows = slice(q_start, q_start + q_len)
+            out[rows] = causal_attention(q[rows], k_pool[slots], v_pool[slots])
+            q_start += q_len
+            kv_start += kv_len
+        return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of one request. q: [Q, Hq, D]; k, v: [K, Hkv, D] with K >= Q.
+
+    The Q queries are the *last* Q of the K positions, so query i sits at
+    position K - Q + i and may look at kv positions 0 ..= K - Q + i.
+    """
+    num_q, num_heads, head_dim = q.shape
+    num_kv = k.shape[0]
+    # Grouped-query attention: query head h reads kv head h // group.
+    group = num_heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+
+    # float32 for the softmax, whatever the model dtype, to keep it accurate.
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / math.sqrt(head_dim)
+    q_pos = torch.arange(num_kv - num_q, num_kv, device=q.device)
+    kv_pos = torch.arange(num_kv, device=q.device)
+    future = kv_pos[None, :] > q_pos[:, None]  # [Q, K], True where the key is in the future
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("hqk,khd->qhd", probs, v.float())
+    return out.to(q.dtype)

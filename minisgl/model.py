@@ -1,0 +1,270 @@
+"""One decoder-only transformer that runs Llama, Qwen2/2.5 and Qwen3 checkpoints.
+
+The three families differ only in small switches:
+  * Qwen2 adds a bias to the q/k/v projections,
+  * Qwen3 RMS-normalises each head of q and k before rotary, and may set head_dim explicitly,
+  * Llama 3.x stretches the rotary frequencies ("llama3" rope scaling).
+
+Module names mirror the Hugging Face checkpoint names (model.layers.N.self_attn...)
+so loading is a plain name lookup, except for two fusions done for speed:
+q/k/v become one `qkv_proj` matmul and gate/up become one `gate_up_proj` matmul.
+
+The model never sees padding or per-request tensors: it works on the flat list of
+T new tokens of a batch, and the attention backend uses AttentionMetadata to
+know which tokens belong to which request (see attention.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from minisgl.attention import AttentionBackend, AttentionMetadata, KVCache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# Our fused parameter -> the checkpoint tensors concatenated (along dim 0) to build it.
+FUSED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The mean of squares is computed in float32: in bf16 it loses too many digits.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """Rotary settings as one dict with at least rope_type and rope_theta.
+
+    transformers 5.x gives `config.rope_parameters`; 4.x gives `rope_theta` plus an
+    optional `rope_scaling` dict (whose type key was once called "type").
+    """
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    """Rotation speed of each of the head_dim/2 dimension pairs, float32 on the CPU."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":  # positions divided by `factor`, i.e. every speed slowed equally
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        # Slow pairs (wavelength longer than the original context / low_freq_factor) are
+        # slowed further by `factor`; fast pairs (shorter than context / high_freq_factor)
+        # are kept; pairs in between are blended linearly between the two.
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        old_context = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        keep = ((old_context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        return keep * inv_freq + (1 - keep) * inv_freq / factor
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, params: dict) -> None:
+        super().__init__()
+        # Not persistent: derived from the config, never stored in checkpoints.
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, params), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables [T, head_dim] for the given absolute positions."""
+        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, head_dim/2]
+        angles = torch.cat((angles, angles), dim=-1)  # both halves of a head share one angle
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] pairwise: dim i is paired with dim i + D/2 ("rotate-half", HF/Neox style)."""
+    first, second = x.chunk(2, dim=-1)
+    rotated_half = torch.cat((-second, first), dim=-1)
+    return x * cos[:, None, :] + rotated_half * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = head_dim
+        family = config.model_type  # "llama", "qwen2" or "qwen3"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = family == "qwen2" or attention_bias  # Qwen2 always has q/k/v bias
+        out_bias = family != "qwen2" and attention_bias
+
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=out_bias)
+        self.qk_norm = family == "qwen3"
+        if self.qk_norm:  # one RMSNorm over head_dim, shared by all heads
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend):
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.forward(q, k, v, self.layer_id, meta, kv)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, head_dim: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id, head_dim)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend):
+        # Pre-norm residual blocks: h + attn(norm(h)), then h + mlp(norm(h)).
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    """Container named `model` inside CausalLM, so parameter names match the checkpoint."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, head_dim) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(head_dim, rope_parameters(config))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.vocab_size: int = config.vocab_size
+        self.model = Decoder(config, self.head_dim)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """input_ids [T] (the new tokens of all requests) -> logits [B, vocab] float32,
+        one row per request, for its last new token (the one that predicts the next token)."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(meta.positions, h.dtype)  # computed once, shared by all layers
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, meta, kv, backend)
+        # Only the last new token of each request needs logits; the vocab projection is
+        # the largest matmul in small models, so skip it for all other prompt tokens.
+        last_rows = meta.qo_indptr[1:].long() - 1
+        h = self.model.norm(h[last_rows])
+        return self.lm_head(h).float()
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, PretrainedConfig]:
+    """Build a CausalLM from a local Hugging Face checkpoint folder (config.json + *.safetensors)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ValueError(f"model directory {str(model_dir)!r} does not exist")
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{str(model_dir)!r} has no config.json; expected a Hugging Face checkpoint folder")
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    arch = config.architectures[0] if config.architectures else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only silu is implemented")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not implemented")
+    files = _safetensors_files(model_dir)
+
+    # Build on the "meta" device: shapes only, no memory, no slow random init.
+    # The real tensors are then swapped in straight from the checkpoint.
+    with torch.device("meta"):
+        model = CausalLM(config)
+    device = torch.device(device)
+    with ExitStack() as stack:
+        # safe_open maps the files lazily; a tensor is only read when asked for.
+        handles = [stack.enter_context(safe_open(str(f), framework="pt", device=str(device))) for f in files]
+        file_of = {name: h for h in handles for name in h.keys()}
+        tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in file_of
+
+        def read(name: str) -> torch.Tensor:
+            if name not in file_of:
+                raise ValueError(f"checkpoint in {str(model_dir)!r} is missing weight {name!r}")
+            return file_of[name].get_tensor(name).to(dtype)
+
+        state: dict[str, torch.Tensor] = {}
+        for name in model.state_dict():
+            if tied and name == "lm_head.weight":
+                continue
+            parts = _checkpoint_names(name)
+            state[name] = torch.cat([read(p) for p in parts]) if len(parts) > 1 else read(parts[0])
+    if tied:  # the output projection reuses the input embedding matrix
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight  # one shared Parameter, not two
+    model.to(device)  # moves the rotary buffer; weights are already there
+    model.eval().requires_grad_(False)
+    return model, config
+
+
+def _checkpoint_names(param_name: str) -> list[str]:
+    """Checkpoint tensor names that make up one of our parameters (several for fused ones)."""
+    for fused, parts in FUSED_WEIGHTS.items():
+        if f".{fused}." in param_name:
+            return [param_name.replace(fused, part) for part in parts]
+    return [param_name]
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index maps every tensor name to its shard file
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))  # some other naming, e.g. a lone shard set
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {str(model_dir)!r} (other formats are not supported)")
+    return files
