@@ -95,6 +95,7 @@ class SchedulerStats:
     overshoot_tokens: int = 0  # late results dropped because their request had already finished
     overshoot_steps: int = 0  # decode rows launched for a request whose samples already reached its length
     stale_row_results: int = 0  # late results whose row had been recycled (ABA, detected by generation)
+    cached_tokens: int = 0  # prompt tokens served from the radix cache at admission
     early_syncs: int = 0  # commits forced before a launch (future_map off, prefill_sync)
     events: list[tuple[str, int]] = field(default_factory=list)  # ("launch"|"commit", batch_id), in order
 
@@ -325,6 +326,7 @@ class Scheduler:
             self.cache.unlock(node)
             return False
         req.prefix_node = node
+        self.stats.cached_tokens += len(matched)
         req.cached_len = req.launched_len = req.kv_committed_len = len(matched)
         req.slot_ids = matched.tolist()
         req.reserved_tokens = need

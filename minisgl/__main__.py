@@ -1,0 +1,175 @@
+"""Command line: `python -m minisgl generate|bench|trace|demo|make-tiny|train-demo ...`.
+
+Bad input (missing model directory, bad sampling parameter, unknown mechanism...) prints one
+line `error: ...` on stderr and exits with code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .mechanisms import MECHANISMS
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the demo model)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--loop", default="overlap", choices=["overlap", "normal"])
+    p.add_argument("--disable", action="append", default=[], metavar="NAME",
+                   help=f"switch a mechanism off (repeatable or comma-separated): {', '.join(MECHANISMS)}")
+    p.add_argument("--device-delay-ms", type=float, default=0.0,
+                   help="emulated extra device time per forward (CPU teaching aid)")
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--kv-tokens", type=int, default=None)
+
+
+def _disabled(args: argparse.Namespace) -> list[str]:
+    return [name for item in args.disable for name in item.split(",") if name]
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return Path(args.model)
+    from .assets import demo_model_path
+
+    return demo_model_path()
+
+
+def build_llm(args: argparse.Namespace, **overrides):
+    from .llm import LLM
+
+    kwargs = dict(device=args.device, dtype=args.dtype, loop=args.loop, disable=_disabled(args),
+                  device_delay_ms=args.device_delay_ms, max_running_requests=args.max_running_requests,
+                  chunk_size=args.chunk_size, kv_tokens=args.kv_tokens)
+    kwargs.update(overrides)
+    return LLM(model_dir(args), **kwargs)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .request import SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    params.validate()
+    llm = build_llm(args)
+    prompts = args.prompt or [p for p, _ in _demo_pairs(3)]
+    outs = llm.generate(prompts, params)
+    table = Table(title=f"minisgl generate ({args.loop} loop, {llm.device})")
+    table.add_column("prompt", overflow="fold")
+    table.add_column("output", overflow="fold", style="green")
+    table.add_column("tokens", justify="right")
+    table.add_column("finish")
+    for prompt, out in zip(prompts, outs):
+        table.add_row(prompt, out.text, str(len(out.token_ids)), out.finish_reason)
+    Console().print(table)
+    llm.close()
+    return 0
+
+
+def _demo_pairs(n: int) -> list[tuple[str, str]]:
+    from .demo_tasks import demo_prompts
+
+    return demo_prompts(n, seed=0)
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from .tiny import make_tiny
+
+    path = make_tiny(args.out, args.arch, preset=args.preset, seed=args.seed)
+    print(f"wrote {args.arch} ({args.preset}) checkpoint to {path}")
+    return 0
+
+
+def cmd_train_demo(argv: Sequence[str]) -> int:
+    from .train_demo import main
+
+    return main(list(argv)) or 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from .bench import run_trace
+
+    return run_trace(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .bench import run_demo
+
+    return run_demo(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="minisgl", description="A minimal LLM engine that explains overlap scheduling.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for prompts")
+    _engine_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three demo prompts)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="measure throughput (and compare the two loops)")
+    _engine_args(b)
+    b.add_argument("--compare-loops", action="store_true", help="run normal and overlap, with and without delay")
+    b.add_argument("--workload", default="small", choices=["small", "offline"],
+                   help="small: CPU-sized; offline: 256 requests, lengths uniform in 100..1024 (GPU)")
+    b.add_argument("--num-requests", type=int, default=None)
+    b.add_argument("--delays", default=None, help="comma-separated device_delay_ms values for --compare-loops")
+    b.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same requests")
+    b.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    b.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("trace", help="record a run and write a Chrome trace JSON (Perfetto, chrome://tracing)")
+    _engine_args(t)
+    t.add_argument("--out", default="trace.json")
+    t.add_argument("--num-requests", type=int, default=8)
+    t.set_defaults(func=cmd_trace)
+
+    d = sub.add_parser("demo", help="generate with the demo model and show both loops' timelines")
+    _engine_args(d)
+    d.set_defaults(func=cmd_demo)
+
+    m = sub.add_parser("make-tiny", help="write a tiny random checkpoint plus a trained BPE tokenizer")
+    m.add_argument("out")
+    m.add_argument("--arch", default="qwen3", choices=["llama", "qwen2", "qwen3"])
+    m.add_argument("--preset", default="tiny", choices=["tiny", "qwen3-0.6b"])
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_make_tiny)
+
+    sub.add_parser("train-demo", help="train the demo model (python -m minisgl train-demo --help)", add_help=False)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train-demo":
+        return cmd_train_demo(argv[1:])
+    args = parser().parse_args(argv)  # argparse itself exits with 2 on bad flags
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny checkpoints written by the project's own `make_tiny` (no network)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl.tiny import make_tiny
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is false)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: str(make_tiny(root / arch, arch, seed=7)) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def qwen3(tiny_models) -> str:
+    return tiny_models["qwen3"]
+
+
+def assert_pool_whole(llm) -> None:
+    """After a drained workload every slot is free or cached, every row free; after flush all free."""
+    mem = llm.memory_report()
+    assert mem["kv_free"] + mem["kv_cached"] == mem["kv_total"], mem
+    assert mem["rows_free"] == mem["rows_total"], mem
+    llm.flush_cache()
+    mem = llm.memory_report()
+    assert mem["kv_free"] == mem["kv_total"], mem

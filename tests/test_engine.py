@@ -1,0 +1,103 @@
+"""Chunked prefill, radix-cache reuse, token-id prompts, sampling, KV accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+
+from .conftest import assert_pool_whole
+
+LONG = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat " * 2
+PROMPTS = [LONG, "hello there", LONG + " and then", "count 1 to 5:"]
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def unchunked(qwen3):
+    llm = LLM(qwen3, chunk_size=4096)
+    outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    llm.close()
+    return outs
+
+
+@pytest.mark.parametrize("chunk_size", [3, 7, 16])
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_chunked_prefill_matches_unchunked(qwen3, unchunked, chunk_size, loop):
+    llm = LLM(qwen3, chunk_size=chunk_size, loop=loop)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == unchunked
+    assert llm.stats.prefill_batches > len(PROMPTS)  # the prompts really were split
+    assert_pool_whole(llm)
+    llm.close()
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_radix_cache_hits_give_same_tokens(qwen3, unchunked, loop):
+    llm = LLM(qwen3, loop=loop)
+    first = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert llm.stats.cached_tokens == 0
+    cached = llm.memory_report()["kv_cached"]
+    assert cached > 0
+    # The same prompts again: now served from the cache (longest prefix matched).
+    free_before = llm.memory_report()["kv_free"]
+    second = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert first == second == unchunked
+    assert llm.stats.cached_tokens > 0  # the second round really hit the cache
+    assert llm.memory_report()["kv_free"] >= free_before - 4 * GREEDY.max_new_tokens  # prompts reused, not re-stored
+    assert_pool_whole(llm)
+    llm.close()
+
+
+def test_prompt_sharing_prefix_reads_cached_kv(qwen3):
+    """A request whose prefix is cached computes only its suffix and still matches a cold run."""
+    cold = LLM(qwen3)
+    (ref,) = cold.generate([LONG + " and then"], GREEDY)
+    cold.close()
+    warm = LLM(qwen3)
+    warm.generate([LONG], GREEDY)
+    (out,) = warm.generate([LONG + " and then"], GREEDY)
+    assert warm.stats.cached_tokens > 10
+    assert out.token_ids == ref.token_ids
+    assert_pool_whole(warm)
+    warm.close()
+
+
+def test_token_id_prompts(qwen3):
+    llm = LLM(qwen3)
+    ids = llm.tokenizer.encode("hello there")
+    a, b = llm.generate([ids, "hello there"], GREEDY)
+    assert a.token_ids == b.token_ids
+    llm.close()
+
+
+def test_seeded_sampling_is_batch_invariant(qwen3):
+    llm = LLM(qwen3)
+    p = SamplingParams(max_new_tokens=16, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    (alone,) = llm.generate(["hello there"], p)
+    crowd = llm.generate(["a b c", "hello there", LONG], [GREEDY, p, SamplingParams(max_new_tokens=5, seed=1, temperature=1.0)])
+    assert crowd[1].token_ids == alone.token_ids
+    other_seed = llm.generate(["hello there"], SamplingParams(max_new_tokens=16, temperature=0.9, seed=99, ignore_eos=True))
+    assert other_seed[0].token_ids != alone.token_ids
+    llm.close()
+
+
+def test_top_k_one_is_greedy(qwen3):
+    llm = LLM(qwen3)
+    (g,) = llm.generate(["hello there"], GREEDY)
+    (s,) = llm.generate(["hello there"], SamplingParams(max_new_tokens=24, temperature=1.5, top_k=1, seed=3, ignore_eos=True))
+    assert g.token_ids == s.token_ids
+    llm.close()
+
+
+def test_tight_kv_pool_waits_instead_of_deadlocking(qwen3):
+    """Room for about two requests at a time: the rest wait for slots and all finish correctly."""
+    ref_llm = LLM(qwen3)
+    prompts = [f"request number {i} says hello" for i in range(6)]
+    ref = [o.token_ids for o in ref_llm.generate(prompts, GREEDY)]
+    ref_llm.close()
+    llm = LLM(qwen3, kv_tokens=80)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert_pool_whole(llm)
+    llm.close()

@@ -1,0 +1,71 @@
+"""Greedy tokens identical to Hugging Face transformers (float32, CPU) for all three families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from minisgl import LLM, SamplingParams
+
+from .conftest import assert_pool_whole
+
+PROMPTS = [
+    "hello",
+    "the quick brown fox jumps over the lazy dog",
+    "count 3 to 9:",
+    "In a small village by the sea there lived an old fisherman who every morning went out " * 3,
+]
+NEW_TOKENS = 40
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Reference: full-sequence forward each step, argmax of the last position."""
+    seq = torch.tensor([ids])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(seq).logits[0, -1].argmax())
+            out.append(nxt)
+            seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    refs = {}
+    for arch, path in tiny_models.items():
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        refs[arch] = [hf_greedy(model, tok.encode(p), NEW_TOKENS) for p in PROMPTS]
+    return refs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_greedy_parity_batch(tiny_models, references, arch, loop):
+    llm = LLM(tiny_models[arch], loop=loop)
+    outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    for out, ref in zip(outs, references[arch]):
+        assert out.token_ids == ref
+        assert out.finish_reason == "length"
+    assert_pool_whole(llm)
+    llm.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_parity_single(tiny_models, references, arch):
+    llm = LLM(tiny_models[arch])
+    for prompt, ref in zip(PROMPTS, references[arch]):
+        (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+        assert out.token_ids == ref
+    assert_pool_whole(llm)
+    llm.close()
+
+
+def test_text_is_detokenized_output(qwen3):
+    tok = AutoTokenizer.from_pretrained(qwen3)
+    llm = LLM(qwen3)
+    (out,) = llm.generate(["hello"], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    llm.close()
