@@ -47,8 +47,12 @@ class LLM:
             # (DESIGN.md, measured facts about the emulated stream).
             torch.set_num_threads(1)
         self.model_path = Path(model_path)
-        self.engine = Engine(model_path, self.device, resolve_dtype(dtype, self.device),
-                             num_rows=max_running_requests or self._default_rows(), device_delay_ms=device_delay_ms)
+        try:
+            self.engine = Engine(model_path, self.device, resolve_dtype(dtype, self.device),
+                                 num_rows=max_running_requests or self._default_rows(),
+                                 device_delay_ms=device_delay_ms)
+        except OSError as exc:  # transformers reports an unreadable config.json as OSError
+            raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
         self.engine.tracer.enabled = trace
         self.tokenizer = _load_tokenizer(self.model_path)
         config = self.engine.config
