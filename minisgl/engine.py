@@ -130,10 +130,13 @@ class Engine:
 
     def _attention_metadata(self, batch: ForwardBatch, inp: DeviceInputs, table: torch.Tensor) -> AttentionMetadata:
         """Gather every request's KV slots from its row of the request table."""
-        total_kv = sum(batch.kv_lens)
-        req_of_kv = torch.repeat_interleave(torch.arange(batch.num_reqs, device=self.device), inp.kv_lens,
-                                            output_size=total_kv)
-        pos_in_req = torch.arange(total_kv, device=self.device) - inp.kv_indptr[req_of_kv]
+        total_kv = sum(batch.kv_lens)  # from the host lists: no device-to-host sync
+        kv_ids = torch.arange(total_kv, device=self.device)
+        # Request of every KV entry, then its position inside that request. Clamped, so that
+        # metadata overwritten under our feet ("staging_double_buffer" off) reads wrong slots,
+        # as a GPU kernel would, instead of raising.
+        req_of_kv = torch.searchsorted(inp.kv_indptr[1:], kv_ids, right=True).clamp(max=batch.num_reqs - 1)
+        pos_in_req = (kv_ids - inp.kv_indptr[req_of_kv]).clamp(0, table.shape[1] - 1)
         kv_indices = table[inp.rows[req_of_kv], pos_in_req]
         return AttentionMetadata(positions=inp.positions, out_slots=inp.out_slots,
                                  qo_indptr=inp.qo_indptr.to(torch.int32), kv_indptr=inp.kv_indptr.to(torch.int32),

@@ -25,8 +25,9 @@ def placeholder(row: int) -> int:
 
 class FutureMap:
     def __init__(self, num_rows: int, device: torch.device) -> None:
-        # -1 marks "never published"; resolving it would be reading uninitialised data.
-        self.tokens = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
+        # A row nobody published yet holds 0: a valid id, so a missing publish (or a batch that
+        # read another batch's metadata) shows up as wrong tokens, not as a crash.
+        self.tokens = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
 
     def publish(self, rows: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Runs on the engine stream right after sampling batch n."""

@@ -212,6 +212,7 @@ class Scheduler:
         """Plan the next batch from committed state plus what is in flight. Prefill first."""
         with self.tracer.host("schedule"):
             self._handle_aborts()
+            self.running.reqs[:] = [r for r in self.running.reqs if not r.finished]  # filter_batch
             return self._schedule_prefill() or self._schedule_decode()
 
     def _schedule_prefill(self) -> Planned | None:
@@ -251,12 +252,11 @@ class Scheduler:
         return self._plan(reqs, tokens, qo_lens, kv_lens, samples, is_prefill=True)
 
     def _schedule_decode(self) -> Planned | None:
-        # Filter the live running batch in place (filter_batch): drop finished requests, and,
-        # with length lookahead, those whose launched samples already reach max_new_tokens:
-        # their last token is in flight, another step would be wasted overshoot
+        # Length lookahead: leave out requests whose launched samples already reach
+        # max_new_tokens. Their last token is in flight; another step would be wasted overshoot
         # (article 000, "Overshoot": _reqs_finishing_inflight()).
-        self.running.reqs[:] = [r for r in self.running.reqs if not r.finished
-                                and not (self.on("length_lookahead") and r.will_finish_by_length())]
+        if self.on("length_lookahead"):
+            self.running.reqs[:] = [r for r in self.running.reqs if not r.will_finish_by_length()]
         if not self.running.reqs:
             return None
         tokens: dict[str, list] = {k: [] for k in ("input_ids", "positions", "out_slots", "token_rows")}
