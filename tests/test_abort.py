@@ -1,0 +1,98 @@
+"""Abort works in every state of a request and frees everything exactly once.
+
+The KV pool and the row pool raise on a double free, so finishing the run and finding the
+pools whole proves "exactly once"."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+
+from .conftest import assert_pool_whole
+
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+LONG = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat"
+
+
+def drain(llm: LLM) -> dict[int, object]:
+    outs = {}
+    while llm.has_unfinished():
+        outs.update({o.rid: o for o in llm.step()})
+    return outs
+
+
+@pytest.fixture(scope="module")
+def expected(qwen3):
+    llm = LLM(qwen3, loop="normal")
+    outs = llm.generate(["hello there", LONG], GREEDY)
+    llm.close()
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_abort_queued(qwen3, expected, loop):
+    llm = LLM(qwen3, loop=loop, max_running_requests=1)
+    keep = llm.add_request("hello there", GREEDY)
+    gone = llm.add_request(LONG, GREEDY)
+    llm.step()
+    assert llm.scheduler.waiting  # still queued: the only row is taken
+    llm.abort(gone)
+    outs = drain(llm)
+    assert outs[gone].finish_reason == "abort" and outs[gone].token_ids == []
+    assert outs[keep].token_ids == expected[0]
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_abort_while_prefilling_in_chunks(qwen3, expected, loop):
+    llm = LLM(qwen3, loop=loop, chunk_size=4, device_delay_ms=5)
+    keep = llm.add_request("hello there", GREEDY)
+    gone = llm.add_request(LONG, GREEDY)
+    llm.step()
+    req = llm.scheduler.prefilling[-1]
+    assert 0 < req.launched_len < req.prompt_len  # part of the prompt is in flight
+    llm.abort(gone)
+    outs = drain(llm)
+    assert outs[gone].finish_reason == "abort" and outs[gone].token_ids == []
+    assert outs[keep].token_ids == expected[0]
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_abort_while_decoding(qwen3, expected, loop):
+    llm = LLM(qwen3, loop=loop, device_delay_ms=5)
+    keep = llm.add_request("hello there", GREEDY)
+    gone = llm.add_request(LONG, GREEDY)
+    for _ in range(5):
+        llm.step()
+    llm.abort(gone)
+    outs = drain(llm)
+    assert outs[gone].finish_reason == "abort"
+    assert 0 < len(outs[gone].token_ids) < GREEDY.max_new_tokens
+    assert outs[gone].token_ids == expected[1][:len(outs[gone].token_ids)]  # committed tokens were right
+    assert outs[keep].token_ids == expected[0]
+    assert_pool_whole(llm)
+
+
+def test_abort_while_final_token_in_flight(qwen3, expected):
+    llm = LLM(qwen3, loop="overlap", device_delay_ms=5)
+    keep = llm.add_request("hello there", GREEDY)
+    gone = llm.add_request(LONG, GREEDY)
+    req = llm.scheduler.waiting[-1]
+    while not req.will_finish_by_length():  # step until its last token is launched, not committed
+        llm.step()
+    assert req.inflight_samples >= 1 and not req.finished
+    llm.abort(gone)
+    outs = drain(llm)
+    assert outs[gone].finish_reason == "abort"
+    assert outs[gone].token_ids == expected[1][:len(outs[gone].token_ids)]
+    assert llm.stats.overshoot_tokens >= 1  # the in-flight result was dropped, not committed
+    assert outs[keep].token_ids == expected[0]
+    assert_pool_whole(llm)
+
+
+def test_abort_unknown_request(qwen3):
+    llm = LLM(qwen3)
+    with pytest.raises(ValueError, match="unknown"):
+        llm.abort(12345)
