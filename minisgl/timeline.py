@@ -1,0 +1,235 @@
+"""A terminal timeline of a traced run: see the bubble, and see it go away.
+
+`render_timeline(spans, title)` draws one row per lane (the host, then each device stream)
+on a shared time axis in milliseconds, for a few steady-state iterations taken from the
+middle of the run. Read it column by column: whatever is stacked in one column happened at
+the same time.
+
+- normal loop: after each forward the device row shows a red gap (the bubble) exactly
+  where the host row commits, schedules and launches (C, S, L). The device waits for them.
+- overlap loop: the host's C/S/L sit under a green forward block. The "launch" row shows
+  that batch n+1 was launched while the device was still running batch n.
+
+A column is one cell of time (its width is printed in the header). Spans shorter than a
+cell are still drawn, the way trace viewers draw a tiny slice as at least one pixel: any
+host work in a cell marks the cell, and a device gap covering at least a quarter of a cell
+is drawn as a gap. Gaps smaller than that (the stream's own per-forward overhead) are not.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.text import Text
+
+from .trace import HOST_LANE, Span, lanes_of, pipeline_metrics
+
+STYLES = {
+    "schedule": "bold black on dodger_blue2",
+    "launch": "bold black on magenta",
+    "commit": "bold black on yellow",
+    "wait": "grey50",
+    "forward": "green3",
+    "forward_alt": "green4",
+    "label": "bold white on dark_green",
+    "idle": "bold red",
+}
+GLYPHS = {"schedule": "S", "launch": "L", "commit": "C", "wait": "░", "forward": "█", "forward_alt": "▓", "idle": "·"}
+HOST_WORK = ("schedule", "launch", "commit")  # host spans that are work; "wait" is not
+GAP_CELL_FRACTION = 0.25  # a device gap covering this much of a cell is drawn
+
+
+def pick_window(spans: list[Span], max_iterations: int) -> tuple[list[int], float, float]:
+    """Up to `max_iterations` consecutive iterations from the middle of the run, and the time
+    window they cover: from their first host span to the end of the last forward they launched."""
+    iterations = sorted({sp.iteration for sp in spans if sp.lane == HOST_LANE})
+    if not iterations:  # device spans only
+        iterations = sorted({sp.iteration for sp in spans})
+    k = max(1, min(max_iterations, len(iterations)))
+    first = (len(iterations) - k) // 2
+    chosen = iterations[first:first + k]
+    inside = [sp for sp in spans if sp.iteration in chosen]
+    host = [sp for sp in inside if sp.lane == HOST_LANE] or inside
+    t0 = min(sp.start for sp in host)
+    t1 = max(sp.end for sp in inside)
+    return chosen, t0, t1
+
+
+def _cover(spans: list[Span], a: float, b: float) -> list[tuple[Span, float]]:
+    """The spans that overlap the cell [a, b), with how long each covers it."""
+    out = []
+    for sp in spans:
+        c = min(b, sp.end) - max(a, sp.start)
+        if c > 0:
+            out.append((sp, c))
+    return out
+
+
+def _largest(cover: list[tuple[Span, float]]) -> Span:
+    return max(cover, key=lambda item: item[1])[0]
+
+
+def _host_row(spans: list[Span], edges: list[float]) -> Text:
+    row = Text()
+    for a, b in zip(edges, edges[1:]):
+        cover = _cover(spans, a, b)
+        work = [(sp, c) for sp, c in cover if sp.name in HOST_WORK]
+        if work:
+            sp = _largest(work)
+            row.append(GLYPHS[sp.name], STYLES[sp.name])
+        elif cover:
+            sp = _largest(cover)
+            row.append(GLYPHS.get(sp.name, "▒"), STYLES.get(sp.name, "white"))
+        else:
+            row.append(" ")
+    return row
+
+
+def _device_cells(spans: list[Span], edges: list[float], lane_start: float, lane_end: float) -> list[Span | str | None]:
+    """Per cell: the forward span drawn there, "idle" (a gap inside the lane's busy period), or None."""
+    cells: list[Span | str | None] = []
+    for a, b in zip(edges, edges[1:]):
+        cover = _cover(spans, a, b)
+        # Idle time in the cell that lies between the lane's first start and last end.
+        inside = max(0.0, min(b, lane_end) - max(a, lane_start))
+        busy = sum(c for _, c in cover)  # may double count overlapping spans: then idle is just 0
+        idle = max(0.0, inside - busy)
+        if idle >= GAP_CELL_FRACTION * (b - a) and inside > 0:
+            cells.append("idle")
+        elif cover:
+            cells.append(_largest(cover))
+        else:
+            cells.append(None)
+    return cells
+
+
+def _device_row(cells: list[Span | str | None]) -> Text:
+    row = Text()
+    i = 0
+    while i < len(cells):
+        cell = cells[i]
+        if cell is None:
+            row.append(" ")
+            i += 1
+            continue
+        if cell == "idle":
+            row.append(GLYPHS["idle"], STYLES["idle"])
+            i += 1
+            continue
+        j = i
+        while j < len(cells) and cells[j] is cell:
+            j += 1
+        assert isinstance(cell, Span)
+        n = j - i
+        kind = "forward" if cell.batch_id % 2 == 0 else "forward_alt"  # neighbours stay apart
+        style, glyph = STYLES[kind], GLYPHS[kind]
+        label = f"b{cell.batch_id}" if cell.batch_id >= 0 else cell.name[:3]
+        if n >= len(label) + 2:  # room for the label with a block either side
+            left = (n - len(label)) // 2
+            row.append(glyph * left, style)
+            row.append(label, STYLES["label"])
+            row.append(glyph * (n - left - len(label)), style)
+        else:
+            row.append(glyph * n, style)
+        i = j
+    return row
+
+
+def _marker_row(spans: list[Span], edges: list[float], width: int) -> Text:
+    """Where each batch was launched, with its batch id: "▲b7"."""
+    chars = [" "] * width
+    last = -1
+    for sp in sorted(spans, key=lambda s: s.start):
+        if sp.name != "launch":
+            continue
+        col = _column(sp.start, edges)
+        if col is None or col <= last:
+            continue
+        label = f"▲b{sp.batch_id}" if sp.batch_id >= 0 else "▲"
+        if col + len(label) > width:
+            label = "▲"
+        for k, ch in enumerate(label):
+            if col + k < width:
+                chars[col + k] = ch
+        last = col + len(label)  # next label must start after this one
+    return Text("".join(chars), style="magenta")
+
+
+def _column(t: float, edges: list[float]) -> int | None:
+    if t < edges[0] or t >= edges[-1]:
+        return None
+    step = (edges[-1] - edges[0]) / (len(edges) - 1)
+    return min(len(edges) - 2, int((t - edges[0]) / step))
+
+
+def _axis(t0: float, t1: float, origin: float, width: int, pad: int) -> Text:
+    """Tick marks and labels in ms since the run's first span (the Chrome trace's zero)."""
+    marks = [" "] * width
+    labels = [" "] * width
+    step = max(12, width // 6)
+    for col in range(0, width, step):
+        ms = (t0 + (t1 - t0) * col / width - origin) * 1e3
+        text = f"{ms:.1f}"
+        if col + len(text) > width:
+            break
+        marks[col] = "╵"
+        labels[col:col + len(text)] = text
+    return Text(" " * pad + "".join(marks) + "\n" + "ms".ljust(pad) + "".join(labels), style="dim")
+
+
+def _legend() -> Text:
+    legend = Text("  ")
+    for name in ("schedule", "launch", "commit", "wait"):
+        legend.append(GLYPHS[name], STYLES[name])
+        legend.append(f" {name}  ")
+    legend.append("███", STYLES["forward"])
+    legend.append("b7", STYLES["label"])
+    legend.append(" forward of batch 7  ")
+    legend.append("···", STYLES["idle"])
+    legend.append(" device idle (bubble)")
+    return legend
+
+
+def _summary(spans: list[Span]) -> Text:
+    m = pipeline_metrics(spans)
+    text = Text("  whole run: ", style="dim")
+    text.append(f"device busy {m['device_busy_fraction'] * 100:.1f}%", style="bold")
+    text.append(f"  ·  idle per forward {m['exposed_host_time_per_step_s'] * 1e3:.2f} ms"
+                f"  ·  G {m['device_time_per_forward_s'] * 1e3:.2f} ms  ·  C {m['host_time_per_iteration_s'] * 1e3:.2f} ms")
+    text.append("\n  G: device time per forward; C: host work (S+L+C, no waiting) per iteration", style="dim")
+    text.append("\n  read down a column: ▲bN over a block of b(N-1) = launched while the device was busy;"
+                "\n  ▲bN over red ··· = the device sat idle until the host had committed and launched", style="dim")
+    return text
+
+
+def render_timeline(spans: list[Span], title: str, width: int = 100, max_iterations: int = 6) -> Panel:
+    """A Gantt-like rich renderable of `spans`, `width` columns wide (panel border included)."""
+    if not spans:
+        return Panel(Text("no spans recorded: run with LLM(..., trace=True)"), title=title, width=width)
+    lanes = lanes_of(spans)
+    pad = max(len("launch"), *(len(lane) for lane in lanes)) + 1
+    bar = max(10, width - 4 - pad)  # panel border and padding take 4 columns
+    origin = min(sp.start for sp in spans)
+    chosen, t0, t1 = pick_window(spans, max_iterations)
+    if t1 <= t0:
+        t1 = t0 + 1e-6
+    edges = [t0 + (t1 - t0) * i / bar for i in range(bar + 1)]
+    visible = [sp for sp in spans if sp.end > t0 and sp.start < t1]
+
+    rows: list[Text] = []
+    for lane in lanes:
+        lane_spans = [sp for sp in visible if sp.lane == lane]
+        if lane == HOST_LANE:
+            row = _host_row(lane_spans, edges)
+            rows.append(Text(lane.ljust(pad), style="bold") + row)
+            rows.append(Text("launch".ljust(pad), style="dim") + _marker_row(lane_spans, edges, bar))
+        else:
+            every = [sp for sp in spans if sp.lane == lane]
+            cells = _device_cells(lane_spans, edges, min(sp.start for sp in every), max(sp.end for sp in every))
+            rows.append(Text(lane.ljust(pad), style="bold") + _device_row(cells))
+
+    cell_ms = (t1 - t0) / bar * 1e3
+    header = Text(f"iterations {chosen[0]}–{chosen[-1]} of {len({sp.iteration for sp in spans})}  ·  "
+                  f"1 column ≈ {cell_ms:.2f} ms", style="dim")
+    body = Group(header, *rows, _axis(t0, t1, origin, bar, pad), _legend(), _summary(spans))
+    return Panel(body, title=title, width=width, title_align="left")
