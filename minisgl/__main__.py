@@ -135,6 +135,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--num-requests", type=int, default=None)
     b.add_argument("--delays", default=None, help="comma-separated device_delay_ms values for --compare-loops")
     b.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same requests")
+    b.add_argument("--hf-requests", type=int, default=None, help="time HF on only the first N requests")
     b.add_argument("--json", default=None, help="also write the figures to this JSON file")
     b.set_defaults(func=cmd_bench)
 

@@ -1,0 +1,275 @@
+"""`python -m minisgl bench | trace | demo`: measure, record and show the two loops.
+
+Figures are printed (and optionally written as JSON), never asserted: speed is measured by
+benchmarks, correctness by tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .request import SamplingParams
+from .trace import pipeline_metrics, request_metrics, write_chrome_trace
+
+console = Console()
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(p.max_new_tokens for p in self.params)
+
+
+def offline_workload(num_requests: int = 256, vocab: int = 10001) -> Workload:
+    """The mini-SGLang / nano-vllm offline benchmark: input and output lengths uniform in
+    100..1024, token ids uniform in 0..10000, Python's random seeded with 0, ignore_eos.
+    (256 requests: 142,827 input and 133,966 output tokens.)"""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, min(10000, vocab - 1)) for _ in range(rng.randint(100, 1024))]
+               for _ in range(num_requests)]
+    params = [SamplingParams(max_new_tokens=rng.randint(100, 1024), ignore_eos=True) for _ in range(num_requests)]
+    return Workload("offline", prompts, params)
+
+
+def small_workload(vocab: int, num_requests: int = 16) -> Workload:
+    """A CPU-sized workload: prompts of 16..64 tokens, 32..64 new tokens, ignore_eos, seed 0."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))] for _ in range(num_requests)]
+    params = [SamplingParams(max_new_tokens=rng.randint(32, 64), ignore_eos=True) for _ in range(num_requests)]
+    return Workload("small", prompts, params)
+
+
+def default_model(args: argparse.Namespace) -> Path:
+    """--model, else the shipped demo model, else a tiny random model written to a temp dir."""
+    if args.model:
+        return Path(args.model)
+    try:
+        from .assets import demo_model_path
+
+        return demo_model_path()
+    except FileNotFoundError:
+        from .tiny import make_tiny
+
+        return make_tiny(Path(tempfile.mkdtemp(prefix="minisgl-tiny-")), "qwen3")
+
+
+def measure(args: argparse.Namespace, workload: Workload, loop: str, delay_ms: float, trace: bool = True,
+            **overrides) -> dict:
+    """Run one configuration: warm up, then time the whole workload."""
+    from .__main__ import build_llm
+
+    llm = build_llm(args, loop=loop, device_delay_ms=delay_ms, trace=trace, **overrides)
+    llm.generate([workload.prompts[0][:8]], SamplingParams(max_new_tokens=4))  # warm-up (and JIT, on GPU)
+    llm.engine.tracer.clear()
+    llm.scheduler.stats.events.clear()
+    progress = _progress(f"{loop:>7} delay={delay_ms:g}ms", len(workload.prompts))
+    with progress or nullcontext():
+        task = progress.add_task("run", total=len(workload.prompts)) if progress else None
+        start = time.perf_counter()
+        outs = llm.generate(workload.prompts, workload.params,
+                            on_step=(lambda n: progress.update(task, completed=n)) if progress else None)
+        if llm.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    spans = llm.engine.tracer.resolve()
+    result = {"loop": loop, "delay_ms": delay_ms, "wall_s": wall, "output_tokens": out_tokens,
+              "input_tokens": workload.input_tokens, "output_tok_per_s": out_tokens / wall,
+              "overshoot_steps": llm.stats.overshoot_steps, "overshoot_tokens": llm.stats.overshoot_tokens,
+              **{f"pipe_{k}": v for k, v in pipeline_metrics(spans).items()},
+              **{f"req_{k}": v for k, v in request_metrics(outs).items()}}
+    result["token_ids"] = [o.token_ids for o in outs]
+    result["_spans"] = spans
+    llm.close()
+    return result
+
+
+def _progress(label: str, total: int) -> Progress | None:
+    if total < 32 or not console.is_terminal:
+        return None
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                    transient=True)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    model = default_model(args)
+    args.model = str(model)
+    from .model import load_model  # noqa: F401  (fail early on a bad directory)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    n = args.num_requests
+    workload = offline_workload(n or 256, vocab) if args.workload == "offline" else small_workload(vocab, n or 16)
+    console.print(f"[bold]minisgl bench[/] model={model} workload={workload.name}: {len(workload.prompts)} requests, "
+                  f"{workload.input_tokens} input / {workload.output_tokens} output tokens")
+    results = []
+    if args.compare_loops:
+        delays = [float(d) for d in args.delays.split(",")] if args.delays else None
+        if delays is None:
+            probe = measure(args, workload, "normal", 0.0)
+            results.append(probe)
+            c_ms = probe["pipe_exposed_host_time_per_step_s"] * 1000
+            # a delay at least the measured host time per step, so that G >= C
+            delays = [0.0, float(max(2, math.ceil(1.5 * c_ms)))]
+            loops = [("overlap", 0.0), ("normal", delays[1]), ("overlap", delays[1])]
+        else:
+            loops = [(loop, d) for d in delays for loop in ("normal", "overlap")]
+        results += [measure(args, workload, loop, d) for loop, d in loops]
+    else:
+        results.append(measure(args, workload, args.loop, args.device_delay_ms))
+    if args.hf:
+        results.append(measure_hf(model, workload, args))
+    print_results(results)
+    if args.compare_loops:
+        print_ratios(results)
+        identical = len({json.dumps(r["token_ids"]) for r in results if "token_ids" in r}) == 1
+        console.print(f"outputs identical across every run: [bold]{identical}[/]")
+    if args.json:
+        Path(args.json).write_text(json.dumps([_public(r) for r in results], indent=2))
+    return 0
+
+
+def _public(result: dict) -> dict:
+    return {k: v for k, v in result.items() if not k.startswith("_") and k != "token_ids"}
+
+
+def print_results(results: list[dict]) -> None:
+    table = Table(title="throughput and where the time goes")
+    for col in ("loop", "delay", "tok/s", "G ms", "host ms", "busy", "idle/step", "TTFT ms", "TPOT ms"):
+        table.add_column(col, justify="right")
+    for r in results:
+        ms = lambda k: f"{r.get(k, float('nan')) * 1000:.2f}"  # noqa: E731
+        table.add_row(r["loop"], f"{r['delay_ms']:g}", f"{r['output_tok_per_s']:.1f}",
+                      ms("pipe_device_time_per_forward_s"), ms("pipe_host_time_per_iteration_s"),
+                      f"{r.get('pipe_device_busy_fraction', float('nan')):.1%}",
+                      ms("pipe_exposed_host_time_per_step_s"), ms("req_ttft_mean_s"), ms("req_tpot_mean_s"))
+    console.print(table)
+
+
+def print_ratios(results: list[dict]) -> None:
+    """overlap/normal next to the ideal (G+C)/max(G,C), with G and C measured in the normal run."""
+    table = Table(title="overlap vs normal: ideal = (G+C)/max(G,C), G and C from the normal run")
+    for col in ("delay ms", "G ms", "C ms", "overlap/normal", "ideal", "of ideal"):
+        table.add_column(col, justify="right")
+    by_key = {(r["loop"], r["delay_ms"]): r for r in results}
+    for (loop, delay), normal in sorted(by_key.items(), key=lambda kv: kv[0][1]):
+        if loop != "normal" or ("overlap", delay) not in by_key:
+            continue
+        # C is what the serial loop makes the device wait per step: host spans plus everything
+        # between them (thread hand-off, the Python around the loop).
+        g = normal["pipe_device_time_per_forward_s"]
+        c = normal["pipe_exposed_host_time_per_step_s"]
+        ideal = (g + c) / max(g, c)
+        ratio = by_key[("overlap", delay)]["output_tok_per_s"] / normal["output_tok_per_s"]
+        table.add_row(f"{delay:g}", f"{g * 1000:.2f}", f"{c * 1000:.2f}", f"{ratio:.2f}x", f"{ideal:.2f}x",
+                      f"{ratio / ideal:.0%}")
+    console.print(table)
+
+
+def measure_hf(model: Path, workload: Workload, args: argparse.Namespace, batch_size: int = 64) -> dict:
+    """Hugging Face `generate` on the same requests (greedy, batches of 64, left padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .llm import resolve_dtype
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=resolve_dtype(args.dtype, device)).to(device).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    limit = args.hf_requests if getattr(args, "hf_requests", None) else len(workload.prompts)
+    start, produced = time.perf_counter(), 0
+    for i in range(0, limit, batch_size):
+        prompts, params = workload.prompts[i:i + batch_size], workload.params[i:i + batch_size]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        new = max(p.max_new_tokens for p in params)
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                        pad_token_id=pad)
+        produced += sum(p.max_new_tokens for p in params)  # tokens the requests asked for
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    return {"loop": f"HF generate ({min(limit, len(workload.prompts))} req)", "delay_ms": 0.0, "wall_s": wall,
+            "output_tokens": produced, "output_tok_per_s": produced / wall}
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    from .timeline import render_timeline
+
+    model = default_model(args)
+    args.model = str(model)
+    workload = _demo_workload(args.num_requests)
+    r = measure(args, workload, args.loop, args.device_delay_ms)
+    write_chrome_trace(r["_spans"], args.out)
+    console.print(render_timeline(r["_spans"], title=f"{args.loop} loop, device delay {args.device_delay_ms:g} ms"))
+    console.print(f"wrote {args.out} ({len(r['_spans'])} spans): open it in https://ui.perfetto.dev or chrome://tracing")
+    print_results([r])
+    return 0
+
+
+def _demo_workload(n: int) -> Workload:
+    from .assets import demo_model_path
+    from transformers import AutoTokenizer
+
+    from .demo_tasks import demo_prompts
+
+    tok = AutoTokenizer.from_pretrained(demo_model_path())
+    pairs = demo_prompts(n, seed=0)
+    return Workload("demo", [tok.encode(p) for p, _ in pairs], [SamplingParams(max_new_tokens=48)] * n)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Answer a few held-out demo prompts with both loops, then show both timelines."""
+    from .__main__ import build_llm
+    from .demo_tasks import demo_prompts
+    from .timeline import render_timeline
+
+    pairs = demo_prompts(8, seed=0)
+    delay = args.device_delay_ms or 4.0
+    timelines = []
+    for loop in ("normal", "overlap"):
+        llm = build_llm(args, loop=loop, device_delay_ms=delay, trace=True)
+        outs = llm.generate([p for p, _ in pairs], SamplingParams(max_new_tokens=48))
+        spans = llm.engine.tracer.resolve()
+        metrics = pipeline_metrics(spans)
+        if loop == "normal":
+            table = Table(title=f"demo model, {loop} loop")
+            for col in ("prompt", "expected", "generated", "ok", "finish"):
+                table.add_column(col, overflow="fold")
+            for (prompt, expected), out in zip(pairs, outs):
+                ok = "[green]yes[/]" if out.text == expected else "[red]no[/]"
+                table.add_row(prompt, expected, out.text, ok, out.finish_reason)
+            console.print(table)
+        timelines.append(render_timeline(spans, title=f"{loop} loop: device busy "
+                                         f"{metrics['device_busy_fraction']:.0%}, device delay {delay:g} ms"))
+        llm.close()
+    for timeline in timelines:
+        console.print(timeline)
+    console.print("Notice: in the normal loop the device lane has a gap after every forward while the host "
+                  "works; in the overlap loop the host's work sits under the device's forward.")
+    return 0
