@@ -152,7 +152,7 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-tiny", help="write a tiny random checkpoint plus a trained BPE tokenizer")
     m.add_argument("out")
     m.add_argument("--arch", default="qwen3", choices=["llama", "qwen2", "qwen3"])
-    m.add_argument("--preset", default="tiny", choices=["tiny", "qwen3-0.6b"])
+    m.add_argument("--preset", default="tiny", choices=["tiny", "small", "qwen3-0.6b"])
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_make_tiny)
 

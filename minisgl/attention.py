@@ -80,7 +80,10 @@ class AttentionBackend(Protocol):
 
     A backend must (1) write the new k/v into the pool at meta.out_slots and
     (2) attend every new query to its request's kv positions up to its own.
+    `plan(meta)` runs once per batch before the layers (FlashInfer builds its schedule there).
     """
+
+    def plan(self, meta: AttentionMetadata, parity: int = 0) -> None: ...
 
     def forward(
         self,
@@ -98,6 +101,9 @@ class TorchAttentionBackend:
 
     Slow but easy to read and to trust; faster backends must produce the same numbers.
     """
+
+    def plan(self, meta: AttentionMetadata, parity: int = 0) -> None:
+        pass  # nothing to prepare: every layer reads the metadata directly
 
     def forward(
         self,

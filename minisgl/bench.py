@@ -104,7 +104,19 @@ def measure(args: argparse.Namespace, workload: Workload, loop: str, delay_ms: f
     result["token_ids"] = [o.token_ids for o in outs]
     result["_spans"] = spans
     llm.close()
+    del llm
+    _free_device_memory()
     return result
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _progress(label: str, total: int) -> Progress | None:
@@ -143,6 +155,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.hf:
         results.append(measure_hf(model, workload, args))
     print_results(results)
+    if args.workload == "offline":
+        floor = roofline(model, workload, args)
+        results.append({"loop": "roofline floor", "delay_ms": 0.0, **floor})
+        console.print(f"roofline floor: {floor['wall_s']:.2f} s = {floor['output_tok_per_s']:.0f} output tok/s "
+                      f"(HBM {floor['hbm_gb_per_s']:.0f} GB/s, bf16 matmul {floor['matmul_tflops']:.0f} TFLOP/s, "
+                      f"decode bytes {floor['decode_bytes'] / 1e9:.0f} GB, prefill {floor['prefill_flops'] / 1e15:.2f} PFLOP)")
     if args.compare_loops:
         print_ratios(results)
         identical = len({json.dumps(r["token_ids"]) for r in results if "token_ids" in r}) == 1
@@ -187,6 +205,58 @@ def print_ratios(results: list[dict]) -> None:
         table.add_row(f"{delay:g}", f"{g * 1000:.2f}", f"{c * 1000:.2f}", f"{ratio:.2f}x", f"{ideal:.2f}x",
                       f"{ratio / ideal:.0%}")
     console.print(table)
+
+
+def roofline(model: Path, workload: Workload, args: argparse.Namespace) -> dict:
+    """Lower bound on the workload's time on this device: every decode step reads the weights
+    and every active request's KV once at the measured HBM bandwidth; prefill does its FLOPs at
+    the measured bf16 matmul rate. All requests decode together (they all fit in the pool)."""
+    import torch
+    from transformers import AutoConfig
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = AutoConfig.from_pretrained(model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers, hidden, inter = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+    q_size, kv_size = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    layer_params = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
+    matmul_params = layers * layer_params + hidden * cfg.vocab_size  # + lm_head
+    weight_bytes = 2 * matmul_params
+    kv_bytes_per_token = 2 * layers * kv_size * 2
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    hbm = 2 * x.numel() / _timed(lambda: y.copy_(x), device)  # a copy reads and writes every byte
+    flops = 2 * 8192 ** 3 / _timed(lambda: a @ a, device)
+    del x, y, a
+
+    in_lens = [len(p) for p in workload.prompts]
+    out_lens = [p.max_new_tokens for p in workload.params]
+    decode_bytes = 0
+    for step in range(1, max(out_lens) + 1):
+        active_kv = sum(i + step for i, o in zip(in_lens, out_lens) if o >= step)
+        decode_bytes += weight_bytes + active_kv * kv_bytes_per_token
+    prefill_flops = sum(2 * matmul_params * n + 2 * layers * q_size * n * n for n in in_lens)
+    wall = decode_bytes / hbm + prefill_flops / flops
+    return {"wall_s": wall, "output_tokens": sum(out_lens), "output_tok_per_s": sum(out_lens) / wall,
+            "hbm_gb_per_s": hbm / 1e9, "matmul_tflops": flops / 1e12, "decode_bytes": decode_bytes,
+            "prefill_flops": prefill_flops}
+
+
+def _timed(fn, device, repeat: int = 10) -> float:
+    """Seconds per call, after one warm-up call."""
+    import torch
+
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / repeat
 
 
 def measure_hf(model: Path, workload: Workload, args: argparse.Namespace, batch_size: int = 64) -> dict:

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from .attention import AttentionMetadata, KVCache, TorchAttentionBackend
+from .attention import AttentionBackend, AttentionMetadata, KVCache, TorchAttentionBackend
+from .cuda_graph import CudaGraphRunner
+from .flashinfer_backend import FlashInferBackend, flashinfer_available
 from .future_map import FutureMap
 from .kv_pool import ReqToTokenPool
 from .model import load_model
@@ -60,13 +62,17 @@ class ForwardResult:
 
 class Engine:
     def __init__(self, model_path: str | Path, device: torch.device, dtype: torch.dtype, num_rows: int,
-                 device_delay_ms: float = 0.0) -> None:
+                 device_delay_ms: float = 0.0, disabled: frozenset[str] = frozenset(),
+                 attention_backend: str = "auto") -> None:
         self.device = device
         self.dtype = dtype
+        self.disabled = disabled
+        self.num_rows = num_rows
         self.model, self.config = load_model(model_path, dtype, device)
         self.stream: Stream = make_device_stream("engine", device)
         self.device_delay_s = device_delay_ms / 1000.0
-        self.backend = TorchAttentionBackend()
+        self.backend = self._make_backend(attention_backend)
+        self.graphs: CudaGraphRunner | None = None
         self.future_map = FutureMap(num_rows, device)
         self.kv: KVCache | None = None
         self.req_to_token: ReqToTokenPool | None = None
@@ -76,15 +82,30 @@ class Engine:
         m = self.model
         return 2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
 
+    def _make_backend(self, name: str) -> AttentionBackend:
+        """"auto": FlashInfer on CUDA in bf16/fp16 when installed, else the torch reference."""
+        if name not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {name!r}")
+        half = self.dtype in (torch.float16, torch.bfloat16)
+        if name == "flashinfer" or (name == "auto" and self.device.type == "cuda" and half and flashinfer_available()):
+            if self.device.type != "cuda":
+                raise ValueError("the flashinfer backend needs a CUDA device")
+            m = self.model
+            return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device)
+        return TorchAttentionBackend()
+
     def attach_memory(self, kv: KVCache, req_to_token: ReqToTokenPool) -> None:
         self.kv = kv
         self.req_to_token = req_to_token
+        if isinstance(self.backend, FlashInferBackend) and "cuda_graph" not in self.disabled:
+            self.graphs = CudaGraphRunner(self.model, kv, self.backend, self.num_rows, kv.k[0].shape[0], self.device)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
         """Queue batch's forward + sampling on the engine stream; return without waiting."""
         B = batch.num_reqs
         next_tokens = torch.empty(B, dtype=torch.int64, device=self.device)
-        next_tokens_host = torch.empty(B, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        pinned = self.device.type == "cuda" and "pinned_copy" not in self.disabled
+        next_tokens_host = torch.empty(B, dtype=torch.int64, pin_memory=pinned)
         inputs: list[DeviceInputs] = []
         span: list[object] = []
         iteration = self.tracer.iteration
@@ -96,7 +117,7 @@ class Engine:
         def copy_in() -> None:
             span.append(self.tracer.device_begin(self.stream.name, self.device))
             if self.device_delay_s:
-                time.sleep(self.device_delay_s)  # emulated: the device is still busy with earlier work
+                self._emulated_delay()
             inputs.append(batch.staging.to_device(batch.num_tokens, B))
 
         self.stream.launch(copy_in)
@@ -111,6 +132,23 @@ class Engine:
         copy_done = self.stream.record_event()
         return ForwardResult(batch.batch_id, next_tokens, next_tokens_host, copy_done)
 
+    def _emulated_delay(self) -> None:
+        """Extra device time: a sleep on the CPU stream's thread, a spinning kernel on CUDA."""
+        if self.device.type == "cuda":
+            torch.cuda._sleep(int(self.device_delay_s * self._cuda_cycles_per_s()))
+        else:
+            time.sleep(self.device_delay_s)  # releases the GIL, like a long kernel would
+
+    def _cuda_cycles_per_s(self) -> float:
+        if not hasattr(self, "_cycles_per_s"):  # calibrate torch.cuda._sleep once
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(10_000_000)
+            end.record()
+            end.synchronize()
+            self._cycles_per_s = 10_000_000 / (start.elapsed_time(end) / 1000.0)
+        return self._cycles_per_s
+
     def _forward_and_sample(self, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
                             next_tokens_host: torch.Tensor) -> None:
         """Runs on the engine stream (device side)."""
@@ -121,12 +159,20 @@ class Engine:
         # stream order. (Prefix slots of a new request were written by the scheduler.)
         table[inp.token_rows, inp.positions] = inp.out_slots
         meta = self._attention_metadata(batch, inp, table)
-        logits = self.model(input_ids, meta, self.kv, self.backend)
+        parity = batch.batch_id % 2  # alternate plan buffers: see flashinfer_backend.py
+        if self.graphs is not None and self.graphs.can_run(meta):
+            logits = self.graphs.run(input_ids, meta, parity)  # one launch for the whole decode step
+        else:
+            self.backend.plan(meta, parity)
+            logits = self.model(input_ids, meta, self.kv, self.backend)
         tokens = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.sample_steps,
                         batch.all_greedy)
         self.future_map.publish(inp.rows, tokens)  # materialized: batch n+1 may now read it
         next_tokens.copy_(tokens)
-        next_tokens_host.copy_(tokens, non_blocking=True)
+        # Device-to-host into pinned memory, queued like a kernel: the host learns the values
+        # only at copy_done. Off ("pinned_copy", GPU only), the copy blocks the host right here,
+        # inside launch(), until the forward is done: no overlap is possible any more.
+        next_tokens_host.copy_(tokens, non_blocking="pinned_copy" not in self.disabled)
 
     def _attention_metadata(self, batch: ForwardBatch, inp: DeviceInputs, table: torch.Tensor) -> AttentionMetadata:
         """Gather every request's KV slots from its row of the request table."""

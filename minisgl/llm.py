@@ -34,7 +34,8 @@ class LLM:
     def __init__(self, model_path: str | Path, device: str | torch.device | None = None, loop: str = "overlap",
                  disable: Sequence[str] | str = (), device_delay_ms: float = 0.0,
                  dtype: str | torch.dtype | None = None, max_running_requests: int | None = None,
-                 chunk_size: int | None = None, kv_tokens: int | None = None, trace: bool = False) -> None:
+                 chunk_size: int | None = None, kv_tokens: int | None = None, trace: bool = False,
+                 attention_backend: str = "auto") -> None:
         disabled = check_disable(disable)
         if loop not in ("normal", "overlap"):
             raise ValueError(f"loop must be 'normal' or 'overlap', got {loop!r}")
@@ -50,7 +51,8 @@ class LLM:
         try:
             self.engine = Engine(model_path, self.device, resolve_dtype(dtype, self.device),
                                  num_rows=max_running_requests or self._default_rows(),
-                                 device_delay_ms=device_delay_ms)
+                                 device_delay_ms=device_delay_ms, disabled=disabled,
+                                 attention_backend=attention_backend)
         except OSError as exc:  # transformers reports an unreadable config.json as OSError
             raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
         self.engine.tracer.enabled = trace
@@ -75,7 +77,7 @@ class LLM:
         per_token = self.engine.bytes_per_token()
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.85) - (2 << 30)  # headroom for activations and sampling
+            budget = int(free * 0.8) - (4 << 30)  # headroom for activations, graphs and sampling
         else:
             budget = 2 << 30  # 2 GiB of host memory
         return max(1024, min(budget // per_token, 1 << 20 if self.device.type == "cuda" else 65536))

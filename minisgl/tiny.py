@@ -58,6 +58,20 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=False,
         dtype="float32",
     ),
+    # head_dim 128 and GQA group 2, like Qwen3-0.6B: what FlashInfer's kernels support on GPU.
+    "small": dict(
+        hidden_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=1024,
+        vocab_size=None,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        dtype="float32",
+    ),
     "qwen3-0.6b": dict(
         hidden_size=1024,
         num_hidden_layers=28,

@@ -1,0 +1,83 @@
+"""FlashInfer attention on CUDA (the `cuda` extra): paged prefill and decode kernels.
+
+Same contract as `TorchAttentionBackend` (which stays the portable reference): write the
+new K/V at `out_slots`, then attend through each request's slot list. The difference is the
+*plan*: FlashInfer splits the work across thread blocks once per batch, on the host, from
+host-side lengths. We pass it host tensors built from the batch's host lists, so planning
+never waits for the device (a device-to-host read here would stall the overlap pipeline).
+Page size is 1: a "page" is one token slot, so every last_page_len is 1.
+
+Planning writes the schedule into pinned host memory that the device copies when it reaches
+the batch: the same write-after-read hazard as our staging buffers (article 000,
+`_apply_war_barrier()`). In the overlap loop the host plans batch n+1 while batch n may not
+have copied its plan yet, so there are two sets of wrappers and batches alternate between
+them (`parity` = batch id % 2). A set is reused by batch n+2, which is planned only after
+batch n was committed, i.e. after its copy_done.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata, KVCache
+
+WORKSPACE_BYTES = 256 << 20
+
+
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def host_indptr(lengths: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+class FlashInferBackend:
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        import flashinfer
+
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError("FlashInfer needs float16 or bfloat16; use the torch backend for float32")
+        self.shape = (num_qo_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+        # One float workspace: it is used only while kernels run, and batches run in order.
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # Tensor cores pay off when several query heads share a KV head (GQA group >= 4).
+        self.use_tensor_cores = num_qo_heads // num_kv_heads >= 4
+        self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
+        self.decode = [flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                    use_tensor_cores=self.use_tensor_cores)
+                       for _ in range(2)]
+        self._active = self.decode[0]  # the wrapper the layers run: planned for the current batch
+
+    def plan(self, meta: AttentionMetadata, parity: int = 0, decode_wrapper=None) -> None:
+        """Once per batch. `decode_wrapper`: a CUDA-graph wrapper with its own fixed buffers."""
+        num_qo, num_kv, head_dim = self.shape
+        kv_indptr = host_indptr(meta.kv_lens)
+        last_page_len = torch.ones(meta.num_requests, dtype=torch.int32)
+        kv_indices = meta.kv_indices.to(torch.int32)
+        if meta.is_decode:
+            self._active = decode_wrapper or self.decode[parity]
+            self._active.plan(kv_indptr, kv_indices, last_page_len, num_qo, num_kv, head_dim, 1,
+                              q_data_type=self.dtype, kv_data_type=self.dtype)
+        else:
+            self._active = self.prefill[parity]
+            self._active.plan(host_indptr(meta.qo_lens), kv_indptr, kv_indices, last_page_len, num_qo, num_kv,
+                              head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: AttentionMetadata,
+                kv: KVCache) -> torch.Tensor:
+        k_pool, v_pool = kv.k[layer_id], kv.v[layer_id]
+        k_pool[meta.out_slots] = k.to(k_pool.dtype)
+        v_pool[meta.out_slots] = v.to(v_pool.dtype)
+        # [slots, heads, dim] viewed as [pages, page_size=1, heads, dim] (the "NHD" layout)
+        paged = (k_pool.unsqueeze(1), v_pool.unsqueeze(1))
+        return self._active.run(q.contiguous(), paged)

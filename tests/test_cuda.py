@@ -1,0 +1,112 @@
+"""GPU path (run on the H200 through the device tool; skipped without CUDA).
+
+float32 + torch backend: exact greedy parity with transformers. bf16 + FlashInfer + CUDA
+graphs: overlap == normal, graphs on == off, KV back to full; parity with transformers in
+bf16 is reported (share of identical sequences, first divergence), not exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from minisgl import LLM, SamplingParams
+
+from .conftest import assert_pool_whole
+from .test_parity import NEW_TOKENS, PROMPTS, hf_greedy
+from .workloads import random_workload, run, with_stops
+
+pytestmark = pytest.mark.cuda
+GREEDY = SamplingParams(max_new_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gpu_models(tmp_path_factory) -> dict[str, str]:
+    """The "small" preset: head_dim 128, which FlashInfer's kernels support (16 is not)."""
+    from minisgl.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("gpu")
+    return {arch: str(make_tiny(root / arch, arch, preset="small", seed=3)) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="module")
+def qwen3(gpu_models) -> str:
+    return gpu_models["qwen3"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_float32_greedy_parity_on_gpu(gpu_models, arch):
+    path = gpu_models[arch]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, device="cuda", dtype="float32")
+    assert type(llm.engine.backend).__name__ == "TorchAttentionBackend"
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    refs = [hf_greedy(hf, i, NEW_TOKENS) for i in ids]  # reference on the CPU, float32
+    outs = llm.generate(ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    assert_pool_whole(llm)
+
+
+def test_bf16_flashinfer_against_transformers(gpu_models, record_property):
+    path = gpu_models["qwen3"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    llm = LLM(path, device="cuda")
+    assert type(llm.engine.backend).__name__ == "FlashInferBackend" and llm.engine.graphs is not None
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    outs = llm.generate(ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    identical, divergence = 0, []
+    for prompt, out in zip(ids, outs):
+        ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
+        same = [a == b for a, b in zip(ref, out.token_ids)]
+        identical += all(same)
+        divergence.append(same.index(False) if not all(same) else None)
+    print(f"bf16 identical sequences: {identical}/{len(ids)}; first divergence: {divergence}")
+    record_property("bf16_identical", f"{identical}/{len(ids)}")
+    assert identical >= len(ids) // 2
+    assert_pool_whole(llm)
+
+
+def test_flashinfer_matches_torch_backend_bf16(gpu_models):
+    path = gpu_models["llama"]
+    a = LLM(path, device="cuda", attention_backend="torch", disable=("cuda_graph",))
+    b = LLM(path, device="cuda", attention_backend="flashinfer", disable=("cuda_graph",))
+    ta = [o.token_ids for o in a.generate(PROMPTS, SamplingParams(max_new_tokens=16, ignore_eos=True))]
+    tb = [o.token_ids for o in b.generate(PROMPTS, SamplingParams(max_new_tokens=16, ignore_eos=True))]
+    assert sum(x == y for x, y in zip(ta, tb)) >= len(PROMPTS) - 1
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_overlap_equals_normal_on_gpu(qwen3, graphs):
+    disable = () if graphs else ("cuda_graph",)
+    ref = LLM(qwen3, device="cuda", loop="normal", chunk_size=16, disable=disable)
+    base = random_workload(0, ref.engine.model.vocab_size)
+    workload = with_stops(base, [t for t, _ in run(ref, base)], 0)
+    expected = run(ref, workload)
+    llm = LLM(qwen3, device="cuda", loop="overlap", chunk_size=16, disable=disable)
+    assert (llm.engine.graphs is not None) == graphs
+    assert run(llm, workload) == expected
+    assert llm.stats.overshoot_tokens > 0
+    assert_pool_whole(llm)
+
+
+def test_cuda_graph_on_equals_off(qwen3):
+    prompts = [f"request {i} " * (i + 1) for i in range(37)]  # 37: a padded graph size
+    on = LLM(qwen3, device="cuda", loop="overlap")
+    off = LLM(qwen3, device="cuda", loop="overlap", disable=("cuda_graph",))
+    assert [o.token_ids for o in on.generate(prompts, GREEDY)] == \
+        [o.token_ids for o in off.generate(prompts, GREEDY)]
+
+
+def test_pinned_copy_off_blocks_the_host_at_launch(qwen3):
+    """Off, the device-to-host copy is synchronous: launch() returns only after the forward,
+    so the host can no longer work under it. A 20 ms emulated device time makes it plain."""
+    def mean_launch_ms(*disable: str) -> float:
+        llm = LLM(qwen3, device="cuda", loop="overlap", disable=disable, device_delay_ms=20, trace=True)
+        llm.generate(["hello"] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        launches = [s.duration for s in llm.engine.tracer.resolve() if s.name == "launch"]
+        return 1000 * sum(launches) / len(launches)
+
+    assert mean_launch_ms("pinned_copy") > 18
+    assert mean_launch_ms() < 5
