@@ -10,9 +10,10 @@ if [ -f .whl/flashinfer-cache.tgz ]; then mkdir -p ~/.cache && tar xzf .whl/flas
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 git rev-parse --short HEAD 2>/dev/null || true
-case "${1:-bench}" in
+for what in "$@"; do
+case "$what" in
   tests)
-    python3 -m pytest -q -rA tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    python3 -m pytest -q -rA -s tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | grep -E "identical|launch /|passed|failed|^E " ;;
   bench)
     N=${N:-256}
     python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
@@ -21,5 +22,6 @@ case "${1:-bench}" in
     python3 -m minisgl bench --workload offline --num-requests "$N" --model /tmp/qwen3-0.6b \
       --compare-loops --delays 0 --disable cuda_graph --json "$OUT/eager.json" 2>&1 | tee "$OUT/bench_eager.log" ;;
 esac
+done
 (cd ~/.cache && tar czf "$OUT/flashinfer-cache.tgz" flashinfer 2>/dev/null) || true
 ls -la "$OUT"

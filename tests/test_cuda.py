@@ -77,17 +77,35 @@ def test_flashinfer_matches_torch_backend_bf16(gpu_models):
     assert sum(x == y for x, y in zip(ta, tb)) >= len(PROMPTS) - 1
 
 
-@pytest.mark.parametrize("graphs", [True, False])
-def test_overlap_equals_normal_on_gpu(qwen3, graphs):
-    disable = () if graphs else ("cuda_graph",)
-    ref = LLM(qwen3, device="cuda", loop="normal", chunk_size=16, disable=disable)
+def gpu_workload(model: str, **kwargs):
+    ref = LLM(model, device="cuda", loop="normal", chunk_size=16, **kwargs)
     base = random_workload(0, ref.engine.model.vocab_size)
     workload = with_stops(base, [t for t, _ in run(ref, base)], 0)
-    expected = run(ref, workload)
-    llm = LLM(qwen3, device="cuda", loop="overlap", chunk_size=16, disable=disable)
-    assert (llm.engine.graphs is not None) == graphs
+    return workload, run(ref, workload)
+
+
+def test_overlap_equals_normal_on_gpu_float32(qwen3):
+    """Exact: float32, torch backend, CUDA streams, pinned copies, FutureMap on the device."""
+    workload, expected = gpu_workload(qwen3, dtype="float32")
+    llm = LLM(qwen3, device="cuda", loop="overlap", chunk_size=16, dtype="float32")
     assert run(llm, workload) == expected
     assert llm.stats.overshoot_tokens > 0
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_overlap_matches_normal_on_gpu_bf16(qwen3, graphs, record_property):
+    """bf16 kernels are not batch-invariant: an overshoot row changes the batch size and thus the
+    GEMM's rounding for the other rows, so an argmax can flip on a near-tie. Report the share."""
+    disable = () if graphs else ("cuda_graph",)
+    workload, expected = gpu_workload(qwen3, disable=disable)
+    llm = LLM(qwen3, device="cuda", loop="overlap", chunk_size=16, disable=disable)
+    assert (llm.engine.graphs is not None) == graphs
+    got = run(llm, workload)
+    same = sum(g == e for g, e in zip(got, expected))
+    print(f"bf16 overlap vs normal (graphs={graphs}): {same}/{len(expected)} identical")
+    record_property("bf16_overlap_identical", f"{same}/{len(expected)}")
+    assert same >= 0.8 * len(expected)
     assert_pool_whole(llm)
 
 
@@ -101,12 +119,16 @@ def test_cuda_graph_on_equals_off(qwen3):
 
 def test_pinned_copy_off_blocks_the_host_at_launch(qwen3):
     """Off, the device-to-host copy is synchronous: launch() returns only after the forward,
-    so the host can no longer work under it. A 20 ms emulated device time makes it plain."""
-    def mean_launch_ms(*disable: str) -> float:
+    so the host can no longer work under it. An emulated device time makes it plain."""
+    def launch_over_forward(*disable: str) -> float:
         llm = LLM(qwen3, device="cuda", loop="overlap", disable=disable, device_delay_ms=20, trace=True)
-        llm.generate(["hello"] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True))
-        launches = [s.duration for s in llm.engine.tracer.resolve() if s.name == "launch"]
-        return 1000 * sum(launches) / len(launches)
+        llm.generate(["hello"] * 4, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        spans = llm.engine.tracer.resolve()
+        launch = sorted(s.duration for s in spans if s.name == "launch")
+        forward = sorted(s.duration for s in spans if s.name == "forward")
+        ratio = launch[len(launch) // 2] / forward[len(forward) // 2]
+        print(f"pinned_copy {'off' if disable else 'on'}: median launch / median forward = {ratio:.2f}")
+        return ratio
 
-    assert mean_launch_ms("pinned_copy") > 18
-    assert mean_launch_ms() < 5
+    assert launch_over_forward("pinned_copy") > 0.9
+    assert launch_over_forward() < 0.3
