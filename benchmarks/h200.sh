@@ -5,7 +5,7 @@
 # Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 if [ -f .whl/flashinfer-cache.tgz ]; then mkdir -p ~/.cache && tar xzf .whl/flashinfer-cache.tgz -C ~/.cache; fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -21,6 +21,11 @@ case "$what" in
       --compare-loops --delays 0 --hf --hf-requests 64 --json "$OUT/graphs.json" 2>&1 | tee "$OUT/bench_graphs.log"
     python3 -m minisgl bench --workload offline --num-requests "$N" --model /tmp/qwen3-0.6b \
       --compare-loops --delays 0 --disable cuda_graph --json "$OUT/eager.json" 2>&1 | tee "$OUT/bench_eager.log" ;;
+  graphs)
+    N=${N:-256}
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    python3 -m minisgl bench --workload offline --num-requests "$N" --model /tmp/qwen3-0.6b \
+      --compare-loops --delays 0 --json "$OUT/graphs.json" 2>&1 | tee "$OUT/bench_graphs.log" ;;
 esac
 done
 (cd ~/.cache && tar czf "$OUT/flashinfer-cache.tgz" flashinfer 2>/dev/null) || true

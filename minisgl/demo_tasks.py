@@ -35,6 +35,7 @@ from typing import Iterator
 
 __all__ = [
     "TASKS",
+    "TASK_WEIGHTS",
     "WORDS",
     "make_example",
     "is_held_out",
@@ -92,10 +93,15 @@ def _repeat(rng: random.Random) -> tuple[str, str]:
 _MAKERS = {"count": _count, "reverse": _reverse, "add": _add, "repeat": _repeat}
 
 
+# How often each task is drawn when none is asked for.  Addition (carries,
+# operands of different lengths) is the hardest to learn, repeating the easiest.
+TASK_WEIGHTS = {"count": 0.3, "reverse": 0.2, "add": 0.35, "repeat": 0.15}
+
+
 def make_example(rng: random.Random, task: str | None = None) -> tuple[str, str]:
-    """One ``(prompt, answer)`` pair of ``task`` (a random task if None), from either split."""
+    """One ``(prompt, answer)`` pair of ``task`` (a weighted random task if None), from either split."""
     if task is None:
-        task = rng.choice(TASKS)
+        task = rng.choices(TASKS, weights=[TASK_WEIGHTS[t] for t in TASKS])[0]
     try:
         maker = _MAKERS[task]
     except KeyError:

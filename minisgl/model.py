@@ -20,6 +20,7 @@ import json
 import math
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,10 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from minisgl import fused_ops
 from minisgl.attention import AttentionBackend, AttentionMetadata, KVCache
+
+Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -42,6 +46,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ops.active(x):
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         # The mean of squares is computed in float32: in bf16 it loses too many digits.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
@@ -83,16 +89,31 @@ def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, params: dict) -> None:
+    def __init__(self, head_dim: int, params: dict, max_positions: int) -> None:
         super().__init__()
+        self.max_positions = max_positions
+        self._cos_sin_cache: torch.Tensor | None = None
         # Not persistent: derived from the config, never stored in checkpoints.
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, params), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables [T, head_dim] for the given absolute positions."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotation for this batch's positions, as a function (q, k) -> (q, k); built once
+        per forward and shared by all layers."""
+        if fused_ops.active(torch.empty(0, dtype=dtype, device=positions.device)):
+            cache = self.cos_sin_cache()
+            return lambda q, k: fused_ops.apply_rope(q, k, positions, cache)
         angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, head_dim/2]
         angles = torch.cat((angles, angles), dim=-1)  # both halves of a head share one angle
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        return lambda q, k: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
+
+    def cos_sin_cache(self) -> torch.Tensor:
+        """[max_positions, head_dim] float32: cos of every angle, then sin (fused GPU path)."""
+        if self._cos_sin_cache is None:
+            positions = torch.arange(self.max_positions, device=self.inv_freq.device, dtype=torch.float32)
+            angles = positions[:, None] * self.inv_freq.float()[None, :]
+            self._cos_sin_cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        return self._cos_sin_cache
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -123,7 +144,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend):
+    def forward(self, x, rope: Rope, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend):
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -131,7 +152,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rope(q, k)
         out = backend.forward(q, k, v, self.layer_id, meta, kv)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -144,7 +165,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused_ops.active(gate_up):
+            return self.down_proj(fused_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -156,9 +180,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, cos, sin, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend):
+    def forward(self, h, rope: Rope, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend):
         # Pre-norm residual blocks: h + attn(norm(h)), then h + mlp(norm(h)).
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv, backend)
+        h = h + self.self_attn(self.input_layernorm(h), rope, meta, kv, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -170,7 +194,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, head_dim) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(head_dim, rope_parameters(config))
+        self.rotary = RotaryEmbedding(head_dim, rope_parameters(config), config.max_position_embeddings)
 
 
 class CausalLM(nn.Module):
@@ -190,9 +214,9 @@ class CausalLM(nn.Module):
         """input_ids [T] (the new tokens of all requests) -> logits [B, vocab] float32,
         one row per request, for its last new token (the one that predicts the next token)."""
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary(meta.positions, h.dtype)  # computed once, shared by all layers
+        rope = self.model.rotary(meta.positions, h.dtype)  # computed once, shared by all layers
         for layer in self.model.layers:
-            h = layer(h, cos, sin, meta, kv, backend)
+            h = layer(h, rope, meta, kv, backend)
         # Only the last new token of each request needs logits; the vocab projection is
         # the largest matmul in small models, so skip it for all other prompt tokens.
         last_rows = meta.qo_indptr[1:].long() - 1

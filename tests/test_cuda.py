@@ -132,3 +132,25 @@ def test_pinned_copy_off_blocks_the_host_at_launch(qwen3):
 
     assert launch_over_forward("pinned_copy") > 0.9
     assert launch_over_forward() < 0.3
+
+
+def test_fused_ops_match_torch_reference(gpu_models, monkeypatch):
+    """FlashInfer's fused RMSNorm / rotary / SiLU-and-mul give the torch reference's logits (bf16)."""
+    from minisgl import fused_ops
+
+    llm = LLM(gpu_models["qwen3"], device="cuda", disable=("cuda_graph",))
+    ids = llm.tokenizer.encode(PROMPTS[3])
+    model, kv = llm.engine.model, llm.engine.kv
+    positions = torch.arange(len(ids), device="cuda")
+    from minisgl.attention import AttentionMetadata, TorchAttentionBackend
+
+    meta = AttentionMetadata(positions=positions, out_slots=positions + 1,
+                             qo_indptr=torch.tensor([0, len(ids)], dtype=torch.int32, device="cuda"),
+                             kv_indptr=torch.tensor([0, len(ids)], dtype=torch.int32, device="cuda"),
+                             kv_indices=positions + 1, qo_lens=[len(ids)], kv_lens=[len(ids)])
+    with torch.inference_mode():
+        fused = model(torch.tensor(ids, device="cuda"), meta, kv, TorchAttentionBackend())
+        monkeypatch.setattr(fused_ops, "ENABLED", False)
+        reference = model(torch.tensor(ids, device="cuda"), meta, kv, TorchAttentionBackend())
+    torch.testing.assert_close(fused, reference, atol=0.1, rtol=0.05)
+    assert fused.argmax(-1).item() == reference.argmax(-1).item()
