@@ -30,66 +30,60 @@ def expected(qwen3):
     return [o.token_ids for o in outs]
 
 
+def start_two(llm: LLM):
+    """A request to keep and one to abort; returns their ids and the scheduler's Req of the latter."""
+    keep = llm.add_request("hello there", GREEDY)
+    gone = llm.add_request(LONG, GREEDY)
+    return keep, gone, llm.scheduler.waiting[-1]
+
+
+def abort_and_drain(llm: LLM, keep: int, gone: int, expected) -> object:
+    """Abort `gone`, run to the end; the other request is untouched and the pools are whole."""
+    llm.abort(gone)
+    outs = drain(llm)
+    assert outs[gone].finish_reason == "abort"
+    assert outs[gone].token_ids == expected[1][:len(outs[gone].token_ids)]  # what was committed was right
+    assert outs[keep].token_ids == expected[0]
+    assert_pool_whole(llm)
+    return outs[gone]
+
+
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_abort_queued(qwen3, expected, loop):
     llm = LLM(qwen3, loop=loop, max_running_requests=1)
-    keep = llm.add_request("hello there", GREEDY)
-    gone = llm.add_request(LONG, GREEDY)
+    keep, gone, _ = start_two(llm)
     llm.step()
     assert llm.scheduler.waiting  # still queued: the only row is taken
-    llm.abort(gone)
-    outs = drain(llm)
-    assert outs[gone].finish_reason == "abort" and outs[gone].token_ids == []
-    assert outs[keep].token_ids == expected[0]
-    assert_pool_whole(llm)
+    assert abort_and_drain(llm, keep, gone, expected).token_ids == []
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_abort_while_prefilling_in_chunks(qwen3, expected, loop):
     llm = LLM(qwen3, loop=loop, chunk_size=4, device_delay_ms=5)
-    keep = llm.add_request("hello there", GREEDY)
-    gone = llm.add_request(LONG, GREEDY)
+    keep, gone, req = start_two(llm)
     llm.step()
-    req = llm.scheduler.prefilling[-1]
     assert 0 < req.launched_len < req.prompt_len  # part of the prompt is in flight
-    llm.abort(gone)
-    outs = drain(llm)
-    assert outs[gone].finish_reason == "abort" and outs[gone].token_ids == []
-    assert outs[keep].token_ids == expected[0]
-    assert_pool_whole(llm)
+    assert abort_and_drain(llm, keep, gone, expected).token_ids == []
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_abort_while_decoding(qwen3, expected, loop):
     llm = LLM(qwen3, loop=loop, device_delay_ms=5)
-    keep = llm.add_request("hello there", GREEDY)
-    gone = llm.add_request(LONG, GREEDY)
+    keep, gone, _ = start_two(llm)
     for _ in range(5):
         llm.step()
-    llm.abort(gone)
-    outs = drain(llm)
-    assert outs[gone].finish_reason == "abort"
-    assert 0 < len(outs[gone].token_ids) < GREEDY.max_new_tokens
-    assert outs[gone].token_ids == expected[1][:len(outs[gone].token_ids)]  # committed tokens were right
-    assert outs[keep].token_ids == expected[0]
-    assert_pool_whole(llm)
+    out = abort_and_drain(llm, keep, gone, expected)
+    assert 0 < len(out.token_ids) < GREEDY.max_new_tokens
 
 
 def test_abort_while_final_token_in_flight(qwen3, expected):
     llm = LLM(qwen3, loop="overlap", device_delay_ms=5)
-    keep = llm.add_request("hello there", GREEDY)
-    gone = llm.add_request(LONG, GREEDY)
-    req = llm.scheduler.waiting[-1]
+    keep, gone, req = start_two(llm)
     while not req.will_finish_by_length():  # step until its last token is launched, not committed
         llm.step()
     assert req.inflight_samples >= 1 and not req.finished
-    llm.abort(gone)
-    outs = drain(llm)
-    assert outs[gone].finish_reason == "abort"
-    assert outs[gone].token_ids == expected[1][:len(outs[gone].token_ids)]
+    abort_and_drain(llm, keep, gone, expected)
     assert llm.stats.overshoot_tokens >= 1  # the in-flight result was dropped, not committed
-    assert outs[keep].token_ids == expected[0]
-    assert_pool_whole(llm)
 
 
 def test_abort_unknown_request(qwen3):
