@@ -61,7 +61,8 @@ def test_abort_queued(qwen3, expected, loop):
 def test_abort_while_prefilling_in_chunks(qwen3, expected, loop):
     llm = LLM(qwen3, loop=loop, chunk_size=4, device_delay_ms=5)
     keep, gone, req = start_two(llm)
-    llm.step()
+    while req.launched_len == 0:
+        llm.step()
     assert 0 < req.launched_len < req.prompt_len  # part of the prompt is in flight
     assert abort_and_drain(llm, keep, gone, expected).token_ids == []
 
