@@ -241,6 +241,7 @@ def tiny_config(
     eos_token_id: int = 1,
     pad_token_id: int = 2,
     dtype: str | None = None,
+    init_std: float = 0.02,
 ):
     """The ``transformers`` config that :func:`make_tiny` uses (no weights)."""
     config_cls, _ = _classes(arch)
@@ -263,7 +264,7 @@ def tiny_config(
         rope_theta=rope_theta,
         hidden_act="silu",
         rms_norm_eps=1e-6,
-        initializer_range=0.02,
+        initializer_range=init_std,
         attention_bias=(arch == "qwen2"),  # Qwen2 has q/k/v biases; Llama and Qwen3 do not
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
@@ -309,6 +310,7 @@ def make_tiny(
     seed: int = 0,
     dtype: str | None = None,
     config_only: bool = False,
+    init_std: float = 0.02,
 ) -> Path:
     """Write a checkpoint with random weights to ``out_dir`` and return its path.
 
@@ -337,7 +339,7 @@ def make_tiny(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    config = tiny_config(arch, preset, vocab_size=len(tok), dtype=dtype, **ids)
+    config = tiny_config(arch, preset, vocab_size=len(tok), dtype=dtype, init_std=init_std, **ids)
     torch_dtype = config.dtype
     rope_theta = PRESETS[preset]["rope_theta"]
 

@@ -20,7 +20,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: str(make_tiny(root / arch, arch, seed=7)) for arch in ("llama", "qwen2", "qwen3")}
+    # init_std 0.1 rather than transformers' 0.02: sharper attention and logits, so that a
+    # corrupted KV entry visibly changes tokens (the mechanism tests) and argmax ties are rare.
+    return {arch: str(make_tiny(root / arch, arch, seed=7, init_std=0.1)) for arch in ("llama", "qwen2", "qwen3")}
 
 
 @pytest.fixture(scope="session")
