@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention import KVCache
 from .engine import Engine, ForwardBatch, ForwardResult
 from .future_map import placeholder
 from .kv_pool import KVAccountingError, KVPool, ReqToTokenPool
@@ -40,6 +41,9 @@ class BatchView:
     generations: list[int]
     samples: list[bool]  # does row i's sampled token become an output? (no: a non-final prefill chunk)
     qo_lens: list[int]
+
+    def snapshot(self) -> "BatchView":
+        return self  # built per batch and never mutated: already a snapshot
 
 
 class RunningBatch:
@@ -136,9 +140,7 @@ class Scheduler:
         self._deferred_rows: list[int] = []
         self._reserved = 0  # KV slots promised to admitted requests but not yet allocated
 
-    def _make_kv_cache(self, num_slots: int):
-        from .attention import KVCache
-
+    def _make_kv_cache(self, num_slots: int) -> KVCache:
         m = self.engine.model
         return KVCache(m.num_layers, num_slots, m.num_kv_heads, m.head_dim, self.engine.dtype, self.device)
 
@@ -195,9 +197,7 @@ class Scheduler:
             # The queue keeps a snapshot: the live running batch will be filtered and merged by
             # the next schedule() before this result is committed. Holding the live batch would
             # zip batch n's tokens with batch n+1's requests (article 000, "batch.copy()").
-            view = planned.view.snapshot() if self.on("batch_snapshot") and isinstance(planned.view, RunningBatch) \
-                else planned.view
-            ongoing = InFlight(view, result)
+            ongoing = InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
         if last is not None:
             self.commit(last)  # batch n-1's results, while batch n runs on the device
         return ongoing
