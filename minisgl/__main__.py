@@ -60,8 +60,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     params.validate()
     llm = build_llm(args)
-    prompts = args.prompt or [p for p, _ in _demo_pairs(3)]
-    outs = llm.generate(prompts, params)
+    prompts = args.prompt or [p for p, _ in _demo_pairs(args.num_demo_prompts)]
+    outs = _generate_with_progress(llm, prompts, params)
     table = Table(title=f"minisgl generate ({args.loop} loop, {llm.device})")
     table.add_column("prompt", overflow="fold")
     table.add_column("output", overflow="fold", style="green")
@@ -72,6 +72,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     Console().print(table)
     llm.close()
     return 0
+
+
+def _generate_with_progress(llm, prompts: list[str], params):
+    """A progress bar for long runs (a handful of prompts finishes before it would show)."""
+    from rich.progress import Progress
+
+    if len(prompts) < 16:
+        return llm.generate(prompts, params)
+    with Progress(transient=True) as progress:
+        task = progress.add_task("generating", total=len(prompts))
+        return llm.generate(prompts, params, on_step=lambda done: progress.update(task, completed=done))
 
 
 def _demo_pairs(n: int) -> list[tuple[str, str]]:
@@ -118,7 +129,8 @@ def parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for prompts")
     _engine_args(g)
-    g.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three demo prompts)")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable; default: demo prompts)")
+    g.add_argument("--num-demo-prompts", type=int, default=3, help="without --prompt: how many demo prompts")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)

@@ -298,7 +298,7 @@ def run_trace(args: argparse.Namespace) -> int:
 
     model = default_model(args)
     args.model = str(model)
-    workload = _demo_workload(args.num_requests)
+    workload = _demo_workload(model, args.num_requests)
     r = measure(args, workload, args.loop, args.device_delay_ms)
     write_chrome_trace(r["_spans"], args.out)
     console.print(render_timeline(r["_spans"], title=f"{args.loop} loop, device delay {args.device_delay_ms:g} ms"))
@@ -307,15 +307,17 @@ def run_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo_workload(n: int) -> Workload:
-    from .assets import demo_model_path
-    from transformers import AutoTokenizer
+def _demo_workload(model: Path, n: int) -> Workload:
+    """Held-out demo prompts, tokenized for `model` (random ids if it has no tokenizer)."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from .demo_tasks import demo_prompts
 
-    tok = AutoTokenizer.from_pretrained(demo_model_path())
-    pairs = demo_prompts(n, seed=0)
-    return Workload("demo", [tok.encode(p) for p, _ in pairs], [SamplingParams(max_new_tokens=48)] * n)
+    params = [SamplingParams(max_new_tokens=48)] * n
+    if (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists():
+        tok = AutoTokenizer.from_pretrained(model)
+        return Workload("demo", [tok.encode(p) for p, _ in demo_prompts(n, seed=0)], params)
+    return small_workload(AutoConfig.from_pretrained(model).vocab_size, n)
 
 
 def run_demo(args: argparse.Namespace) -> int:
