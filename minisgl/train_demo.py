@@ -29,6 +29,7 @@ import platform
 import random
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -207,10 +208,9 @@ def train_demo(
     random.seed(seed)
     torch.manual_seed(seed)
     out_dir = Path(out_dir)
-    work = out_dir.parent / (out_dir.name + ".tmp")
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    # Build everything in a scratch directory (outside the package, so an
+    # interrupted run leaves nothing behind) and move it into out_dir at the end.
+    work = Path(tempfile.mkdtemp(prefix="minisgl-train-demo-"))
 
     # 1. tokenizer
     texts = [builtin_text()] + demo_tasks.tokenizer_corpus(seed=seed)
@@ -312,6 +312,7 @@ def train_demo(
                 old.unlink()
         for f in work.iterdir():
             shutil.move(str(f), str(out_dir / f.name))
+            os.chmod(out_dir / f.name, 0o644)  # safetensors writes 0600
         work.rmdir()
         log(f"[train-demo] wrote {out_dir} ({stats['dir_bytes'] / 1e6:.2f} MB) in {stats['total_seconds']:.0f}s")
     else:
