@@ -73,8 +73,11 @@ class RunningBatch:
         return [1] * len(self.reqs)
 
     def snapshot(self) -> BatchView:
+        # >>> exercise 3: return a BatchView of this batch as it is now: its id, is_prefill False, a *copy* of the
+        # >>> request list, and the rows, generations, samples and qo_lens lists (the properties build fresh lists).
         return BatchView(self.batch_id, False, list(self.reqs), self.rows, self.generations, self.samples,
                          self.qo_lens)
+        # <<< exercise 3
 
 
 @dataclass
@@ -181,6 +184,11 @@ class Scheduler:
 
     def overlap_loop(self, last: InFlight | None) -> InFlight | None:
         """Pipelined: launch batch n+1, then commit batch n while n+1 runs (overlap_loop(last_data))."""
+        # >>> exercise 1: write overlap_loop from normal_loop: schedule() batch n+1 and launch() it, keep
+        # >>> InFlight(snapshot of planned.view, result), then commit(last) while n+1 runs; return the new
+        # >>> InFlight (or None). Keep the switches: future_map off -> self._sync(last) before schedule();
+        # >>> prefill_sync on and two prefills in a row -> self._sync(last) before launch(); batch_snapshot off
+        # >>> -> keep the live RunningBatch as the view.
         if last is not None and not self.on("future_map"):
             # Without the device-side relay, n+1's input ids must come from committed host
             # tokens, so batch n is committed first: the bubble is back (article 000, "future token").
@@ -201,6 +209,7 @@ class Scheduler:
         if last is not None:
             self.commit(last)  # batch n-1's results, while batch n runs on the device
         return ongoing
+        # <<< exercise 1
 
     def _sync(self, last: InFlight) -> None:
         self.stats.early_syncs += 1
@@ -255,8 +264,11 @@ class Scheduler:
         # Length lookahead: leave out requests whose launched samples already reach
         # max_new_tokens. Their last token is in flight; another step would be wasted overshoot
         # (article 000, "Overshoot": _reqs_finishing_inflight()).
+        # >>> exercise 4: length lookahead: when length_lookahead is on, drop from self.running.reqs (in place) every
+        # >>> request whose launched samples already reach max_new_tokens (Req.will_finish_by_length()).
         if self.on("length_lookahead"):
             self.running.reqs[:] = [r for r in self.running.reqs if not r.will_finish_by_length()]
+        # <<< exercise 4
         if not self.running.reqs:
             return None
         tokens: dict[str, list] = {k: [] for k in ("input_ids", "positions", "out_slots", "token_rows")}
@@ -379,21 +391,28 @@ class Scheduler:
                 # reachable with deferred_row_free off; the generation is how we detect it.
                 self.stats.stale_row_results += 1
                 continue
+            # >>> exercise 4: skip_finished: when it is on and req already finished (EOS one batch earlier, or aborted),
+            # >>> this late result is not an output: count it in self.stats.overshoot_tokens and skip the row.
             if req.finished and self.on("skip_finished"):
                 # Overshoot: the request finished (EOS at batch n-1, or aborted) while this step
                 # was already in flight. Its token is not an output (article 000, "Overshoot").
                 self.stats.overshoot_tokens += 1
                 continue
+            # <<< exercise 4
             req.kv_committed_len += qo_len
             if not sampled:
                 continue
             req.inflight_samples -= 1
             finished_before = req.finished  # only possible with skip_finished off
             req.commit_token(token)
+            # >>> exercise 5: the commit point: if commit_token() finished req, release it here (unless it was already
+            # >>> released, e.g. by an abort; a second finish, finished_before, must call _release again so that
+            # >>> the double free is reported) and append it to self.finished.
             if req.finished:
                 if finished_before or not req.released:
                     self._release(req)  # a second finish is a double free, and _release says so
                 self.finished.append(req)
+            # <<< exercise 5
         self._free_deferred_rows()
 
     def _release(self, req: Req) -> None:
@@ -403,16 +422,24 @@ class Scheduler:
         if req.released:
             raise KVAccountingError(f"double free: request {req.rid} released twice")
         req.released = True
+        # >>> exercise 5: checkpoint: written = positions whose KV committed batches wrote, min(req.kv_committed_len,
+        # >>> req.committed_len); insert those committed ids and their slots (an int64 tensor) into self.cache;
+        # >>> insert() returns how much the tree already had: free our slots from req.cached_len up to it;
+        # >>> then unlock req.prefix_node. The code below needs `written`.
         written = min(req.kv_committed_len, req.committed_len)  # positions whose KV committed batches wrote
         slots = req.slot_ids[:written]
         present = self.cache.insert(req.committed_ids()[:written], torch.tensor(slots, dtype=torch.int64))
         self.kv_pool.free(slots[req.cached_len:present])  # our copies of what the tree already had
         self.cache.unlock(req.prefix_node)
+        # <<< exercise 5
         # The tail beyond the committed KV: the overshoot slot and any planned-but-unused slot.
         # Freeing it while the overshoot step may still write it is safe: any new owner's writes
         # are queued behind that step on the same stream.
+        # >>> exercise 4: free the private tail req.slot_ids[written:end] to self.kv_pool, where end is
+        # >>> req.allocated_len (covers the overshoot slot) when release_allocated is on, else written.
         end = req.allocated_len if self.on("release_allocated") else written
         self.kv_pool.free(req.slot_ids[written:end])
+        # <<< exercise 4
         self._reserved -= req.reserved_tokens
         req.reserved_tokens = 0
         self._free_row(req.row)
@@ -422,12 +449,17 @@ class Scheduler:
         # the request table on the device). Reusing the row before that batch is done would let
         # the old request's late write land in the new request's row (ABA; article 000,
         # "请求行的释放也比普通循环敏感").
+        # >>> exercise 6: a row last launched in a batch that has not passed copy_done (self._row_last_launch[row] >
+        # >>> self._device_done_id) goes to self._deferred_rows while deferred_row_free is on; otherwise
+        # >>> self.req_to_token.free(row) now.
         if self.on("deferred_row_free") and self._row_last_launch[row] > self._device_done_id:
             self._deferred_rows.append(row)
         else:
             self.req_to_token.free(row)
+        # <<< exercise 6
 
     def _free_deferred_rows(self) -> None:
+        # >>> exercise 6: free every deferred row whose last launched batch has now passed copy_done; keep the others.
         still = []
         for row in self._deferred_rows:
             if self._row_last_launch[row] > self._device_done_id:
@@ -435,6 +467,7 @@ class Scheduler:
             else:
                 self.req_to_token.free(row)
         self._deferred_rows = still
+        # <<< exercise 6
 
     def _handle_aborts(self) -> None:
         for req in [r for r in self.waiting if r.abort_requested]:

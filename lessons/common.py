@@ -1,0 +1,211 @@
+"""What every lesson script shares: the model, one traced run, and how figures are printed.
+
+Kept small on purpose: a lesson script should read top to bottom without jumping here
+more than once or twice. Every figure a lesson wants you to look at is printed by
+`figure()` as one line `» name = value` (tests/test_lessons.py parses those lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python lessons/lesson_N_x.py` from anywhere finds this checkout's minisgl
+    sys.path.insert(0, str(ROOT))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import minisgl  # noqa: E402
+from minisgl import LLM, SamplingParams  # noqa: E402
+from minisgl.scheduler import SchedulerStats  # noqa: E402
+from minisgl.timeline import render_timeline  # noqa: E402
+from minisgl.trace import pipeline_metrics, request_metrics  # noqa: E402
+
+console = Console(width=int(os.environ.get("LESSON_WIDTH", "104")), highlight=False)
+OK, BAD = "✓", "✗"
+
+
+# --------------------------------------------------------------------------- the model
+
+_MODEL: Path | None = None
+
+
+def model_path() -> Path:
+    """$MINISGL_LESSON_MODEL, else the demo model, else (said loudly) a tiny random model."""
+    global _MODEL
+    if _MODEL is None:
+        if os.environ.get("MINISGL_LESSON_MODEL"):
+            _MODEL = Path(os.environ["MINISGL_LESSON_MODEL"])
+        else:
+            try:
+                _MODEL = minisgl.demo_model_path()
+            except FileNotFoundError:
+                from minisgl.tiny import make_tiny
+
+                _MODEL = make_tiny(Path(tempfile.mkdtemp(prefix="minisgl-lesson-")), "qwen3", seed=7)
+                console.print(f"[yellow]the demo model is missing (minisgl/assets/demo): using a tiny RANDOM model "
+                              f"in {_MODEL}. Its answers are gibberish (every row shows {BAD}); the scheduling "
+                              f"you are here to watch is the same.[/]")
+    return _MODEL
+
+
+def demo_pairs(n: int) -> list[tuple[str, str]]:
+    """n held-out (prompt, expected answer) pairs: the model never saw them in training."""
+    return minisgl.demo_prompts(n, seed=0)
+
+
+# --------------------------------------------------------------------------- a run
+
+@dataclass
+class Run:
+    label: str
+    llm: LLM
+    outs: list
+    wall_s: float
+    host_cpu_s: float  # CPU time of the scheduler (main) thread during generate(): waiting costs none
+
+    @property
+    def spans(self):
+        return self.llm.engine.tracer.resolve()
+
+    @property
+    def metrics(self) -> dict:
+        return pipeline_metrics(self.spans)
+
+    @property
+    def latency(self) -> dict:
+        return request_metrics(self.outs)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.llm.stats
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [o.token_ids for o in self.outs]
+
+    @property
+    def tok_per_s(self) -> float:
+        return sum(len(t) for t in self.tokens) / self.wall_s
+
+
+def make_llm(loop: str = "overlap", disable=(), delay_ms: float = 0.0, warm: bool = True, model=None,
+             **kwargs) -> LLM:
+    """An LLM with tracing on. `warm`: one tiny request first, then traces and counters reset,
+    so that figures describe the lesson's workload only. (Not with batch_snapshot off: there
+    even one request can lose its last token and never finish, see lesson 5.) `model`: another
+    checkpoint than the lesson model; other keyword arguments go to LLM."""
+    kwargs.setdefault("kv_tokens", 8192)  # plenty for a lesson, and small: lessons keep several engines alive
+    llm = LLM(model or model_path(), loop=loop, disable=disable, device_delay_ms=delay_ms, trace=True, **kwargs)
+    if warm and "batch_snapshot" not in disable:
+        llm.generate(["add 1 2:"], SamplingParams(max_new_tokens=2))
+        llm.engine.tracer.clear()
+        llm.scheduler.stats = SchedulerStats()
+    return llm
+
+
+def run(label: str, prompts, params, loop: str = "overlap", disable=(), delay_ms: float = 0.0, **kwargs) -> Run:
+    """generate() the prompts on a fresh engine and keep everything a lesson may want to show."""
+    llm = make_llm(loop, disable, delay_ms, **kwargs)
+    start, cpu = time.perf_counter(), time.thread_time()
+    outs = llm.generate(prompts, params)
+    return Run(label, llm, outs, time.perf_counter() - start, time.thread_time() - cpu)
+
+
+# --------------------------------------------------------------------------- printing
+
+def header(number: int, title: str, read: list) -> None:
+    """Lesson title, then where to read: each item an object (printed as file:line) or a string."""
+    console.rule(f"[bold]Lesson {number}: {title}")
+    console.print(f"model: {model_path()}")
+    for item in read:
+        console.print(f"  read  {where(item) if not isinstance(item, str) else item}")
+
+
+def where(obj) -> str:
+    """`minisgl/scheduler.py:178 Scheduler.overlap_loop`, with the line number of today's code."""
+    obj = inspect.unwrap(obj)
+    path = Path(inspect.getsourcefile(obj)).resolve()
+    line = inspect.getsourcelines(obj)[1]
+    try:
+        path = path.relative_to(ROOT)
+    except ValueError:
+        pass
+    return f"{path}:{line} {obj.__qualname__}"
+
+
+def section(text: str) -> None:
+    console.print()
+    console.rule(text, style="cyan", align="left")
+
+
+def figure(name: str, value: float | int, fmt: str = "{:.3f}", note: str = "") -> float:
+    """Print a key figure on its own line: `» name = value  (note)`. Returns the value."""
+    console.print(f"» {name} = {fmt.format(value)}" + (f"   [dim]({note})[/]" if note else ""))
+    return value
+
+
+def notice(text: str) -> None:
+    """The one line the learner should take away."""
+    console.print()
+    console.print(f"[bold green]Notice:[/] {text}")
+
+
+def timeline(r: Run, width: int | None = None, iterations: int = 6) -> None:
+    console.print(render_timeline(r.spans, title=r.label, width=width or console.width, max_iterations=iterations))
+
+
+def answers(pairs: list[tuple[str, str]], outs, limit: int = 8, title: str = "answers") -> int:
+    """prompt | expected | generated | ✓/✗ for the first `limit` rows; returns how many are right."""
+    table = Table(title=title, title_justify="left")
+    for col in ("prompt", "expected", "generated", "", "finish"):
+        table.add_column(col, overflow="fold")
+    right = 0
+    for i, ((prompt, expected), out) in enumerate(zip(pairs, outs)):
+        ok = out.text == expected
+        right += ok
+        if i < limit:
+            table.add_row(prompt, expected, out.text, OK if ok else BAD, out.finish_reason)
+    console.print(table)
+    console.print(f"{right}/{len(outs)} answers exactly right" + (f" (first {limit} shown)" if len(outs) > limit else ""))
+    return right
+
+
+def side_by_side(title: str, runs: list[Run], rows: dict) -> None:
+    """A table: one column per run, one row per figure; `rows` maps a label to fn(run) -> str."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("")
+    for r in runs:
+        table.add_column(r.label, justify="right")
+    for label, fn in rows.items():
+        table.add_row(label, *(fn(r) for r in runs))
+    console.print(table)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def pct(fraction: float) -> str:
+    return f"{fraction:.1%}"
+
+
+def differing(tokens: list[list[int]], reference: list[list[int]]) -> int:
+    """How many requests' outputs differ from the reference run's."""
+    return sum(a != b for a, b in zip(tokens, reference))
+
+
+def parse_args(doc: str, delay_ms: float) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer requests (CI)")
+    ap.add_argument("--delay-ms", type=float, default=delay_ms,
+                    help=f"emulated device time per forward, ms (default {delay_ms:g}; CPU teaching aid)")
+    return ap.parse_args()

@@ -1,0 +1,54 @@
+"""Exercise 6: with one request row, the next request may take it only after the old owner's
+overshoot step (still in flight when the old owner finished) has been committed."""
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+
+from .conftest import assert_pool_whole
+
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+def one_row_run(model: str, *disabled: str):
+    """A stops on a stop token (its overshoot step is in flight when it finishes); B waits for the row."""
+    (ref,) = LLM(model, loop="normal").generate(["abc"], GREEDY)
+    k = next(i for i, t in enumerate(ref.token_ids) if i >= 2 and t not in ref.token_ids[:i])
+    llm = LLM(model, loop="overlap", max_running_requests=1, disable=disabled, device_delay_ms=5)
+    batches: dict[int, list[int]] = {}  # batch id -> request ids in it, recorded at launch
+    launch = llm.scheduler.launch
+
+    def spy(planned):
+        batches[planned.forward.batch_id] = [r.rid for r in planned.view.reqs]
+        return launch(planned)
+
+    llm.scheduler.launch = spy
+    a_params = SamplingParams(max_new_tokens=12, stop_token_ids=(ref.token_ids[k],))
+    a, b = llm.generate(["abc", "hello there"], [a_params, GREEDY])
+    a_last = max(bid for bid, rids in batches.items() if a.rid in rids)  # A's overshoot step
+    b_first = min(bid for bid, rids in batches.items() if b.rid in rids)
+    order = {event: i for i, event in enumerate(llm.stats.events)}
+    return llm, a, b, order[("commit", a_last)] < order[("launch", b_first)]
+
+
+def test_row_is_reused_only_after_the_overshoot_step_commits(qwen3):
+    llm, a, b, waited = one_row_run(qwen3)
+    assert a.finish_reason == "stop" and llm.stats.overshoot_tokens == 1
+    assert waited, "B was launched in the row while A's overshoot step was still in flight"
+    assert llm.stats.stale_row_results == 0
+    (b_ref,) = LLM(qwen3, loop="normal").generate(["hello there"], GREEDY)
+    assert b.token_ids == b_ref.token_ids
+    assert_pool_whole(llm)
+
+
+def test_switched_off_the_row_is_reused_at_once_and_the_generation_check_sees_it(qwen3):
+    llm, _, _, waited = one_row_run(qwen3, "deferred_row_free")
+    assert not waited
+    assert llm.stats.stale_row_results == 1
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_rows_all_come_back(qwen3, loop):
+    llm = LLM(qwen3, loop=loop, max_running_requests=2)
+    llm.generate([f"request {i}" for i in range(5)], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert_pool_whole(llm)
