@@ -64,7 +64,7 @@ def attention_alone(tensor_cores: bool, batch: int = 256, kv_len: int = 820, lay
     ms = (time.perf_counter() - start) * 1000
     gbytes = layers * batch * kv_len * kv_heads * dim * 2 * 2 / 1e9
     print(f"FlashInfer decode x{layers} layers, B={batch}, kv={kv_len}, tensor_cores={tensor_cores}: "
-          f"{ms:.2f} ms, {gbytes / ms:.0f} GB/s")
+          f"{ms:.2f} ms, {gbytes / (ms / 1000):.0f} GB/s")
     return ms
 
 
