@@ -26,3 +26,28 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# ---- lessons and exercises (lessons/README.md) --------------------------------------------
+# make lessons                 one line per lesson: number and title
+# make lesson-3 [ARGS=--quick] run lesson 3 (lesson 9 needs an NVIDIA GPU, and says so without one)
+# make exercises               one line per exercise
+# make exercise-1 [PYTEST_ARGS=-x]  make lessons/exercises/work/ex1 if missing, run its tests against it
+# make exercise-ref-1          the same tests against the reference code
+.PHONY: exercises
+
+lessons:
+	@for f in $$(ls lessons/lesson_*.py | sort -t_ -k2 -n); do sed -n '1s/^"""//p' $$f; done
+
+lesson-%: install
+	@f=$$(ls lessons/lesson_$*_*.py 2>/dev/null | head -1); \
+	if [ -z "$$f" ]; then echo "no lesson $* (make lessons lists them)"; exit 2; fi; \
+	$(PY) $$f $(ARGS)
+
+exercises: install
+	@$(PY) lessons/exercises/make_exercise.py list
+
+exercise-ref-%: install
+	$(PY) lessons/exercises/make_exercise.py check $* --reference -- $(PYTEST_ARGS)
+
+exercise-%: install
+	$(PY) lessons/exercises/make_exercise.py check $* -- $(PYTEST_ARGS)

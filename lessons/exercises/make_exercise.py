@@ -265,19 +265,27 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--force", action="store_true", help="replace an existing copy: your work there is lost")
     g.add_argument("--dest", type=Path, default=None, help="default lessons/exercises/work/exN")
     c = sub.add_parser("check", help="run the exercise's tests against the learner's copy (made if missing)")
-    c.add_argument("number", type=int)
+    c.add_argument("number", help="an exercise number, or 'all' with --reference (every selection, one run)")
     c.add_argument("--dest", type=Path, default=None)
     c.add_argument("--reference", action="store_true", help="run the same tests against the reference code")
-    c.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments (e.g. -x, -k name)")
-    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []  # after --: extra pytest arguments (-x, -k ...)
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.pytest_args = extra
 
     if args.command == "list":
         for e in EXERCISES.values():
             print(f"exercise-{e.number}  {e.title}  [lesson {e.lesson}]")
         return 0
-    if args.number not in EXERCISES:
-        raise SystemExit(f"no exercise {args.number}; there are {sorted(EXERCISES)}")
-    exercise = EXERCISES[args.number]
+    if args.command == "check" and args.number == "all":
+        if not args.reference:
+            raise SystemExit("'check all' runs the reference only: add --reference")
+        tests = list(dict.fromkeys(t for e in EXERCISES.values() for t in e.tests))
+    else:
+        args.number = int(args.number) if str(args.number).isdigit() else -1
+        if args.number not in EXERCISES:
+            raise SystemExit(f"no exercise {args.number}; there are {sorted(EXERCISES)}")
+        tests = list(EXERCISES[args.number].tests)
     if args.command == "generate":
         dest = args.dest or WORK / f"ex{args.number}"
         made = generate(args.number, dest, args.force)
@@ -287,11 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.reference:
         with tempfile.TemporaryDirectory(prefix="minisgl-reference-") as tmp:
             generate(None, Path(tmp))
-            return run_tests(list(exercise.tests), Path(tmp), args.pytest_args)
+            return run_tests(tests, Path(tmp), args.pytest_args)
     dest = args.dest or WORK / f"ex{args.number}"
     if generate(args.number, dest):
         print(f"wrote the skeleton: {dest / 'minisgl'} (edit the regions that raise NotImplementedError)")
-    return run_tests(list(exercise.tests), dest, args.pytest_args)
+    return run_tests(tests, dest, args.pytest_args)
 
 
 if __name__ == "__main__":

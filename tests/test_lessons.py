@@ -1,0 +1,128 @@
+"""Lessons (lessons/): every CPU lesson script runs in --quick mode and prints its key figures,
+which are parsed (`» name = value` lines) and checked; lesson 9 exits 0 with its GPU message
+without CUDA. Also: `make lessons` lists every lesson, each script has its text, and every
+code reference `minisgl/x.py:LINE name` in the texts points at today's line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+LESSONS = ROOT / "lessons"
+FIGURE = re.compile(r"^» (?P<name>.+?) = (?P<value>-?[\d.]+)", re.MULTILINE)
+SCRIPTS = {int(p.name.split("_")[1]): p for p in LESSONS.glob("lesson_*.py")}
+sys.path.insert(0, str(LESSONS))
+import check_refs  # noqa: E402
+
+
+def run_lesson(number: int, *args: str) -> tuple[str, dict[str, float]]:
+    done = subprocess.run([sys.executable, str(SCRIPTS[number]), "--quick", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "LESSON_WIDTH": "120"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    figures = {m["name"]: float(m["value"]) for m in FIGURE.finditer(done.stdout)}
+    assert "Notice:" in done.stdout or number == 9
+    return done.stdout, figures
+
+
+def test_lesson_1_serial_loop_has_a_bubble():
+    _, f = run_lesson(1)
+    assert 0.3 < f["device busy"] < 0.985
+    assert f["idle per forward ms"] > 0.05
+    assert f["G ms"] > 3.0  # the 3 ms emulated delay is inside every forward
+    assert 0 < f["device busy (no delay)"] < 1
+
+
+def test_lesson_2_launch_returns_long_before_copy_done():
+    out, f = run_lesson(2)
+    assert f["bare launch returned ms"] < 5
+    assert f["launch returned ms"] < 0.25 * f["copy_done ms"]
+    assert f["copy_done ms"] > 20  # the 20 ms emulated delay
+    assert "[-1] →" in out  # the poisoned host buffer, read before copy_done
+
+
+def test_lesson_3_overlap_pipelines_and_keeps_every_token():
+    out, f = run_lesson(3)
+    assert f["max batches in flight (normal loop)"] == 1
+    assert f["max batches in flight (overlap loop)"] == 2
+    assert f["outputs identical"] == 1
+    assert f["device busy (overlap)"] > f["device busy (normal)"]
+    assert "L2 L3 C2" in out
+
+
+def test_lesson_4_future_map_off_brings_the_bubble_back():
+    _, f = run_lesson(4)
+    assert f["placeholders in that batch (future_map on)"] > 0
+    assert f["placeholders in that batch (future_map off)"] == 0
+    assert f["device busy (future_map off)"] < f["device busy (future_map on)"]
+    assert f["early syncs (future_map off)"] > 0
+    assert f["outputs identical"] == 1
+
+
+def test_lesson_5_batch_snapshot_off_misroutes_results():
+    _, f = run_lesson(5)
+    assert f["misrouted batches (batch_snapshot on)"] == 0 and f["wrong outputs (batch_snapshot on)"] == 0
+    assert f["misrouted batches (batch_snapshot off)"] > 0 and f["wrong outputs (batch_snapshot off)"] > 0
+
+
+def test_lesson_6_overshoot_counts():
+    _, f = run_lesson(6)
+    assert f["overshoot steps (length_lookahead on)"] == 0
+    assert f["overshoot steps (length_lookahead off)"] > 0
+    assert f["overshoot tokens (all on)"] > 0  # EOS overshoot cannot be avoided, only dropped
+    assert f["leaked KV slots (release_allocated on)"] == 0
+    assert f["leaked KV slots (release_allocated off)"] > 0
+    assert f["tokens after stop (skip_finished on)"] == 0 and f["tokens after stop (skip_finished off)"] == 1
+
+
+def test_lesson_7_early_reuse_gives_wrong_tokens():
+    _, f = run_lesson(7)
+    assert f["wrong outputs (overlap, all on)"] == 0
+    assert f["wrong outputs (commit_point_cache off)"] > 0
+    assert f["wrong outputs (staging_double_buffer off)"] > 0
+    assert f["stale row results (deferred_row_free on)"] == 0 and f["wrong D (deferred_row_free on)"] == 0
+    assert f["stale row results (deferred_row_free off)"] == 1
+
+
+def test_lesson_8_measures_against_the_ideal():
+    _, f = run_lesson(8)
+    for delay in ("0", "2"):
+        assert f[f"ideal (delay {delay} ms)"] >= 1.0
+        assert 0.3 < f[f"overlap/normal (delay {delay} ms)"] < 3
+    assert f["outputs identical"] == 1 and f["pools whole"] == 1
+    assert f["early syncs (prefill_sync on)"] > 0 and f["early syncs (prefill_sync off)"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_lesson_9_without_a_gpu_says_so_and_exits_0():
+    out, _ = run_lesson(9)
+    assert "needs an NVIDIA GPU" in out
+
+
+def test_make_lessons_lists_every_lesson():
+    done = subprocess.run(["make", "-s", "lessons"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert [int(re.match(r"Lesson (\d+)", line)[1]) for line in lines] == sorted(SCRIPTS) == list(range(1, 10))
+
+
+def test_every_lesson_has_its_text_and_index_entry():
+    index = (LESSONS / "README.md").read_text()
+    for number, script in SCRIPTS.items():
+        text = script.with_suffix(".md")
+        assert text.exists(), text
+        body = text.read_text()
+        assert f"make lesson-{number}" in body and "## Questions" in body and "「" in body
+        assert text.name in index
+
+
+def test_code_references_point_at_todays_lines():
+    problems = check_refs.check()
+    assert not problems, "stale references (fix: python lessons/check_refs.py --fix):\n" + "\n".join(problems)
