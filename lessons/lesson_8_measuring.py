@@ -5,24 +5,12 @@ asks for, and sets the measured overlap/normal ratio next to the ideal (G+C)/max
 Then checks what a speed-up must never cost: identical tokens and a whole KV pool.
 """
 
-from common import (console, demo_pairs, figure, header, ms, notice, parse_args, pct, run, section,
+from common import (best_of, console, demo_pairs, figure, header, ms, notice, parse_args, pct, run, section,
                     side_by_side)
 
 from minisgl import SamplingParams
 from minisgl.scheduler import Scheduler
 from minisgl.trace import pipeline_metrics, request_metrics
-
-
-def best_of(reps: int, configs: dict, prompts, params) -> dict:
-    """Short runs on a shared 2-core machine are noisy: run the configurations in turn, `reps`
-    rounds, and keep each one's fastest run (a burst of other work then hits all of them)."""
-    best: dict = {}
-    for _ in range(reps):
-        for key, (label, kwargs) in configs.items():
-            r = run(label, prompts, params, **kwargs)
-            if key not in best or r.tok_per_s > best[key].tok_per_s:
-                best[key] = r
-    return best
 
 
 def pool_whole(r) -> bool:
