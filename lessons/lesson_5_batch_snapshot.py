@@ -67,8 +67,8 @@ def main() -> None:
             wrong += not ok
             if not ok or len(reqs) <= 6:
                 text = llm.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-                console.print(f"  {OK if ok else BAD} {prompt:26} expected {expected!r:28} got {text!r}"
-                              + ("" if req.finished else "  (never finished)"))
+                console.print(f"  {OK if ok else BAD} {prompt:30} expected {expected!r:32} got {text!r}"
+                              + ("" if req.finished else "  (still unfinished after the step bound)"))
         figure(f"misrouted batches ({label})", len(misrouted), "{:d}")
         figure(f"wrong outputs ({label})", wrong, "{:d}", f"of {len(reqs)}, against the normal loop")
         results[label] = wrong
