@@ -146,7 +146,8 @@ def where(obj) -> str:
     """`minisgl/scheduler.py:178 Scheduler.overlap_loop`, with the line number of today's code."""
     obj = inspect.unwrap(obj)
     path = Path(inspect.getsourcefile(obj)).resolve()
-    line = inspect.getsourcelines(obj)[1]
+    source, line = inspect.getsourcelines(obj)
+    line += next((i for i, text in enumerate(source) if not text.lstrip().startswith("@")), 0)  # skip decorators
     try:
         path = path.relative_to(ROOT)
     except ValueError:

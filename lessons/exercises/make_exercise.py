@@ -251,7 +251,7 @@ def run_tests(tests: list[str], dest: Path, extra: list[str]) -> int:
     if not Path(where).resolve().is_relative_to(dest.resolve()):
         raise SystemExit(f"expected the copy in {dest}, got {where}")
     cmd = [sys.executable, "-m", "pytest", "-q", *extra, *tests]
-    print("$ cd", dest, "&&", "PYTHONPATH=" + str(dest), " ".join(cmd[1:]), flush=True)
+    print("$ cd", dest, "&& PYTHONPATH=" + str(dest), "python", " ".join(cmd[1:]), flush=True)
     return subprocess.run(cmd, cwd=dest, env=env_for(dest)).returncode
 
 
