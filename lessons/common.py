@@ -104,6 +104,7 @@ def make_llm(loop: str = "overlap", disable=(), delay_ms: float = 0.0, warm: boo
     even one request can lose its last token and never finish, see lesson 5.) `model`: another
     checkpoint than the lesson model; other keyword arguments go to LLM."""
     kwargs.setdefault("kv_tokens", 8192)  # plenty for a lesson, and small: lessons keep several engines alive
+    kwargs.setdefault("device", "cpu")  # lessons 1-8 teach with the CPU stream emulation, even on a GPU machine
     llm = LLM(model or model_path(), loop=loop, disable=disable, device_delay_ms=delay_ms, trace=True, **kwargs)
     if warm and "batch_snapshot" not in disable:
         llm.generate(["add 1 2:"], SamplingParams(max_new_tokens=2))
