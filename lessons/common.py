@@ -108,8 +108,7 @@ def make_llm(loop: str = "overlap", disable=(), delay_ms: float = 0.0, warm: boo
     llm = LLM(model or model_path(), loop=loop, disable=disable, device_delay_ms=delay_ms, trace=True, **kwargs)
     if warm and "batch_snapshot" not in disable:
         llm.generate(["add 1 2:"], SamplingParams(max_new_tokens=2))
-        llm.engine.tracer.clear()
-        llm.scheduler.stats = SchedulerStats()
+        llm.reset_stats()
     return llm
 
 

@@ -140,13 +140,17 @@ class Engine:
             time.sleep(self.device_delay_s)  # releases the GIL, like a long kernel would
 
     def _cuda_cycles_per_s(self) -> float:
-        if not hasattr(self, "_cycles_per_s"):  # calibrate torch.cuda._sleep once
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(10_000_000)
-            end.record()
-            end.synchronize()
-            self._cycles_per_s = 10_000_000 / (start.elapsed_time(end) / 1000.0)
+        """Calibrate torch.cuda._sleep once: the second of two timed sleeps, so that the
+        GPU's clock has ramped up from idle (the first one runs slow and would make every
+        emulated delay too short)."""
+        if not hasattr(self, "_cycles_per_s"):
+            for _ in range(2):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(50_000_000)
+                end.record()
+                end.synchronize()
+                self._cycles_per_s = 50_000_000 / (start.elapsed_time(end) / 1000.0)
         return self._cycles_per_s
 
     def _forward_and_sample(self, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,

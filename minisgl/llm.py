@@ -134,6 +134,12 @@ class LLM:
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         outputs: dict[int, RequestOutput] = {}
         while any(rid not in outputs for rid in rids):
+            if not self.scheduler.has_work():
+                # Only reachable with a mechanism switched off (e.g. batch_snapshot): results
+                # went to the wrong requests and some can never be scheduled again.
+                lost = [rid for rid in rids if rid not in outputs]
+                raise RuntimeError(f"requests {lost[:8]} can no longer be scheduled: the scheduler lost "
+                                   f"track of them (disabled: {sorted(self.scheduler.disabled)})")
             for out in self.step():
                 outputs[out.rid] = out
             if on_step is not None:
@@ -154,6 +160,11 @@ class LLM:
     @property
     def stats(self):
         return self.scheduler.stats
+
+    def reset_stats(self) -> None:
+        """Zero the scheduler's counters and drop recorded spans (e.g. after a warm-up)."""
+        self.scheduler.stats = type(self.scheduler.stats)()
+        self.engine.tracer.clear()
 
     @property
     def mechanisms(self) -> dict[str, str]:

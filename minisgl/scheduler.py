@@ -197,7 +197,7 @@ class Scheduler:
         if last is not None and planned is not None and planned.forward.is_prefill and last.view.is_prefill \
                 and self.on("prefill_sync"):
             # Two prefills in a row: commit the first before launching the second, so its first
-            # token is out one batch sooner (article 000, "同步边界": must_sync for TTFT).
+            # token is out one batch sooner (article 000, 「Overlap Scheduler 的执行时间线」: must_sync).
             last = self._sync(last)
         ongoing = None
         if planned is not None:

@@ -71,6 +71,9 @@ def test_batch_snapshot_off_results_land_on_wrong_requests(qwen3):
     assert any(out != ref[:len(out)] for out, ref in zip(committed, expected))
     good = overlap(qwen3)
     assert [o.token_ids for o in good.generate(PROMPTS, params)] == expected
+    # generate() does not hang on the misrouted requests: it says they are lost.
+    with pytest.raises(RuntimeError, match="no longer be scheduled"):
+        overlap(qwen3, "batch_snapshot").generate(PROMPTS, params)
 
 
 def test_skip_finished_off_leaks_token_after_stop_and_double_frees(qwen3):
