@@ -195,8 +195,9 @@ def _summary(spans: list[Span]) -> Text:
     text = Text("  whole run: ", style="dim")
     text.append(f"device busy {m['device_busy_fraction'] * 100:.1f}%", style="bold")
     text.append(f"  ·  idle per forward {m['exposed_host_time_per_step_s'] * 1e3:.2f} ms"
-                f"  ·  G {m['device_time_per_forward_s'] * 1e3:.2f} ms  ·  C {m['host_time_per_iteration_s'] * 1e3:.2f} ms")
-    text.append("\n  G: device time per forward; C: host work (S+L+C, no waiting) per iteration", style="dim")
+                f"  ·  G {m['device_time_per_forward_s'] * 1e3:.2f} ms"
+                f"  ·  host work {m['host_time_per_iteration_s'] * 1e3:.2f} ms")
+    text.append("\n  G: device time per forward; host work: S+L+C spans (no waiting) per iteration", style="dim")
     text.append("\n  read down a column: ▲bN over a block of b(N-1) = launched while the device was busy;"
                 "\n  ▲bN over red ··· = the device sat idle until the host had committed and launched", style="dim")
     return text
