@@ -26,8 +26,9 @@ MECHANISMS: dict[str, str] = {
     "(off: batch n's metadata is overwritten while the device has not read it yet: wrong tokens)",
     "length_lookahead": "requests that will finish by length are left out of the next batch "
     "(off: wasted overshoot steps, counted in stats)",
-    "prefill_sync": "consecutive prefill batches commit before the next launch "
-    "(off: better throughput, later first tokens)",
+    "prefill_sync": "consecutive prefill batches commit before the next launch, so the first one's tokens "
+    "do not wait for the second's launch (off: no device idle between prefills, first tokens committed later "
+    "when a launch is slow)",
     "cuda_graph": "(GPU) decode batches replay captured CUDA graphs (off: eager launches)",
     "pinned_copy": "(GPU) results copied device-to-host into pinned memory with a copy_done event "
     "(off: a blocking copy that stalls the host)",
