@@ -25,7 +25,7 @@ from rich.table import Table  # noqa: E402
 
 import minisgl  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
-from minisgl.scheduler import SchedulerStats  # noqa: E402
+from minisgl.batch import SchedulerStats  # noqa: E402
 from minisgl.timeline import render_timeline  # noqa: E402
 from minisgl.trace import pipeline_metrics, request_metrics  # noqa: E402
 

@@ -16,11 +16,11 @@ place that protects that is marked `self.on("<mechanism>")` with what breaks wit
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from .attention import KVCache
+from .batch import BatchView, InFlight, Planned, RunningBatch, SchedulerStats
 from .engine import Engine, ForwardBatch, ForwardResult
 from .future_map import placeholder
 from .kv_pool import KVAccountingError, KVPool, ReqToTokenPool
@@ -28,83 +28,6 @@ from .radix_cache import RadixCache
 from .request import Req
 from .staging import StagingRing
 from .streams import make_host_stream
-
-
-@dataclass
-class BatchView:
-    """What result processing needs to interpret batch n's rows: a snapshot taken at launch."""
-
-    batch_id: int
-    is_prefill: bool
-    reqs: list[Req]
-    rows: list[int]
-    generations: list[int]
-    samples: list[bool]  # does row i's sampled token become an output? (no: a non-final prefill chunk)
-    qo_lens: list[int]
-
-    def snapshot(self) -> "BatchView":
-        return self  # built per batch and never mutated: already a snapshot
-
-
-class RunningBatch:
-    """The live decode batch. Filtered and merged in place every step, like SGLang's running_batch."""
-
-    def __init__(self) -> None:
-        self.batch_id = -1
-        self.is_prefill = False
-        self.reqs: list[Req] = []
-
-    # Derived from the *current* members, which is exactly why the result queue must not hold
-    # this object (see "batch_snapshot" in overlap_loop).
-    @property
-    def rows(self) -> list[int]:
-        return [r.row if r.row is not None else -1 for r in self.reqs]
-
-    @property
-    def generations(self) -> list[int]:
-        return [r.row_generation for r in self.reqs]
-
-    @property
-    def samples(self) -> list[bool]:
-        return [True] * len(self.reqs)
-
-    @property
-    def qo_lens(self) -> list[int]:
-        return [1] * len(self.reqs)
-
-    def snapshot(self) -> BatchView:
-        # >>> exercise 3: return a BatchView of this batch as it is now: its id, is_prefill False, a *copy* of the
-        # >>> request list, and the rows, generations, samples and qo_lens lists (the properties build fresh lists).
-        return BatchView(self.batch_id, False, list(self.reqs), self.rows, self.generations, self.samples,
-                         self.qo_lens)
-        # <<< exercise 3
-
-
-@dataclass
-class Planned:
-    forward: ForwardBatch
-    view: BatchView | RunningBatch
-
-
-@dataclass
-class InFlight:
-    """An entry of the result queue: (batch snapshot, result handle) (article 000, "在途批次")."""
-
-    view: BatchView | RunningBatch
-    result: ForwardResult
-
-
-@dataclass
-class SchedulerStats:
-    batches: int = 0
-    prefill_batches: int = 0
-    decode_batches: int = 0
-    overshoot_tokens: int = 0  # late results dropped because their request had already finished
-    overshoot_steps: int = 0  # decode rows launched for a request whose samples already reached its length
-    stale_row_results: int = 0  # late results whose row had been recycled (ABA, detected by generation)
-    cached_tokens: int = 0  # prompt tokens served from the radix cache at admission
-    early_syncs: int = 0  # commits forced before a launch (future_map off, prefill_sync)
-    events: list[tuple[str, int]] = field(default_factory=list)  # ("launch"|"commit", batch_id), in order
 
 
 class Scheduler:

@@ -64,7 +64,7 @@ EXERCISES = {e.number: e for e in (
         "tests/test_ex2_future_map.py",
         "tests/test_overlap.py::test_overlap_equals_normal[0.0-0]",
     )),
-    Exercise(3, "snapshot the running batch for the result queue (scheduler.py)", 5, (
+    Exercise(3, "snapshot the running batch for the result queue (batch.py)", 5, (
         "tests/test_ex3_snapshot.py",
         "tests/test_mechanisms.py::test_batch_snapshot_off_results_land_on_wrong_requests",
         "tests/test_overlap.py::test_overlap_equals_normal[3.0-1]",

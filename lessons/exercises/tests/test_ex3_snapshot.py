@@ -1,7 +1,7 @@
 """Exercise 3: RunningBatch.snapshot must freeze who was in batch n, whatever happens to the live batch."""
 
 from minisgl.request import Req, SamplingParams
-from minisgl.scheduler import BatchView, RunningBatch
+from minisgl.batch import BatchView, RunningBatch
 
 
 def make_req(rid: int, row: int, generation: int) -> Req:
