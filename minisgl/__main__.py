@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)  # argparse itself exits with 2 on bad flags
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # OSError: transformers on an unreadable model directory
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

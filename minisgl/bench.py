@@ -63,6 +63,8 @@ def small_workload(vocab: int, num_requests: int = 16) -> Workload:
 def default_model(args: argparse.Namespace) -> Path:
     """--model, else the shipped demo model, else a tiny random model written to a temp dir."""
     if args.model:
+        if not Path(args.model).is_dir():
+            raise ValueError(f"model directory {args.model!r} does not exist")
         return Path(args.model)
     try:
         from .assets import demo_model_path
@@ -129,7 +131,6 @@ def _progress(label: str, total: int) -> Progress | None:
 def run_bench(args: argparse.Namespace) -> int:
     model = default_model(args)
     args.model = str(model)
-    from .model import load_model  # noqa: F401  (fail early on a bad directory)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model).vocab_size

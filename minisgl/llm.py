@@ -85,7 +85,12 @@ class LLM:
     # ---------------------------------------------------------------- incremental interface
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Bad input raises ValueError and changes nothing."""
-        params = params or SamplingParams()
+        req = self._new_req(prompt, params or SamplingParams(), self._next_rid)
+        self._queue(req)
+        return req.rid
+
+    def _new_req(self, prompt: Prompt, params: SamplingParams, rid: int) -> Req:
+        """Validate everything about one request (raises ValueError) without queueing it."""
         params.validate()
         ids = self._tokenize(prompt)
         vocab = self.engine.model.vocab_size
@@ -95,11 +100,14 @@ class LLM:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_context} "
                              f"(prompt plus at least one new token)")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        req = Req(self._next_rid, ids, params, self.scheduler.eos_ids, self.max_context, seed)
+        req = Req(rid, ids, params, self.scheduler.eos_ids, self.max_context, seed)
+        self.scheduler.check_fits(req)
+        return req
+
+    def _queue(self, req: Req) -> None:
         self.scheduler.add(req)
         self._reqs[req.rid] = req
-        self._next_rid += 1
-        return req.rid
+        self._next_rid = req.rid + 1
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; return the requests that finished in it."""
@@ -127,11 +135,11 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        for p in params_list:
-            p.validate()
-        for prompt in prompts:  # validate everything before queueing anything
-            self._check_prompt(prompt)
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        # Validate every request before queueing any, so bad input leaves nothing half-started.
+        reqs = [self._new_req(p, sp, self._next_rid + i) for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        for req in reqs:
+            self._queue(req)
+        rids = [req.rid for req in reqs]
         outputs: dict[int, RequestOutput] = {}
         while any(rid not in outputs for rid in rids):
             if not self.scheduler.has_work():
@@ -171,11 +179,6 @@ class LLM:
         return MECHANISMS
 
     # ---------------------------------------------------------------- helpers
-    def _check_prompt(self, prompt: Prompt) -> None:
-        ids = self._tokenize(prompt)
-        if len(ids) >= self.max_context:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_context}")
-
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

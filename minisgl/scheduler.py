@@ -74,11 +74,15 @@ class Scheduler:
         return mechanism not in self.disabled
 
     # ------------------------------------------------------------------ requests in and out
-    def add(self, req: Req) -> None:
+    def check_fits(self, req: Req) -> None:
+        """A request the KV pool could never hold is refused up front (admission would wait forever)."""
         need = req.prompt_len + req.max_new_tokens + 1
         if need > self.kv_pool.total:
             raise ValueError(f"request needs {need} KV slots (prompt {req.prompt_len} + max_new_tokens "
                              f"{req.max_new_tokens} + 1), the KV pool has {self.kv_pool.total}; raise kv_tokens")
+
+    def add(self, req: Req) -> None:
+        self.check_fits(req)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
