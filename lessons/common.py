@@ -26,8 +26,8 @@ from rich.table import Table  # noqa: E402
 import minisgl  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.batch import SchedulerStats  # noqa: E402
-from minisgl.timeline import render_timeline  # noqa: E402
-from minisgl.trace import pipeline_metrics, request_metrics  # noqa: E402
+from minisgl.observe.timeline import render_timeline  # noqa: E402
+from minisgl.observe.trace import pipeline_metrics, request_metrics  # noqa: E402
 
 console = Console(width=int(os.environ.get("LESSON_WIDTH", "104")), highlight=False)
 OK, BAD = "✓", "✗"
@@ -48,10 +48,10 @@ def model_path() -> Path:
             try:
                 _MODEL = minisgl.demo_model_path()
             except FileNotFoundError:
-                from minisgl.tiny import make_tiny
+                from minisgl.demo.tiny import make_tiny
 
                 _MODEL = make_tiny(Path(tempfile.mkdtemp(prefix="minisgl-lesson-")), "qwen3", seed=7)
-                console.print(f"[yellow]the demo model is missing (minisgl/assets/demo): using a tiny RANDOM model "
+                console.print(f"[yellow]the demo model is missing (minisgl/demo/checkpoint): using a tiny RANDOM model "
                               f"in {_MODEL}. Its answers are gibberish (every row shows {BAD}); the scheduling "
                               f"you are here to watch is the same.[/]")
     return _MODEL

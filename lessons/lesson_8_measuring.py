@@ -10,7 +10,7 @@ from common import (best_of, console, demo_pairs, figure, header, ms, notice, pa
 
 from minisgl import SamplingParams
 from minisgl.scheduler import Scheduler
-from minisgl.trace import pipeline_metrics, request_metrics
+from minisgl.observe.trace import pipeline_metrics, request_metrics
 
 
 def pool_whole(r) -> bool:
@@ -38,7 +38,7 @@ def loops_at(delays, prompts, params, reps: int) -> dict:
 def main() -> None:
     args = parse_args(__doc__, delay_ms=2.0)
     header(8, "measuring the two loops",
-           [pipeline_metrics, request_metrics, "minisgl/bench.py print_ratios (the same ideal, as a CLI)",
+           [pipeline_metrics, request_metrics, "minisgl/observe/bench.py print_ratios (the same ideal, as a CLI)",
             "article 000 「性能数字应该怎样读」, 「串行调度为什么会让 GPU 等 CPU」 (the formulas)"])
     pairs = demo_pairs(32 if args.quick else 64)
     prompts = [p for p, _ in pairs]

@@ -39,8 +39,8 @@ def correctness(quick: bool) -> None:
 
 
 def graphs_and_copies(quick: bool) -> None:
-    from minisgl.flashinfer_backend import flashinfer_available
-    from minisgl.tiny import make_tiny
+    from minisgl.gpu.flashinfer_backend import flashinfer_available
+    from minisgl.demo.tiny import make_tiny
 
     # A Qwen3-0.6B-shaped model (random bf16 weights): a decode step long enough (G) to hide the
     # host's work (C) under. --quick: the 2-layer "small" preset, where C > G and nothing can hide.
@@ -86,7 +86,7 @@ def main() -> None:
         print(GPU_MESSAGE)
         sys.exit(0)
     header(9, "CUDA graphs and the overlap on a GPU",
-           ["minisgl/cuda_graph.py CudaGraphRunner (capture per batch size, replay)",
+           ["minisgl/gpu/cuda_graph.py CudaGraphRunner (capture per batch size, replay)",
             "minisgl/engine.py Engine._forward_and_sample (graphs.run, non_blocking copy into pinned memory)",
             "minisgl/streams.py CudaStream", "article 001 「Overlap Scheduler 的解法」 (two streams); "
             "article 000 「Overlap Scheduler 的执行时间线」 (copy_done, copy_stream)"])

@@ -12,14 +12,14 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "MECHANISMS", "demo_model_p
 
 
 def demo_model_path():
-    """Directory of the demo model shipped in the package (see minisgl/assets/demo/TRAINING.md)."""
-    from .assets import demo_model_path as path
+    """Directory of the demo model shipped in the package (see minisgl/demo/checkpoint/TRAINING.md)."""
+    from .demo.paths import demo_model_path as path
 
     return path()
 
 
 def demo_prompts(n: int, seed: int = 0):
     """`n` held-out (prompt, expected_answer) pairs from the demo model's task generator."""
-    from .demo_tasks import demo_prompts as prompts
+    from .demo.tasks import demo_prompts as prompts
 
     return prompts(n, seed)

@@ -8,46 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Sequence
 
-from .mechanisms import MECHANISMS
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the demo model)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--loop", default="overlap", choices=["overlap", "normal"])
-    p.add_argument("--disable", action="append", default=[], metavar="NAME",
-                   help=f"switch a mechanism off (repeatable or comma-separated): {', '.join(MECHANISMS)}")
-    p.add_argument("--device-delay-ms", type=float, default=0.0,
-                   help="emulated extra device time per forward (CPU teaching aid)")
-    p.add_argument("--max-running-requests", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=None)
-    p.add_argument("--kv-tokens", type=int, default=None)
-
-
-def _disabled(args: argparse.Namespace) -> list[str]:
-    return [name for item in args.disable for name in item.split(",") if name]
-
-
-def model_dir(args: argparse.Namespace) -> Path:
-    if args.model is not None:
-        return Path(args.model)
-    from .assets import demo_model_path
-
-    return demo_model_path()
-
-
-def build_llm(args: argparse.Namespace, **overrides):
-    from .llm import LLM
-
-    kwargs = dict(device=args.device, dtype=args.dtype, loop=args.loop, disable=_disabled(args),
-                  device_delay_ms=args.device_delay_ms, max_running_requests=args.max_running_requests,
-                  chunk_size=args.chunk_size, kv_tokens=args.kv_tokens)
-    kwargs.update(overrides)
-    return LLM(model_dir(args), **kwargs)
+from .options import add_engine_args, build_llm
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -86,13 +49,13 @@ def _generate_with_progress(llm, prompts: list[str], params):
 
 
 def _demo_pairs(n: int) -> list[tuple[str, str]]:
-    from .demo_tasks import demo_prompts
+    from .demo.tasks import demo_prompts
 
     return demo_prompts(n, seed=0)
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from .tiny import make_tiny
+    from .demo.tiny import make_tiny
 
     path = make_tiny(args.out, args.arch, preset=args.preset, seed=args.seed)
     print(f"wrote {args.arch} ({args.preset}) checkpoint to {path}")
@@ -100,25 +63,25 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_train_demo(argv: Sequence[str]) -> int:
-    from .train_demo import main
+    from .demo.train_demo import main
 
     return main(list(argv)) or 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
+    from .observe.bench import run_bench
 
     return run_bench(args)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from .bench import run_trace
+    from .observe.record import run_trace
 
     return run_trace(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .bench import run_demo
+    from .observe.record import run_demo
 
     return run_demo(args)
 
@@ -128,7 +91,7 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for prompts")
-    _engine_args(g)
+    add_engine_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable; default: demo prompts)")
     g.add_argument("--num-demo-prompts", type=int, default=3, help="without --prompt: how many demo prompts")
     g.add_argument("--max-new-tokens", type=int, default=32)
@@ -140,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="measure throughput (and compare the two loops)")
-    _engine_args(b)
+    add_engine_args(b)
     b.add_argument("--compare-loops", action="store_true", help="run normal and overlap, with and without delay")
     b.add_argument("--workload", default="small", choices=["small", "offline"],
                    help="small: CPU-sized; offline: 256 requests, lengths uniform in 100..1024 (GPU)")
@@ -152,13 +115,13 @@ def parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("trace", help="record a run and write a Chrome trace JSON (Perfetto, chrome://tracing)")
-    _engine_args(t)
+    add_engine_args(t)
     t.add_argument("--out", default="trace.json")
     t.add_argument("--num-requests", type=int, default=8)
     t.set_defaults(func=cmd_trace)
 
     d = sub.add_parser("demo", help="generate with the demo model and show both loops' timelines")
-    _engine_args(d)
+    add_engine_args(d)
     d.set_defaults(func=cmd_demo)
 
     m = sub.add_parser("make-tiny", help="write a tiny random checkpoint plus a trained BPE tokenizer")

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch
 
-from .attention import AttentionBackend, AttentionMetadata, KVCache, TorchAttentionBackend
-from .cuda_graph import CudaGraphRunner
-from .flashinfer_backend import FlashInferBackend, flashinfer_available
+from .models.attention import AttentionBackend, AttentionMetadata, KVCache, TorchAttentionBackend
+from .gpu.cuda_graph import CudaGraphRunner
+from .gpu.flashinfer_backend import FlashInferBackend, flashinfer_available
 from .future_map import FutureMap
 from .kv_pool import ReqToTokenPool
-from .model import load_model
-from .sampler import sample
+from .models.decoder import load_model
+from .models.sampler import sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
-from .trace import Tracer
+from .observe.trace import Tracer
 
 
 @dataclass

@@ -19,7 +19,7 @@ from collections import deque
 
 import torch
 
-from .attention import KVCache
+from .models.attention import KVCache
 from .batch import BatchView, InFlight, Planned, RunningBatch, SchedulerStats
 from .engine import Engine, ForwardBatch, ForwardResult
 from .future_map import placeholder

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl.tiny import make_tiny
+from minisgl.demo.tiny import make_tiny
 
 
 def pytest_collection_modifyitems(config, items):

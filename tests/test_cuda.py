@@ -24,7 +24,7 @@ GREEDY = SamplingParams(max_new_tokens=32, ignore_eos=True)
 @pytest.fixture(scope="module")
 def gpu_models(tmp_path_factory) -> dict[str, str]:
     """The "small" preset: head_dim 128, which FlashInfer's kernels support (16 is not)."""
-    from minisgl.tiny import make_tiny
+    from minisgl.demo.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("gpu")
     return {arch: str(make_tiny(root / arch, arch, preset="small", seed=3)) for arch in ("llama", "qwen2", "qwen3")}
@@ -138,13 +138,13 @@ def test_pinned_copy_off_blocks_the_host_at_launch(qwen3):
 
 def test_fused_ops_match_torch_reference(gpu_models, monkeypatch):
     """FlashInfer's fused RMSNorm / rotary / SiLU-and-mul give the torch reference's logits (bf16)."""
-    from minisgl import fused_ops
+    from minisgl.gpu import fused_ops
 
     llm = LLM(gpu_models["qwen3"], device="cuda", disable=("cuda_graph",))
     ids = llm.tokenizer.encode(PROMPTS[3])
     model, kv = llm.engine.model, llm.engine.kv
     positions = torch.arange(len(ids), device="cuda")
-    from minisgl.attention import AttentionMetadata, TorchAttentionBackend
+    from minisgl.models.attention import AttentionMetadata, TorchAttentionBackend
 
     meta = AttentionMetadata(positions=positions, out_slots=positions + 1,
                              qo_indptr=torch.tensor([0, len(ids)], dtype=torch.int32, device="cuda"),

@@ -6,9 +6,10 @@ import random
 import pytest
 import torch
 
-from minisgl import assets, demo_tasks
-from minisgl.assets import demo_model_path
-from minisgl.demo_tasks import demo_prompts, is_held_out, iter_examples, make_example
+from minisgl.demo import paths
+from minisgl.demo import tasks as demo_tasks
+from minisgl.demo.paths import demo_model_path
+from minisgl.demo.tasks import demo_prompts, is_held_out, iter_examples, make_example
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,9 +59,9 @@ def test_config_and_tokenizer_agree(demo_dir, tok, monkeypatch):
 
 
 def test_missing_demo_model_says_how_to_build(tmp_path, monkeypatch):
-    monkeypatch.setattr(assets, "ASSETS_DIR", tmp_path)
+    monkeypatch.setattr(paths, "CHECKPOINT_DIR", tmp_path)
     with pytest.raises(FileNotFoundError, match="train-demo"):
-        assets.demo_model_path()
+        paths.demo_model_path()
 
 
 def test_prompt_answer_boundary_is_clean(tok):
@@ -99,7 +100,7 @@ def test_demo_prompts_deterministic_and_varied():
 
 
 def test_greedy_generation_matches_expected_answers(model, tok):
-    from minisgl.train_demo import evaluate
+    from minisgl.demo.train_demo import evaluate
 
     torch.manual_seed(0)
     result = evaluate(model, tok, demo_prompts(20, seed=0))

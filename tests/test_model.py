@@ -1,7 +1,7 @@
 """Parity of minisgl's decoder + paged torch attention with Hugging Face transformers.
 
 Tiny random checkpoints are written by transformers itself (save_pretrained), loaded
-back with minisgl.model.load_model, and compared logit-for-logit in float32 with
+back with minisgl.models.decoder.load_model, and compared logit-for-logit in float32 with
 the transformers model that wrote them.
 """
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from minisgl.attention import AttentionMetadata, KVCache, TorchAttentionBackend, causal_attention
-from minisgl.model import CausalLM, load_model, rope_inv_freq, rope_parameters
+from minisgl.models.attention import AttentionMetadata, KVCache, TorchAttentionBackend, causal_attention
+from minisgl.models.decoder import CausalLM, load_model, rope_inv_freq, rope_parameters
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 SMALL = dict(

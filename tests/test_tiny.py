@@ -1,11 +1,11 @@
-"""minisgl.tiny: random checkpoints that transformers loads offline."""
+"""minisgl.demo.tiny: random checkpoints that transformers loads offline."""
 
 import json
 
 import pytest
 import torch
 
-from minisgl.tiny import ARCHS, make_tiny, train_bpe_tokenizer
+from minisgl.demo.tiny import ARCHS, make_tiny, train_bpe_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

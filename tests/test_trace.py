@@ -15,8 +15,8 @@ from rich.console import Console
 
 from minisgl import LLM, SamplingParams
 from minisgl.request import RequestOutput
-from minisgl.timeline import render_timeline
-from minisgl.trace import Span, merge_intervals, pipeline_metrics, request_metrics, to_chrome_trace, write_chrome_trace
+from minisgl.observe.timeline import render_timeline
+from minisgl.observe.trace import Span, merge_intervals, pipeline_metrics, request_metrics, to_chrome_trace, write_chrome_trace
 
 pytest.importorskip("transformers")
 
@@ -146,7 +146,7 @@ DELAY_MS = 20
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from minisgl.tiny import make_tiny
+    from minisgl.demo.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("trace_model") / "qwen3", "qwen3")
 

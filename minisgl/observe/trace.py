@@ -11,7 +11,7 @@ Reading a finished trace (below the Tracer):
   G (device time per forward) and C (host work per iteration). The serial loop's step is
   about G + C; the overlap loop's about max(G, C).
 - `request_metrics`: TTFT, TPOT and end-to-end latency over finished requests.
-`minisgl.timeline.render_timeline` draws the same spans in the terminal.
+`minisgl.observe.timeline.render_timeline` draws the same spans in the terminal.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["ASSETS_DIR", "demo_model_path", "demo_prompts"]
+__all__ = ["CHECKPOINT_DIR", "demo_model_path"]
 
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
 
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
 
@@ -18,22 +18,12 @@ def demo_model_path() -> Path:
     ``transformers`` and minisgl load it.  Raises ``FileNotFoundError`` with
     the command that rebuilds it when it is missing.
     """
-    path = ASSETS_DIR / "demo"
+    path = CHECKPOINT_DIR
     missing = [name for name in _REQUIRED if not (path / name).is_file()]
     if missing:
         raise FileNotFoundError(
             f"the demo model is missing from {path} (no {', '.join(missing)}); "
             "build it with `python -m minisgl train-demo` "
-            "(or `python -m minisgl.train_demo`), a few minutes on CPU"
+            "(or `python -m minisgl.demo.train_demo`), a few minutes on CPU"
         )
     return path
-
-
-def demo_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
-    """``n`` held-out ``(prompt, expected_answer)`` pairs for the demo model.
-
-    Same as :func:`minisgl.demo_tasks.demo_prompts`, re-exported here.
-    """
-    from .demo_tasks import demo_prompts as _demo_prompts
-
-    return _demo_prompts(n, seed)

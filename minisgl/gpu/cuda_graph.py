@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, KVCache
+from ..models.attention import AttentionMetadata, KVCache
 from .flashinfer_backend import WORKSPACE_BYTES, FlashInferBackend
 
 

@@ -1,4 +1,4 @@
-"""`python -m minisgl bench | trace | demo`: measure, record and show the two loops.
+"""`python -m minisgl bench`: measure the two loops.
 
 Figures are printed (and optionally written as JSON), never asserted: speed is measured by
 benchmarks, correctness by tests.
@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .request import SamplingParams
-from .trace import pipeline_metrics, request_metrics, write_chrome_trace
+from ..request import SamplingParams
+from .trace import pipeline_metrics, request_metrics
 
 console = Console()
 
@@ -67,11 +67,11 @@ def default_model(args: argparse.Namespace) -> Path:
             raise ValueError(f"model directory {args.model!r} does not exist")
         return Path(args.model)
     try:
-        from .assets import demo_model_path
+        from ..demo.paths import demo_model_path
 
         return demo_model_path()
     except FileNotFoundError:
-        from .tiny import make_tiny
+        from ..demo.tiny import make_tiny
 
         return make_tiny(Path(tempfile.mkdtemp(prefix="minisgl-tiny-")), "qwen3")
 
@@ -79,7 +79,7 @@ def default_model(args: argparse.Namespace) -> Path:
 def measure(args: argparse.Namespace, workload: Workload, loop: str, delay_ms: float, trace: bool = True,
             **overrides) -> dict:
     """Run one configuration: warm up, then time the whole workload."""
-    from .__main__ import build_llm
+    from ..options import build_llm
 
     llm = build_llm(args, loop=loop, device_delay_ms=delay_ms, trace=trace, **overrides)
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_new_tokens=4))  # warm-up (and JIT, on GPU)
@@ -270,7 +270,7 @@ def measure_hf(model: Path, workload: Workload, args: argparse.Namespace, batch_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .llm import resolve_dtype
+    from ..llm import resolve_dtype
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=resolve_dtype(args.dtype, device)).to(device).eval()
@@ -292,62 +292,3 @@ def measure_hf(model: Path, workload: Workload, args: argparse.Namespace, batch_
     wall = time.perf_counter() - start
     return {"loop": f"HF generate ({min(limit, len(workload.prompts))} req)", "delay_ms": 0.0, "wall_s": wall,
             "output_tokens": produced, "output_tok_per_s": produced / wall}
-
-
-def run_trace(args: argparse.Namespace) -> int:
-    from .timeline import render_timeline
-
-    model = default_model(args)
-    args.model = str(model)
-    workload = _demo_workload(model, args.num_requests)
-    r = measure(args, workload, args.loop, args.device_delay_ms)
-    write_chrome_trace(r["_spans"], args.out)
-    console.print(render_timeline(r["_spans"], title=f"{args.loop} loop, device delay {args.device_delay_ms:g} ms"))
-    console.print(f"wrote {args.out} ({len(r['_spans'])} spans): open it in https://ui.perfetto.dev or chrome://tracing")
-    print_results([r])
-    return 0
-
-
-def _demo_workload(model: Path, n: int) -> Workload:
-    """Held-out demo prompts, tokenized for `model` (random ids if it has no tokenizer)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from .demo_tasks import demo_prompts
-
-    params = [SamplingParams(max_new_tokens=48)] * n
-    if (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists():
-        tok = AutoTokenizer.from_pretrained(model)
-        return Workload("demo", [tok.encode(p) for p, _ in demo_prompts(n, seed=0)], params)
-    return small_workload(AutoConfig.from_pretrained(model).vocab_size, n)
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    """Answer a few held-out demo prompts with both loops, then show both timelines."""
-    from .__main__ import build_llm
-    from .demo_tasks import demo_prompts
-    from .timeline import render_timeline
-
-    pairs = demo_prompts(8, seed=0)
-    delay = args.device_delay_ms or 4.0
-    timelines = []
-    for loop in ("normal", "overlap"):
-        llm = build_llm(args, loop=loop, device_delay_ms=delay, trace=True)
-        outs = llm.generate([p for p, _ in pairs], SamplingParams(max_new_tokens=48))
-        spans = llm.engine.tracer.resolve()
-        metrics = pipeline_metrics(spans)
-        if loop == "normal":
-            table = Table(title=f"demo model, {loop} loop")
-            for col in ("prompt", "expected", "generated", "ok", "finish"):
-                table.add_column(col, overflow="fold")
-            for (prompt, expected), out in zip(pairs, outs):
-                ok = "[green]yes[/]" if out.text == expected else "[red]no[/]"
-                table.add_row(prompt, expected, out.text, ok, out.finish_reason)
-            console.print(table)
-        timelines.append(render_timeline(spans, title=f"{loop} loop: device busy "
-                                         f"{metrics['device_busy_fraction']:.0%}, device delay {delay:g} ms"))
-        llm.close()
-    for timeline in timelines:
-        console.print(timeline)
-    console.print("Notice: in the normal loop the device lane has a gap after every forward while the host "
-                  "works; in the overlap loop the host's work sits under the device's forward.")
-    return 0

@@ -28,8 +28,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from minisgl import fused_ops
-from minisgl.attention import AttentionBackend, AttentionMetadata, KVCache
+from ..gpu import fused_ops
+from .attention import AttentionBackend, AttentionMetadata, KVCache
 
 Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

@@ -291,7 +291,7 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def _add_legacy_rope_theta(config_path: Path, rope_theta: float) -> None:
+def add_legacy_rope_theta(config_path: Path, rope_theta: float) -> None:
     """Also write the top-level ``rope_theta`` key older readers look for.
 
     transformers 5 keeps it under ``rope_parameters``; published Qwen/Llama
@@ -330,7 +330,7 @@ def make_tiny(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    from .demo_tasks import tokenizer_corpus
+    from .tasks import tokenizer_corpus
 
     texts = [builtin_text()] + tokenizer_corpus(seed=1234)
     tok = train_bpe_tokenizer(texts, 512, out_dir)
@@ -348,7 +348,7 @@ def make_tiny(
     if config_only:
         config.save_pretrained(str(out_dir))
         gen.save_pretrained(str(out_dir))
-        _add_legacy_rope_theta(out_dir / "config.json", rope_theta)
+        add_legacy_rope_theta(out_dir / "config.json", rope_theta)
         return out_dir
 
     _, model_cls = _classes(arch)
@@ -360,7 +360,7 @@ def make_tiny(
     model.eval()
     model.generation_config = gen
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    _add_legacy_rope_theta(out_dir / "config.json", rope_theta)
+    add_legacy_rope_theta(out_dir / "config.json", rope_theta)
     del model
     return out_dir
 
@@ -368,7 +368,7 @@ def make_tiny(
 def _main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m minisgl.tiny", description="write a random checkpoint")
+    ap = argparse.ArgumentParser(prog="python -m minisgl.demo.tiny", description="write a random checkpoint")
     ap.add_argument("out_dir")
     ap.add_argument("--arch", default="qwen3", choices=ARCHS)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, KVCache
+from ..models.attention import AttentionMetadata, KVCache
 
 WORKSPACE_BYTES = 256 << 20
 

@@ -1,9 +1,9 @@
-"""Train the small demo model that ships in ``minisgl/assets/demo/``.
+"""Train the small demo model that ships in ``minisgl/demo/checkpoint/``.
 
 Random weights babble and almost never emit EOS, so with them nobody can see
 at a glance whether the scheduler stopped a request at the right token.  This
 module trains a tiny Qwen3-style model on the synthetic tasks of
-:mod:`minisgl.demo_tasks` ("count 3 to 9:" -> " 3 4 5 6 7 8 9", ...), until it
+:mod:`minisgl.demo.tasks` ("count 3 to 9:" -> " 3 4 5 6 7 8 9", ...), until it
 answers held-out prompts exactly and then stops with EOS.
 
 Steps (all offline, seeded, CPU only):
@@ -14,10 +14,10 @@ Steps (all offline, seeded, CPU only):
    loss covers only the answer tokens and the EOS after them (the prompt is
    context, not a target);
 4. measure exact-match accuracy with ``transformers`` greedy ``generate`` on
-   held-out prompts (:func:`minisgl.demo_tasks.demo_prompts`);
+   held-out prompts (:func:`minisgl.demo.tasks.demo_prompts`);
 5. save a Hugging Face checkpoint (safetensors, float32) and ``TRAINING.md``.
 
-Run it with ``python -m minisgl train-demo`` or ``python -m minisgl.train_demo``.
+Run it with ``python -m minisgl train-demo`` or ``python -m minisgl.demo.train_demo``.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-from . import demo_tasks
-from .tiny import builtin_text, train_bpe_tokenizer
+from . import tasks as demo_tasks
+from .tiny import add_legacy_rope_theta, builtin_text, train_bpe_tokenizer
 
 __all__ = ["DEFAULT_OUT", "DEFAULT_STEPS", "MODEL_CONFIG", "train_demo", "evaluate", "main"]
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "assets" / "demo"
+DEFAULT_OUT = Path(__file__).resolve().parent / "checkpoint"
 DEFAULT_STEPS = 2500
 DEFAULT_SEED = 0
 VOCAB_SIZE = 512
@@ -301,7 +301,7 @@ def train_demo(
     # 5. save
     if save:
         model.save_pretrained(str(work), safe_serialization=True)
-        _write_rope_theta(work / "config.json", MODEL_CONFIG["rope_theta"])
+        add_legacy_rope_theta(work / "config.json", MODEL_CONFIG["rope_theta"])
         stats["dir_bytes"] = sum(f.stat().st_size for f in work.iterdir() if f.is_file())
         (work / "TRAINING.md").write_text(_training_md(stats))
         stats["dir_bytes"] = sum(f.stat().st_size for f in work.iterdir() if f.is_file())
@@ -320,14 +320,6 @@ def train_demo(
     return stats
 
 
-def _write_rope_theta(path: Path, theta: float) -> None:
-    # transformers 5 stores rope_theta under "rope_parameters"; keep the flat key
-    # too, as published Qwen3 configs (and simple loaders) have it.
-    cfg = json.loads(path.read_text())
-    cfg.setdefault("rope_theta", theta)
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-
 def _training_md(s: dict) -> str:
     ev = s.get("eval") or {}
     per_task = ", ".join(f"{k} {v:.0%}" for k, v in (ev.get("per_task") or {}).items())
@@ -335,7 +327,7 @@ def _training_md(s: dict) -> str:
         "# minisgl demo model",
         "",
         "A tiny Qwen3-style model trained by minisgl itself on the synthetic tasks of",
-        "`minisgl/demo_tasks.py` (count, reverse, add, repeat). It answers held-out",
+        "`minisgl/demo/tasks.py` (count, reverse, add, repeat). It answers held-out",
         "prompts exactly and then emits `<|eos|>`, so a request visibly stops at the",
         "right token. Rebuild it with:",
         "",
@@ -370,7 +362,7 @@ def _training_md(s: dict) -> str:
     lines += [
         "",
         "Held-out prompts (one in ten, chosen by a hash of the prompt text) are never",
-        "trained on; `minisgl.demo_tasks.demo_prompts(n, seed)` draws from them.",
+        "trained on; `minisgl.demo.tasks.demo_prompts(n, seed)` draws from them.",
         "",
     ]
     return "\n".join(lines)

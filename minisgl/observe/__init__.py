@@ -1,0 +1,1 @@
+"""Observability: spans and Chrome traces, terminal timelines, benchmarks and the lab."""

@@ -1,0 +1,48 @@
+"""The engine options every CLI command shares, and building an `LLM` from them.
+
+Kept apart from `__main__` so that library modules (the benchmark, the lab) can build an
+engine from parsed arguments without importing the command line itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .mechanisms import MECHANISMS
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the demo model)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--loop", default="overlap", choices=["overlap", "normal"])
+    p.add_argument("--disable", action="append", default=[], metavar="NAME",
+                   help=f"switch a mechanism off (repeatable or comma-separated): {', '.join(MECHANISMS)}")
+    p.add_argument("--device-delay-ms", type=float, default=0.0,
+                   help="emulated extra device time per forward (CPU teaching aid)")
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--kv-tokens", type=int, default=None)
+
+
+def disabled_names(args: argparse.Namespace) -> list[str]:
+    return [name for item in args.disable for name in item.split(",") if name]
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return Path(args.model)
+    from .demo.paths import demo_model_path
+
+    return demo_model_path()
+
+
+def build_llm(args: argparse.Namespace, **overrides):
+    from .llm import LLM
+
+    kwargs = dict(device=args.device, dtype=args.dtype, loop=args.loop, disable=disabled_names(args),
+                  device_delay_ms=args.device_delay_ms, max_running_requests=args.max_running_requests,
+                  chunk_size=args.chunk_size, kv_tokens=args.kv_tokens)
+    kwargs.update(overrides)
+    return LLM(model_dir(args), **kwargs)
