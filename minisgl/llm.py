@@ -35,12 +35,14 @@ class LLM:
                  disable: Sequence[str] | str = (), device_delay_ms: float = 0.0,
                  dtype: str | torch.dtype | None = None, max_running_requests: int | None = None,
                  chunk_size: int | None = None, kv_tokens: int | None = None, trace: bool = False,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", host_delay_ms: float = 0.0) -> None:
         disabled = check_disable(disable)
         if loop not in ("normal", "overlap"):
             raise ValueError(f"loop must be 'normal' or 'overlap', got {loop!r}")
         if device_delay_ms < 0:
             raise ValueError(f"device_delay_ms must be >= 0, got {device_delay_ms}")
+        if host_delay_ms < 0:
+            raise ValueError(f"host_delay_ms must be >= 0, got {host_delay_ms}")
         self.device = torch.device(device) if device is not None else \
             torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
@@ -64,7 +66,8 @@ class LLM:
             self.engine, eos_ids=_eos_ids(config, self.tokenizer, self.model_path),
             max_running=max_running_requests or self._default_rows(),
             chunk_size=chunk_size or (8192 if self.device.type == "cuda" else 512),
-            kv_tokens=kv_tokens, max_context=self.max_context, disabled=disabled, loop=loop)
+            kv_tokens=kv_tokens, max_context=self.max_context, disabled=disabled, loop=loop,
+            host_delay_ms=host_delay_ms)
         self._reqs: dict[int, Req] = {}
         self._next_rid = 0
         self._rng = random.Random(0)

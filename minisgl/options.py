@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"switch a mechanism off (repeatable or comma-separated): {', '.join(MECHANISMS)}")
     p.add_argument("--device-delay-ms", type=float, default=0.0,
                    help="emulated extra device time per forward (CPU teaching aid)")
+    p.add_argument("--host-delay-ms", type=float, default=0.0,
+                   help="emulated extra scheduler (host) work per loop iteration (the lab's knob for C)")
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--kv-tokens", type=int, default=None)
@@ -42,7 +44,7 @@ def build_llm(args: argparse.Namespace, **overrides):
     from .llm import LLM
 
     kwargs = dict(device=args.device, dtype=args.dtype, loop=args.loop, disable=disabled_names(args),
-                  device_delay_ms=args.device_delay_ms, max_running_requests=args.max_running_requests,
+                  device_delay_ms=args.device_delay_ms, host_delay_ms=args.host_delay_ms, max_running_requests=args.max_running_requests,
                   chunk_size=args.chunk_size, kv_tokens=args.kv_tokens)
     kwargs.update(overrides)
     return LLM(model_dir(args), **kwargs)

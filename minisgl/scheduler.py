@@ -15,6 +15,7 @@ place that protects that is marked `self.on("<mechanism>")` with what breaks wit
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
@@ -32,7 +33,8 @@ from .streams import make_host_stream
 
 class Scheduler:
     def __init__(self, engine: Engine, *, eos_ids: frozenset[int], max_running: int, chunk_size: int,
-                 kv_tokens: int, max_context: int, disabled: frozenset[str], loop: str) -> None:
+                 kv_tokens: int, max_context: int, disabled: frozenset[str], loop: str,
+                 host_delay_ms: float = 0.0) -> None:
         if loop not in ("normal", "overlap"):
             raise ValueError(f"loop must be 'normal' or 'overlap', got {loop!r}")
         self.engine = engine
@@ -43,6 +45,7 @@ class Scheduler:
         self.max_context = max_context
         self.disabled = disabled
         self.loop = loop
+        self.host_delay_s = host_delay_ms / 1000.0
         self.stream = make_host_stream("scheduler", self.device)
 
         self.kv_pool = KVPool(kv_tokens + 1)
@@ -147,6 +150,10 @@ class Scheduler:
     def schedule(self) -> Planned | None:
         """Plan the next batch from committed state plus what is in flight. Prefill first."""
         with self.tracer.host("schedule"):
+            if self.host_delay_s:
+                # Emulated scheduler work (the lab's knob for C): counted as host time, like
+                # the Python a real scheduler runs here. A sleep, so the device thread is not slowed.
+                time.sleep(self.host_delay_s)
             self._handle_aborts()
             self.running.reqs[:] = [r for r in self.running.reqs if not r.finished]  # filter_batch
             return self._schedule_prefill() or self._schedule_decode()
