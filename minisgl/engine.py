@@ -78,6 +78,10 @@ class Engine:
         self.req_to_token: ReqToTokenPool | None = None
         self.tracer = Tracer(enabled=False)
 
+    def close(self) -> None:
+        """Stop the engine stream (on CPU: its worker thread). Idempotent."""
+        self.stream.close()
+
     def bytes_per_token(self) -> int:
         m = self.model
         return 2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8

@@ -68,7 +68,7 @@ class CpuEvent:
 class CpuStream:
     """A worker thread that runs queued closures in order: a CUDA stream, emulated.
 
-    Facts this class protects (measured on a 2-core CPU, see DESIGN.md):
+    Facts this class protects (measured on a 2-core CPU):
     - `torch.inference_mode()` is thread-local, so the worker enters it itself.
     - torch kernels release the GIL, Python code does not. With CPython's default 5 ms
       switch interval the host and the worker convoy and overlap *loses*; a short interval
@@ -80,6 +80,7 @@ class CpuStream:
     def __init__(self, name: str) -> None:
         self.name = name
         self.error: BaseException | None = None
+        self._closed = False
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         sys.setswitchinterval(self.SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name=f"stream-{name}", daemon=True)
@@ -91,23 +92,31 @@ class CpuStream:
                 fn = self._queue.get()
                 if fn is None:
                     return
-                if self.error is not None and not isinstance(fn, _Marker):
-                    continue  # after a failure only events still complete, so the host never hangs
+                if (self.error is not None or self._closed) and not isinstance(fn, _Marker):
+                    # After a failure (or once closing) only events still complete, so no host
+                    # waits forever and close() does not wait for work nobody will read.
+                    continue
                 try:
                     fn()
                 except BaseException as exc:  # noqa: BLE001 - surfaced on the host at the next wait
                     self.error = exc
 
-    def launch(self, fn: Callable[[], None]) -> None:
+    def _put(self, fn: Callable[[], None]) -> None:
+        if self._closed:
+            # The worker is gone: queued work would never run and its events never complete.
+            raise RuntimeError(f"stream {self.name!r} is closed")
         self._queue.put(fn)
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        self._put(fn)
 
     def record_event(self) -> CpuEvent:
         event = CpuEvent(self)
-        self._queue.put(_Marker(event._set))
+        self._put(_Marker(event._set))
         return event
 
     def wait_event(self, event: Event) -> None:
-        self._queue.put(_Marker(event.synchronize))
+        self._put(_Marker(event.synchronize))
 
     def wait_stream(self, other: Stream) -> None:
         self.wait_event(other.record_event())
@@ -116,8 +125,13 @@ class CpuStream:
         self.record_event().synchronize()
 
     def close(self) -> None:
+        """Stop the worker and wait for it: it finishes the closure it is in, skips the rest.
+        Idempotent, and never raises (an error of queued work was the host's to read earlier)."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
-        self._thread.join(timeout=5)
+        self._thread.join()
 
 
 class _Marker:
