@@ -8,6 +8,7 @@ result_queue」: why the queue must hold batch.copy(), not the batch).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from .engine import ForwardBatch, ForwardResult
@@ -88,4 +89,5 @@ class SchedulerStats:
     stale_row_results: int = 0  # late results whose row had been recycled (ABA, detected by generation)
     cached_tokens: int = 0  # prompt tokens served from the radix cache at admission
     early_syncs: int = 0  # commits forced before a launch (future_map off, prefill_sync)
-    events: list[tuple[str, int]] = field(default_factory=list)  # ("launch"|"commit", batch_id), in order
+    # ("launch"|"commit", batch_id) in order: the latest 65536 only, so a long run's memory stays flat.
+    events: deque[tuple[str, int]] = field(default_factory=lambda: deque(maxlen=1 << 16))

@@ -89,14 +89,17 @@ class LLM:
             self.tokenizer = _load_tokenizer(self.model_path)
             config = self.engine.config
             kv_tokens = kv_tokens or DEFAULTS.kv_tokens(self.device, self.engine.bytes_per_token())
-            # The model's context window. A request must also fit the KV pool; check_fits() says so.
-            self.max_context = int(config.max_position_embeddings)
+            self.model_context = int(config.max_position_embeddings)  # caps prompt + new tokens
+            # The longest prompt + new tokens this engine holds: the model's window, or the KV
+            # pool less the one slot an overshoot step may write. The same arithmetic as
+            # Scheduler.check_fits(), so a prompt shorter than this with one new token always fits.
+            self.max_context = min(self.model_context, kv_tokens - 1)
             self.scheduler = Scheduler(
                 self.engine, eos_ids=_eos_ids(config, self.tokenizer, self.model_path), max_running=rows,
                 chunk_size=chunk_size or DEFAULTS.chunk_size(self.device), kv_tokens=kv_tokens,
                 # Request-table width: no request holds more positions than the pool has slots,
                 # nor more than its context plus the one overshoot position.
-                max_context=min(self.max_context + 1, kv_tokens), disabled=disabled, loop=loop,
+                max_context=min(self.model_context + 1, kv_tokens), disabled=disabled, loop=loop,
                 host_delay_ms=host_delay_ms)
         except BaseException:
             self.engine.close()
@@ -252,10 +255,13 @@ class LLM:
         params.validate(vocab)
         ids = self._tokenize(prompt)
         if len(ids) >= self.max_context:
+            limit = "the model" if self.max_context == self.model_context else "kv_tokens"
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_context} "
-                             f"(prompt plus at least one new token)")
+                             f"(prompt plus at least one new token; {limit} sets it)")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        req = Req(rid, ids, params, self.scheduler.eos_ids, self.max_context, seed)
+        # max_new_tokens is cut at the model's window (finish "length"), never at the pool's
+        # size: a request the pool is too small for is refused by check_fits() instead.
+        req = Req(rid, ids, params, self.scheduler.eos_ids, self.model_context, seed)
         self.scheduler.check_fits(req)
         return req
 
