@@ -16,7 +16,8 @@ import torch
 from .checks import INT64_MAX, check_bool, check_int, check_real, check_token_ids, is_int
 from .config import DEFAULTS
 from .engine import Engine
-from .mechanisms import MECHANISMS, check_disable
+from .invariants import check_invariants
+from .mechanisms import MECHANISMS, Mechanisms
 from .models.checkpoint import read_json_object
 from .request import Req, RequestOutput, SamplingParams
 from .scheduler import Scheduler
@@ -54,7 +55,7 @@ class LLM:
         # Every argument is checked before anything is started, so a bad one leaves nothing behind.
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a path, got {type(model_path).__name__}")
-        disabled = check_disable(disable)
+        mechanisms = Mechanisms(disable)
         _check_choice("loop", loop, ("normal", "overlap"))
         _check_choice("attention_backend", attention_backend, ("auto", "torch", "flashinfer"))
         device_delay_ms = check_real("device_delay_ms", device_delay_ms, 0.0, MAX_DELAY_MS)
@@ -72,7 +73,6 @@ class LLM:
             torch.set_num_threads(1)
         self.model_path = Path(model_path)
         self._closed = False
-        self._failed: BaseException | None = None  # an error that left the engine unusable
         self._guard = threading.RLock()  # held by the one thread inside a call (see the class doc)
         self._reqs: dict[int, Req] = {}  # queued or running
         self._results: dict[int, RequestOutput] = {}  # finished, not yet handed to the caller
@@ -81,7 +81,7 @@ class LLM:
         self._rng = random.Random(0)
         try:
             self.engine = Engine(model_path, self.device, dtype, num_rows=rows, device_delay_ms=device_delay_ms,
-                                 disabled=disabled, attention_backend=attention_backend)
+                                 mechanisms=mechanisms, attention_backend=attention_backend)
         except OSError as exc:  # transformers reports an unreadable config.json as OSError
             raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
         try:  # from here on the engine's stream runs: a failure must stop it again
@@ -99,7 +99,7 @@ class LLM:
                 chunk_size=chunk_size or DEFAULTS.chunk_size(self.device), kv_tokens=kv_tokens,
                 # Request-table width: no request holds more positions than the pool has slots,
                 # nor more than its context plus the one overshoot position.
-                max_context=min(self.model_context + 1, kv_tokens), disabled=disabled, loop=loop,
+                max_context=min(self.model_context + 1, kv_tokens), mechanisms=mechanisms, loop=loop,
                 host_delay_ms=host_delay_ms)
         except BaseException:
             self.engine.close()
@@ -114,24 +114,25 @@ class LLM:
         try:
             if self._closed:
                 raise RuntimeError("this LLM is closed")
-            if self._failed is not None:
-                raise RuntimeError(f"the engine failed earlier ({type(self._failed).__name__}: {self._failed}) "
-                                   f"and refuses further work; close() it and build a new LLM")
+            error = self.scheduler.error  # an exception escaped a step: the state may be half moved
+            if error is not None:
+                raise RuntimeError(f"the engine failed earlier ({type(error).__name__}: {error}) and refuses "
+                                   f"further work; close() it and build a new LLM") from error
             yield
         finally:
             self._guard.release()
 
     def close(self) -> None:
-        """Commit the batch in flight, stop the engine and free its memory. Idempotent, never
-        raises: a failure while finishing is reported as a warning, and the engine stops anyway."""
+        """Commit the batch in flight, stop the engine and free its memory. Idempotent. Raises only
+        when another thread is inside a call; a failure while finishing is a warning, and the
+        engine stops anyway (no worker thread is left behind)."""
         if self._closed:
             return
         if not self._guard.acquire(blocking=False):
             raise RuntimeError("this LLM is in use by another thread; one LLM serves one thread at a time")
         self._closed = True
         try:
-            if self._failed is None:
-                self.scheduler.close()
+            self.scheduler.close()  # commits the batch in flight unless an error stopped the scheduler
         except Exception as exc:  # noqa: BLE001 - closing must still stop the engine below
             warnings.warn(f"LLM.close(): the batch in flight failed: {exc!r}", RuntimeWarning, stacklevel=2)
         finally:
@@ -217,7 +218,7 @@ class LLM:
                 # went to the wrong requests and some can never be scheduled again.
                 lost = sorted(mine - outputs.keys())
                 raise RuntimeError(f"requests {lost[:8]} can no longer be scheduled: the scheduler lost "
-                                   f"track of them (disabled: {sorted(self.scheduler.disabled)})")
+                                   f"track of them (disabled: {sorted(self.scheduler.mechanisms.disabled)})")
             for out in self._step():
                 (outputs if out.rid in mine else self._results)[out.rid] = out
             if on_step is not None:
@@ -229,15 +230,10 @@ class LLM:
                 self._results[out.rid] = out
 
     def _step(self) -> list[RequestOutput]:
-        """One scheduler iteration. An error (not an interrupt) leaves the engine's state unknown:
-        it is raised once, and the engine refuses work from then on."""
-        try:
-            done = self.scheduler.step()
-        except Exception as exc:
-            self._failed = exc
-            raise
+        """One scheduler iteration. An error (not a deferred Ctrl-C) stops the scheduler: it is
+        raised here once, and every later call refuses (see _use)."""
         outs = []
-        for req in done:
+        for req in self.scheduler.step():
             del self._reqs[req.rid]
             if req.rid in self._abandoned:
                 self._abandoned.discard(req.rid)
@@ -278,6 +274,12 @@ class LLM:
     def flush_cache(self) -> int:
         with self._use():
             return self.scheduler.flush_cache()
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError unless every KV slot, request row and request is owned exactly once
+        (see minisgl/invariants.py). Cheap enough to call between any two steps."""
+        with self._use():
+            check_invariants(self.scheduler)
 
     @property
     def stats(self):
