@@ -353,8 +353,8 @@ def _optional_int(name: str, value: object, high: int) -> int | None:
     return None if value is None else check_int(name, value, 1, high)
 
 
-def _check_params(params: object) -> SamplingParams:
-    if params is None:
+def _check_params(params: object, default_for_none: bool = True) -> SamplingParams:
+    if params is None and default_for_none:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -376,7 +376,7 @@ def _params_list(params: object, n: int) -> list[SamplingParams]:
         return [_check_params(params)] * n
     if not isinstance(params, Sequence):
         raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
-    params_list = [_check_params(p) for p in params]
+    params_list = [_check_params(p, default_for_none=False) for p in params]  # a list spells each one out
     if len(params_list) != n:
         raise ValueError(f"{len(params_list)} SamplingParams for {n} prompts")
     return params_list
