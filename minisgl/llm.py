@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from .engine import Engine
-from .invariants import check_invariants
+from .invariants import check_invariants, memory_report
 from .mechanisms import MECHANISMS, Mechanisms
 from .request import Req, RequestOutput, SamplingParams
 from .scheduler import Scheduler
@@ -48,7 +48,7 @@ class LLM:
             torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
             # One intra-op thread: the host thread and the stream thread each get a core
-            # (DESIGN.md, measured facts about the emulated stream).
+            # (measured facts about the emulated stream: streams.py, CpuStream).
             torch.set_num_threads(1)
         self.model_path = Path(model_path)
         try:
@@ -164,10 +164,10 @@ class LLM:
 
     # ---------------------------------------------------------------- memory
     def memory_report(self) -> dict[str, int]:
-        return self.scheduler.memory_report()
+        return memory_report(self.scheduler)
 
     def flush_cache(self) -> int:
-        return self.scheduler.flush_cache()
+        return self.scheduler.cache.flush()
 
     def check_invariants(self) -> None:
         """Raise InvariantError unless every KV slot, request row and request is owned exactly once
