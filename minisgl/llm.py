@@ -16,7 +16,7 @@ import torch
 from .checks import INT64_MAX, check_bool, check_int, check_real, check_token_ids, is_int
 from .config import DEFAULTS
 from .engine import Engine
-from .invariants import check_invariants
+from .invariants import check_invariants, memory_report
 from .mechanisms import MECHANISMS, Mechanisms
 from .models.checkpoint import read_json_object
 from .request import Req, RequestOutput, SamplingParams
@@ -69,7 +69,7 @@ class LLM:
         rows = rows or DEFAULTS.rows(self.device)
         if self.device.type == "cpu":
             # One intra-op thread: the host thread and the stream thread each get a core
-            # (on a 2-core laptop, more threads make the two fight and overlap loses).
+            # (measured facts about the emulated stream: streams.py, CpuStream).
             torch.set_num_threads(1)
         self.model_path = Path(model_path)
         self._closed = False
@@ -269,11 +269,11 @@ class LLM:
     # ---------------------------------------------------------------- memory
     def memory_report(self) -> dict[str, int]:
         with self._use():
-            return self.scheduler.memory_report()
+            return memory_report(self.scheduler)
 
     def flush_cache(self) -> int:
         with self._use():
-            return self.scheduler.flush_cache()
+            return self.scheduler.cache.flush()
 
     def check_invariants(self) -> None:
         """Raise InvariantError unless every KV slot, request row and request is owned exactly once

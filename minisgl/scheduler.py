@@ -19,17 +19,17 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from itertools import accumulate
 
 import torch
 
 from .batch import BatchView, InFlight, Planned, RunningBatch, SchedulerStats
 from .engine import Engine, ForwardBatch, ForwardResult
 from .future_map import placeholder
-from .interrupts import interrupts_deferred
+from .interrupts import atomic_step
 from .invariants import check_invariants
 from .kv_pool import KVAccountingError, KVPool, ReqToTokenPool
 from .mechanisms import Mechanisms
-from .models.attention import KVCache
 from .radix_cache import RadixCache
 from .request import Req
 from .staging import StagingRing, TokenColumns
@@ -40,8 +40,6 @@ class Scheduler:
     def __init__(self, engine: Engine, *, eos_ids: frozenset[int], max_running: int, chunk_size: int,
                  kv_tokens: int, max_context: int, mechanisms: Mechanisms, loop: str,
                  host_delay_ms: float = 0.0) -> None:
-        if loop not in ("normal", "overlap"):
-            raise ValueError(f"loop must be 'normal' or 'overlap', got {loop!r}")
         self.engine = engine
         self.device = engine.device
         self.eos_ids = eos_ids
@@ -57,7 +55,7 @@ class Scheduler:
         self.req_to_token = ReqToTokenPool(max_running, max_context, self.device)
         self.cache = RadixCache(self.kv_pool.free)
         self.staging = StagingRing(max(chunk_size, max_running), max_running, self.device, mechanisms)
-        engine.attach_memory(self._make_kv_cache(self.kv_pool.num_slots), self.req_to_token)
+        engine.attach_memory(self.kv_pool.num_slots, self.req_to_token)
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt not fully launched (chunked prefill)
@@ -77,10 +75,6 @@ class Scheduler:
         self.deferred_rows: list[int] = []  # rows of released requests that a batch in flight still uses
         self._reserved = 0  # KV slots promised to admitted requests but not yet allocated
 
-    def _make_kv_cache(self, num_slots: int) -> KVCache:
-        m = self.engine.model
-        return KVCache(m.num_layers, num_slots, m.num_kv_heads, m.head_dim, self.engine.dtype, self.device)
-
     def on(self, mechanism: str) -> bool:
         return self.mechanisms.on(mechanism)
 
@@ -88,24 +82,15 @@ class Scheduler:
     def step(self) -> list[Req]:
         """One loop iteration; returns the requests that finished during it.
 
-        A step is atomic: Ctrl-C is delivered when it ends (interrupts.py), so a launched
-        batch is always on record and a commit is never half done. Any other exception stops
-        the scheduler: the state may be half moved, so every later step refuses to run."""
-        if self.error is not None:
-            raise RuntimeError(f"the scheduler stopped after an error ({self.error!r}); close this LLM "
-                               "and create a new one") from self.error
+        Atomic (interrupts.py): Ctrl-C lands after the step, any other error stops the scheduler."""
         self.tracer.iteration += 1
-        with interrupts_deferred():
-            try:
-                if self.loop == "normal":
-                    self.normal_loop()
-                else:
-                    self.last = self.overlap_loop(self.last)
-                if self.check_each_step:
-                    check_invariants(self)
-            except BaseException as exc:
-                self.error = exc
-                raise
+        with atomic_step(self):
+            if self.loop == "normal":
+                self.normal_loop()
+            else:
+                self.last = self.overlap_loop(self.last)
+            if self.check_each_step:
+                check_invariants(self)
         done, self.finished = self.finished, []
         return done
 
@@ -175,8 +160,8 @@ class Scheduler:
         """Plan batch n from committed state plus what is in flight. Prefill first."""
         with self.tracer.host("schedule"):
             if self.host_delay_s:
-                # Emulated scheduler work (the lab's knob for C): counted as host time, like
-                # the Python a real scheduler runs here. A sleep, so the device thread is not slowed.
+                # Emulated scheduler work (the lab's knob for C), counted as host time. A sleep,
+                # so that the emulated device's thread is not slowed down by it.
                 time.sleep(self.host_delay_s)
             self._handle_aborts()
             self.running.reqs[:] = [r for r in self.running.reqs if not r.finished]  # filter_batch
@@ -259,7 +244,7 @@ class Scheduler:
         params = [r.params for r in reqs]
         staging = self.staging.acquire()  # may wait: write-after-read barrier
         staging.write(tokens, rows=[r.row for r in reqs], kv_lens=kv_lens,
-                      qo_indptr=_cumsum(qo_lens), kv_indptr=_cumsum(kv_lens),
+                      qo_indptr=[0, *accumulate(qo_lens)], kv_indptr=[0, *accumulate(kv_lens)],
                       temperature=[p.temperature for p in params], top_p=[p.top_p for p in params],
                       top_k=[p.top_k for p in params], seeds=[r.sample_seed for r in reqs],
                       sample_steps=[r.next_sample_index for r in reqs])
@@ -455,19 +440,6 @@ class Scheduler:
                 self._release(req)
             self.finished.append(req)
 
-    # ------------------------------------------------------------------ accounting
-    def memory_report(self) -> dict[str, int]:
-        return {
-            "kv_total": self.kv_pool.total,
-            "kv_free": self.kv_pool.free_count,
-            "kv_cached": self.cache.total_size,
-            "rows_total": self.req_to_token.num_rows,
-            "rows_free": self.req_to_token.free_count,
-        }
-
-    def flush_cache(self) -> int:
-        return self.cache.flush()
-
     def close(self) -> None:
         """Commit the batch in flight (unless an error stopped the scheduler), then stop the streams."""
         try:
@@ -476,10 +448,3 @@ class Scheduler:
                 self.commit(last)
         finally:
             self.engine.stream.close()
-
-
-def _cumsum(lengths: list[int]) -> list[int]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
