@@ -150,7 +150,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running.reqs or self.releasing or self.last)
+        # `finished` too: a step ended by a deferred Ctrl-C has not handed out its finished requests yet.
+        return bool(self.waiting or self.prefilling or self.running.reqs or self.releasing or self.last
+                    or self.finished)
 
     def abort(self, req: Req) -> None:
         req.abort_requested = True  # acted on at the start of the next schedule
