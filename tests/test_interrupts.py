@@ -18,7 +18,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.demo.paths import demo_model_path
 
-from .conftest import assert_pool_whole
+from .conftest import assert_pool_whole, drain
 
 PROMPTS = ["hello there", "count 1 to 9:", "the quick brown fox jumps over the lazy dog"]
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 14, 10)]
@@ -50,13 +50,6 @@ def interrupt_in(llm: LLM, phase: str, at_call: int, times: int = 1) -> list[int
 
     setattr(owner, name, wrapped)
     return calls
-
-
-def drain(llm: LLM) -> dict[int, object]:
-    outs = {}
-    while llm.has_unfinished():
-        outs.update({o.rid: o for o in llm.step()})
-    return outs
 
 
 def assert_whole(llm: LLM) -> None:

@@ -16,23 +16,9 @@ from minisgl import LLM, SamplingParams
 from minisgl.__main__ import main as cli
 from minisgl.streams import DeviceError
 
-from .conftest import assert_pool_whole
+from .conftest import assert_pool_whole, drain
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
-
-
-def drain(llm: LLM) -> dict[int, object]:
-    outs = {}
-    while llm.has_unfinished():
-        outs.update({o.rid: o for o in llm.step()})
-    return outs
-
-
-@pytest.fixture(scope="module")
-def llm(qwen3):
-    engine = LLM(qwen3, kv_tokens=600)
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")
