@@ -70,11 +70,12 @@ class Engine:
         self.mechanisms = mechanisms
         self.num_rows = num_rows
         self.model, self.config = load_model(model_path, dtype, device)
-        self.stream: Stream = make_device_stream("engine", device)
         self.device_delay_s = device_delay_ms / 1000.0
         self.backend = self._make_backend(attention_backend)
         self.graphs: CudaGraphRunner | None = None
         self.future_map = FutureMap(num_rows, device)
+        # Last: on CPU the stream starts a worker thread, which a failure above would leak.
+        self.stream: Stream = make_device_stream("engine", device)
         self.kv: KVCache | None = None
         self.req_to_token: ReqToTokenPool | None = None
         self.tracer = Tracer(enabled=False)
