@@ -140,9 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)  # a bad flag exits with 2 here (OneLineParser)
     try:
         return args.func(args)
-    except (ValueError, OSError) as exc:  # OSError: transformers on an unreadable model directory
+    except (ValueError, TypeError, OSError) as exc:  # OSError: transformers on an unreadable model directory
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130  # the shell's code for "ended by SIGINT"
 
 
 if __name__ == "__main__":

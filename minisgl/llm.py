@@ -7,6 +7,7 @@ import os
 import random
 import threading
 import warnings
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -84,6 +85,9 @@ class LLM:
                                  mechanisms=mechanisms, attention_backend=attention_backend)
         except OSError as exc:  # transformers reports an unreadable config.json as OSError
             raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
+        # Stops the engine's worker thread if this LLM is dropped or the interpreter exits
+        # unclosed (a torch kernel still running during interpreter teardown can abort it).
+        self._stop_engine = weakref.finalize(self, self.engine.close)
         try:  # from here on the engine's stream runs: a failure must stop it again
             self.engine.tracer.enabled = trace
             self.tokenizer = _load_tokenizer(self.model_path)
@@ -102,7 +106,7 @@ class LLM:
                 max_context=min(self.model_context + 1, kv_tokens), mechanisms=mechanisms, loop=loop,
                 host_delay_ms=host_delay_ms)
         except BaseException:
-            self.engine.close()
+            self._stop_engine()
             raise
 
     # ---------------------------------------------------------------- lifecycle
@@ -136,7 +140,7 @@ class LLM:
         except Exception as exc:  # noqa: BLE001 - closing must still stop the engine below
             warnings.warn(f"LLM.close(): the batch in flight failed: {exc!r}", RuntimeWarning, stacklevel=2)
         finally:
-            self.engine.close()
+            self._stop_engine()
             self._guard.release()
 
     def __enter__(self) -> "LLM":

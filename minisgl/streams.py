@@ -138,7 +138,8 @@ class CpuStream:
             return
         self._closed = True
         self._queue.put(None)
-        self._thread.join()
+        if threading.current_thread() is not self._thread:  # a finalizer may run on the worker itself
+            self._thread.join()
 
 
 class _Marker:

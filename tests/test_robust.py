@@ -4,6 +4,7 @@ randomized differential run too (test_fuzz.py)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import threading
@@ -224,14 +225,15 @@ def _corrupt_tokenizer(folder):
     (folder / "tokenizer.json").write_text("{ this is not a tokenizer")
 
 
-@pytest.mark.parametrize("case", ["attention_backend", "kv_tokens", "max_running_requests", "tokenizer"])
+@pytest.mark.parametrize("case", ["attention_backend", "flashinfer on cpu", "kv_tokens", "max_running_requests",
+                                  "tokenizer"])
 def test_failed_constructor_leaves_no_thread(qwen3, tmp_path, case):
-    model, kwargs = qwen3, {}
+    model, kwargs = qwen3, {case: "many"}
     if case == "tokenizer":
-        model = copy_model(qwen3, tmp_path / "m")
+        model, kwargs = copy_model(qwen3, tmp_path / "m"), {}
         _corrupt_tokenizer(model)
-    else:
-        kwargs = {case: "many" if case != "attention_backend" else "warp"}
+    elif case == "flashinfer on cpu":
+        kwargs = dict(device="cpu", attention_backend="flashinfer")
     threads = threading.active_count()
     with pytest.raises((TypeError, ValueError)):
         LLM(model, **kwargs)
@@ -243,6 +245,16 @@ def test_five_engines_leave_no_thread_behind(qwen3):
     for i in range(5):
         with LLM(qwen3, loop=("normal", "overlap")[i % 2]) as engine:
             assert len(engine.generate(["hello"], GREEDY)[0].token_ids) == 12
+    assert threading.active_count() == threads
+
+
+def test_dropped_engine_stops_its_thread(qwen3):
+    threads = threading.active_count()
+    engine = LLM(qwen3, loop="overlap")
+    engine.add_request("hello", GREEDY)
+    engine.step()  # a batch in flight, never committed: the caller just drops the engine
+    del engine
+    gc.collect()
     assert threading.active_count() == threads
 
 
