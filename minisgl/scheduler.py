@@ -161,9 +161,7 @@ class Scheduler:
     def schedule(self) -> Planned | None:
         """Plan batch n from committed state plus what is in flight. Prefill first."""
         with self.tracer.host("schedule"):
-            if self.host_delay_s:
-                # Emulated scheduler work (the lab's knob for C), counted as host time. A sleep,
-                # so that the emulated device's thread is not slowed down by it.
+            if self.host_delay_s:  # emulated scheduler work: the lab's knob for C (a sleep, GIL released)
                 time.sleep(self.host_delay_s)
             self._handle_aborts()
             self.running.reqs[:] = [r for r in self.running.reqs if not r.finished]  # filter_batch
@@ -186,7 +184,7 @@ class Scheduler:
         if not chunks:
             return None
         tokens = TokenColumns()
-        reqs, qo_lens, kv_lens, samples = [], [], [], []
+        reqs, qo_lens, kv_lens, samples = [r for r, _ in chunks], [n for _, n in chunks], [], []
         for req, n in chunks:
             start = req.launched_len
             tokens.add(req.row, req.prompt_ids[start:start + n], start, self._alloc_slots(req, n))
@@ -196,8 +194,6 @@ class Scheduler:
             if sampled:  # decode from the next step on, its first token relayed by the FutureMap
                 self.prefilling.remove(req)
                 self.running.reqs.append(req)
-            reqs.append(req)
-            qo_lens.append(n)
             kv_lens.append(req.launched_len)
             samples.append(sampled)
         self.stats.prefill_batches += 1
@@ -213,28 +209,29 @@ class Scheduler:
         # <<< exercise 4
         if not self.running.reqs:
             return None
+        reqs = self.running.reqs
+        # Requests whose last sample is already in flight: this step is wasted overshoot.
+        self.stats.overshoot_steps += sum(r.will_finish_by_length() for r in reqs)
         tokens = TokenColumns()
-        for req in self.running.reqs:
-            if req.will_finish_by_length():
-                self.stats.overshoot_steps += 1  # its last sample is already in flight: this step is waste
-            position = req.launched_len
-            tokens.add(req.row, [self._decode_input(req, position)], position, self._alloc_slots(req, 1))
+        release_when_planned = not self.on("commit_point_cache")
+        for req in reqs:  # a few list operations per request: this loop is the decode step's host cost
+            tokens.add(req.row, [self._decode_input(req)], req.launched_len, self._alloc_slots(req, 1))
             req.launched_len += 1
             req.inflight_samples += 1  # planned: this step samples one more token
-            if not self.on("commit_point_cache") and req.will_finish_by_length():
+            if release_when_planned and req.will_finish_by_length():
                 # WRONG on purpose: hand the prefix to the cache and free the request's slots now,
                 # when its final step is only planned. Requests later in this same batch are then
                 # given the slots this step still reads and writes (article 000,
                 # "缓存 checkpoint 与资源回收的安全点": release only after the last device use).
                 self._release(req)
-        reqs = self.running.reqs
         self.stats.decode_batches += 1
         return self._plan(reqs, tokens, [1] * len(reqs), [r.launched_len for r in reqs], [True] * len(reqs),
                           is_prefill=False)
 
-    def _decode_input(self, req: Req, position: int) -> int:
-        if position < req.committed_len:
-            return req.token_at(position)
+    def _decode_input(self, req: Req) -> int:
+        """The input id of req's next decode step: a committed token, or a FutureMap placeholder."""
+        if req.launched_len < req.committed_len:
+            return req.token_at(req.launched_len)
         # In flight: batch n gathers the value batch n-1 published in the FutureMap.
         assert self.on("future_map"), "without the FutureMap the input token must be committed"
         return placeholder(req.row)
@@ -300,10 +297,9 @@ class Scheduler:
         shortfall = n - self.kv_pool.free_count
         if shortfall > 0:
             self.cache.evict(shortfall)  # the admission promise guarantees this suffices
-        slots = self.kv_pool.alloc(n)
-        req.slot_ids += slots
+        req.slot_ids += (slots := self.kv_pool.alloc(n))
         req.reserved_tokens -= n
-        self._reserved -= n
+        self._reserved -= n  # promised at admission, now allocated
         return slots
 
     # ------------------------------------------------------------------ launch and commit
@@ -326,11 +322,12 @@ class Scheduler:
         with self.tracer.host("wait", result.batch_id):
             result.copy_done.synchronize()  # the host may read the tokens, and the batch's device work is done
         with self.tracer.host("commit", result.batch_id):
-            self._commit_results(view, result.batch_id, result.next_tokens_host.tolist())
+            self._commit_results(view, result)
 
-    def _commit_results(self, view: BatchView | RunningBatch, batch_id: int, tokens: list[int]) -> None:
-        self._device_done_id = max(self._device_done_id, batch_id)
-        self.stats.events.append(("commit", batch_id))
+    def _commit_results(self, view: BatchView | RunningBatch, result: ForwardResult) -> None:
+        self._device_done_id = max(self._device_done_id, result.batch_id)
+        self.stats.events.append(("commit", result.batch_id))
+        tokens = result.next_tokens_host.tolist()
         for req, row, generation, sampled, qo_len, token in zip(view.reqs, view.rows, view.generations,
                                                                 view.samples, view.qo_lens, tokens):
             if self.req_to_token.generation[row] != generation:
