@@ -114,7 +114,7 @@ class LLM:
     def _use(self) -> Iterator[None]:
         """Enter a call: refuse another thread, a closed engine and a failed one, each at once."""
         if not self._guard.acquire(blocking=False):
-            raise RuntimeError("this LLM is in use by another thread; one LLM serves one thread at a time")
+            raise RuntimeError(_IN_USE)
         try:
             if self._closed:
                 raise RuntimeError("this LLM is closed")
@@ -133,7 +133,7 @@ class LLM:
         if self._closed:
             return
         if not self._guard.acquire(blocking=False):
-            raise RuntimeError("this LLM is in use by another thread; one LLM serves one thread at a time")
+            raise RuntimeError(_IN_USE)
         self._closed = True
         try:
             self.scheduler.close()  # commits the batch in flight unless an error stopped the scheduler
@@ -323,6 +323,7 @@ class LLM:
                              metrics)
 
 
+_IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"
 # Upper bounds for the sizes: ids of rows, slots and tokens travel as int32 in device kernels.
 MAX_ROWS = MAX_TOKENS = (1 << 31) - 2
 MAX_DELAY_MS = 3_600_000.0  # an hour per step: any more is a typo, not a teaching aid
