@@ -75,6 +75,7 @@ class LLM:
         self.model_path = Path(model_path)
         self._closed = False
         self._guard = threading.RLock()  # held by the one thread inside a call (see the class doc)
+        self._driving = False  # inside generate() or step(): its on_step callback may not drive the engine too
         self._reqs: dict[int, Req] = {}  # queued or running
         self._results: dict[int, RequestOutput] = {}  # finished, not yet handed to the caller
         self._abandoned: set[int] = set()  # started by a generate() that raised: results dropped
@@ -114,18 +115,27 @@ class LLM:
 
     # ---------------------------------------------------------------- lifecycle
     @contextmanager
-    def _use(self) -> Iterator[None]:
-        """Enter a call: refuse another thread, a closed engine and a failed one, each at once."""
+    def _use(self, drives: bool = False) -> Iterator[None]:
+        """Enter a call: refuse another thread, a closed engine and a failed one, each at once.
+
+        `drives`: the call runs the scheduler (generate, step). From inside a running one (an
+        on_step callback) it would hand the outer call's results to the inner one: refused."""
         if not self._guard.acquire(blocking=False):
             raise RuntimeError(_IN_USE)
         try:
             if self._closed:
                 raise RuntimeError("this LLM is closed")
+            if drives and self._driving:
+                raise RuntimeError(_REENTRANT)
             error = self.scheduler.error  # an exception escaped a step: the state may be half moved
             if error is not None:
                 raise RuntimeError(f"the engine failed earlier ({type(error).__name__}: {error}) and refuses "
                                    f"further work; close() it and build a new LLM") from error
-            yield
+            self._driving, outer = drives or self._driving, self._driving
+            try:
+                yield
+            finally:
+                self._driving = outer
         finally:
             self._guard.release()
 
@@ -137,6 +147,9 @@ class LLM:
             return
         if not self._guard.acquire(blocking=False):
             raise RuntimeError(_IN_USE)
+        if self._driving:  # from an on_step callback: the generate() around it would run on a closed engine
+            self._guard.release()
+            raise RuntimeError(_REENTRANT)
         self._closed = True
         try:
             self.scheduler.close()  # commits the batch in flight unless an error stopped the scheduler
@@ -147,6 +160,8 @@ class LLM:
             self._guard.release()
 
     def __enter__(self) -> "LLM":
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -163,7 +178,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; return the requests that finished in it, plus any
         finished earlier (during a generate()) and not collected yet."""
-        with self._use():
+        with self._use(drives=True):
             for out in self._step():
                 self._results[out.rid] = out
             return self._take_results()
@@ -195,8 +210,10 @@ class LLM:
 
         Requests queued with add_request() run alongside; their results stay collectable
         (step(), collect()). If anything escapes (KeyboardInterrupt included), the requests
-        this call started are aborted: the next drain gives back their rows and KV slots."""
-        with self._use():
+        this call started are aborted: the next drain gives back their rows and KV slots.
+        `on_step(n_done)` runs after every step; it may add_request(), abort(), read memory,
+        but not step(), generate() or close() (RuntimeError)."""
+        with self._use(drives=True):
             if on_step is not None and not callable(on_step):
                 raise TypeError(f"on_step must be callable, got {type(on_step).__name__}")
             prompts = _prompt_list(prompts)
@@ -307,6 +324,10 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_path} has no tokenizer: pass token ids instead of text")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # the tokenizer's own message does not say what is wrong
+                raise ValueError(f"prompt is not valid Unicode text ({exc.reason} at index {exc.start})") from None
             ids = self.tokenizer.encode(prompt)
         else:
             ids = check_token_ids("prompt", prompt, self.engine.model.vocab_size)
@@ -327,6 +348,8 @@ class LLM:
 
 
 _IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"
+_REENTRANT = ("generate(), step() and close() cannot be called from inside generate() (its on_step callback): "
+              "they would take over the running call's requests")
 # Upper bounds for the sizes: slot and token ids travel as int32 in device kernels, and no
 # device decodes a million requests at once (rows are allocated up front, before any memory check).
 MAX_TOKENS = (1 << 31) - 2
@@ -344,8 +367,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
-    if dev.type not in ("cpu", "cuda"):
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cpu":
+        return torch.device("cpu")  # 'cpu:0' is the same device, but safetensors refuses the spelling
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: no CUDA GPU is available")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():

@@ -1,0 +1,98 @@
+"""Edges found by a second attack on the API (after issue 11): each was accepted and then
+answered wrongly, or failed with a message that did not say what was wrong. One test per
+finding; the checkpoint findings are cases of test_robust.py's BREAKERS."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+from minisgl.request import FLOAT32_TINY
+
+from .conftest import assert_pool_whole, drain
+from .test_robust import assert_one_line_exit_2
+
+GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+
+# top_p below float32's range was staged as 0: no token kept, and token 0 sampled at every step.
+def test_top_p_that_float32_rounds_to_zero_refused(llm):
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1e-50)
+
+
+def test_smallest_top_p_keeps_the_top_token(llm):
+    greedy = llm.generate(["count 1 to 9:"], GREEDY)[0].token_ids
+    nucleus = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0, top_p=FLOAT32_TINY, seed=3)
+    assert llm.generate(["count 1 to 9:"], nucleus)[0].token_ids == greedy
+
+
+# A generator of stop ids was used up by validation: the request ran with no stop ids at all.
+def test_stop_token_ids_from_a_generator_are_kept():
+    assert SamplingParams(stop_token_ids=(t for t in (5, 9))).stop_token_ids == (5, 9)
+
+
+# A lone surrogate gave the tokenizer's "TextEncodeInput must be Union[...]" TypeError.
+def test_prompt_that_is_not_unicode_is_one_clear_value_error(llm):
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        llm.generate(["ok \ud800 text"], GREEDY)
+    assert len(llm.generate(["hello"], GREEDY)[0].token_ids) == 8  # and the engine goes on
+
+
+# 'cpu:0' reached safetensors, which called the checkpoint "not a valid safetensors file".
+def test_cpu_0_is_the_cpu_and_cpu_1_is_refused(qwen3, capsys):
+    with LLM(qwen3, device="cpu:0") as llm:
+        assert llm.device.type == "cpu" and len(llm.generate(["hi"], GREEDY)[0].token_ids) == 8
+    with pytest.raises(ValueError, match="device"):
+        LLM(qwen3, device="cpu:1")
+    assert_one_line_exit_2(capsys, "generate", "--model", qwen3, "--device", "cpu:1", "--prompt", "hi")
+
+
+# disable=5 or None said "'int' object is not iterable"; disable=[1] was an unknown mechanism.
+@pytest.mark.parametrize("disable", [5, None, [1], [["future_map"]], b"future_map"])
+def test_disable_of_wrong_type_names_the_argument(qwen3, disable):
+    with pytest.raises(TypeError, match="disable"):
+        LLM(qwen3, disable=disable)
+
+
+def test_model_path_that_is_a_file_says_so(qwen3):
+    with pytest.raises(ValueError, match="is not a directory"):
+        LLM(f"{qwen3}/config.json")
+
+
+# From an on_step callback, close() closed the stream under the running generate() ("stream
+# 'engine' is closed"), and a nested generate() or step() took the outer call's results (the
+# outer one then raised "can no longer be scheduled").
+@pytest.mark.parametrize("call", ["close", "generate", "step"])
+def test_driving_the_engine_from_on_step_is_refused(qwen3, call):
+    with LLM(qwen3) as llm:
+        reference = [o.token_ids for o in llm.generate(["hi", "hello there"], GREEDY)]
+        inner = {"close": llm.close, "generate": lambda: llm.generate(["count 1 to 5:"], GREEDY),
+                 "step": llm.step}[call]
+        with pytest.raises(RuntimeError, match="on_step"):
+            llm.generate(["hi", "hello there"], GREEDY, on_step=lambda done: inner())
+        drain(llm)  # the aborted requests give back their slots and rows
+        assert_pool_whole(llm)
+        llm.check_invariants()
+        assert [o.token_ids for o in llm.generate(["hi", "hello there"], GREEDY)] == reference
+
+
+def test_on_step_may_add_requests_and_read_memory(qwen3):
+    with LLM(qwen3) as llm:
+        added: list[int] = []
+
+        def on_step(done: int) -> None:
+            llm.memory_report()
+            if not added:
+                added.append(llm.add_request("count 1 to 5:", GREEDY))
+
+        assert len(llm.generate(["hi"], GREEDY, on_step=on_step)) == 1
+        assert [o.rid for o in drain(llm).values()] == added
+
+
+def test_with_on_a_closed_llm_raises(qwen3):
+    llm = LLM(qwen3)
+    llm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        with llm:
+            pass
