@@ -7,6 +7,7 @@ engine from parsed arguments without importing the command line itself.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from .mechanisms import MECHANISMS
@@ -20,6 +21,28 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type for rates: a finite number above 0 (nan, inf and 0 are errors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type for counts where 0 means "none" (e.g. skip a step)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
     return value
 
 

@@ -120,3 +120,14 @@ def test_requests_that_a_leak_starves_raise_instead_of_spinning(monkeypatch):
         assert [o.finish_reason for o in drain(llm).values()] == ["abort"]
         with pytest.raises(RuntimeError, match="wait for KV slots"):  # generate() gets the same answer
             llm.generate([big], params)
+
+
+# train-demo had its own parser outside the CLI's error handling: --steps 0 trained nothing and
+# wrote the untrained model (by default over the shipped demo checkpoint), --steps -1 never
+# ended, and --batch-size 0, --lr nan or --threads 0 were tracebacks (exit 1).
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--steps", "-1"], ["--batch-size", "0"], ["--lr", "nan"],
+                                 ["--threads", "0"], ["--eval", "-1"]])
+def test_train_demo_bad_flags_exit_2_and_write_nothing(tmp_path, capsys, bad):
+    out = tmp_path / "demo"
+    assert_one_line_exit_2(capsys, "train-demo", "--out", str(out), "--steps", "1", "--eval", "0", *bad)
+    assert not out.exists()
