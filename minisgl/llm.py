@@ -257,8 +257,15 @@ class LLM:
         """One scheduler iteration. An error (not a deferred Ctrl-C) stops the scheduler: it is
         raised here once, and every later call refuses (see _use)."""
         nothing_in_flight, launched = self.scheduler.last is None, self.scheduler.stats.batches
+        try:
+            finished = self.scheduler.step()
+        except (ValueError, TypeError) as exc:
+            # Every request was validated when queued, so these inside a step are the engine's
+            # failure (e.g. a mechanism switched off), never bad input: not the types that say
+            # "your argument was wrong" (the CLI would answer "error:" and exit 2).
+            raise RuntimeError(f"the engine failed inside a step: {type(exc).__name__}: {exc}") from exc
         outs = []
-        for req in self.scheduler.step():
+        for req in finished:
             del self._reqs[req.rid]
             if req.rid in self._abandoned:
                 self._abandoned.discard(req.rid)

@@ -131,3 +131,31 @@ def test_train_demo_bad_flags_exit_2_and_write_nothing(tmp_path, capsys, bad):
     out = tmp_path / "demo"
     assert_one_line_exit_2(capsys, "train-demo", "--out", str(out), "--steps", "1", "--eval", "0", *bad)
     assert not out.exists()
+
+
+# A ValueError raised inside a step (here "13 tokens but 11 slots" from the radix cache with
+# deferred_row_free and row_generation_check off) reached the caller as a ValueError, the type
+# that means bad input: the CLI printed it as "error: ..." with exit 2. And a device error said
+# only "work on stream 'engine' failed", whatever had failed.
+def test_an_error_inside_a_step_is_not_reported_as_bad_input(qwen3):
+    with LLM(qwen3) as llm:
+        def broken(*args):
+            raise ValueError("13 tokens but 11 slots")
+
+        llm.scheduler._commit_results = broken
+        with pytest.raises(RuntimeError, match="failed inside a step: ValueError: 13 tokens"):
+            llm.generate(["hello there"], GREEDY)
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            llm.generate(["hello there"], GREEDY)
+
+
+def test_device_error_names_what_failed(qwen3):
+    from minisgl.streams import DeviceError
+
+    with LLM(qwen3) as llm:
+        def broken(*args):
+            raise IndexError("index 6 is out of bounds")
+
+        llm.engine._forward_and_sample = broken
+        with pytest.raises(DeviceError, match="IndexError: index 6 is out of bounds"):
+            llm.generate(["hello there"], GREEDY)
