@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
 FIGURE = re.compile(r"^» (?P<name>.+?) = (?P<value>-?[\d.]+)", re.MULTILINE)
 SCRIPTS = {int(p.name.split("_")[1]): p for p in LESSONS.glob("lesson_*.py")}
+READING_SECTIONS = {int(n) for n in re.findall(r"^## §(\d+) ", (LESSONS / "readings" / "README.md").read_text(),
+                                                 re.MULTILINE)}
 sys.path.insert(0, str(LESSONS))
 import check_refs  # noqa: E402
 
@@ -121,6 +123,17 @@ def test_every_lesson_has_its_text_and_index_entry():
         body = text.read_text()
         assert f"make lesson-{number}" in body and "## Questions" in body and "「" in body
         assert text.name in index
+        cited = {int(n) for n in re.findall(r"§(\d+)", body)}
+        assert cited and cited <= READING_SECTIONS, (text.name, sorted(cited - READING_SECTIONS))
+
+
+def test_nothing_cites_a_path_outside_the_repository():
+    """A clone has no ../shared and no DESIGN.md: lessons, readings and the README must stand alone."""
+    work = LESSONS / "exercises" / "work"  # learners' copies, not part of the repository
+    files = [ROOT / "README.md", *(p for d in (LESSONS, ROOT / "benchmarks") for p in d.rglob("*")
+                                   if p.suffix in (".md", ".py") and work not in p.parents)]
+    offenders = [str(p.relative_to(ROOT)) for p in files if re.search(r"shared/|DESIGN\.md", p.read_text())]
+    assert not offenders, offenders
 
 
 def test_code_references_point_at_todays_lines():
