@@ -18,11 +18,18 @@ class KVAccountingError(RuntimeError):
 
 
 class KVPool:
-    """Free list of KV slots. Slot 0 is reserved as the target of padded (dummy) tokens."""
+    """Free list of `kv_tokens` usable KV slots, numbered 1..kv_tokens.
 
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 2:
-            raise ValueError(f"kv_tokens must be >= 1, got {num_slots - 1}")
+    Slot 0 is reserved: padded (dummy) tokens of a CUDA-graph batch read and write it, so
+    the KV cache has `num_slots = kv_tokens + 1` entries and no request ever owns slot 0.
+    """
+
+    RESERVED_SLOT = 0
+
+    def __init__(self, kv_tokens: int) -> None:
+        if kv_tokens < 1:
+            raise ValueError(f"kv_tokens must be >= 1, got {kv_tokens}")
+        num_slots = kv_tokens + 1
         self.num_slots = num_slots
         # A stack: the most recently freed slot is handed out first. Reuse is therefore
         # immediate and deterministic, which is what makes the reuse hazards of the overlap
@@ -30,7 +37,7 @@ class KVPool:
         # a safety mechanism is switched off, rather than once in a while.
         self._free: list[int] = list(range(num_slots - 1, 0, -1))
         self._is_free = torch.ones(num_slots, dtype=torch.bool)
-        self._is_free[0] = False
+        self._is_free[self.RESERVED_SLOT] = False
 
     @property
     def total(self) -> int:
@@ -39,6 +46,9 @@ class KVPool:
     @property
     def free_count(self) -> int:
         return len(self._free)
+
+    def free_slots(self) -> list[int]:
+        return list(self._free)
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -70,9 +80,7 @@ class ReqToTokenPool:
     def __init__(self, num_rows: int, max_context: int, device: torch.device) -> None:
         self.num_rows = num_rows
         self.max_context = max_context
-        # One extra row at the end for padded (dummy) requests; its entries all point at slot 0.
-        self.table = torch.zeros(num_rows + 1, max_context, dtype=torch.int64, device=device)
-        self.padding_row = num_rows
+        self.table = torch.zeros(num_rows, max_context, dtype=torch.int64, device=device)
         self.generation = [0] * num_rows
         self._free: list[int] = list(range(num_rows - 1, -1, -1))
 
@@ -86,6 +94,9 @@ class ReqToTokenPool:
         row = self._free.pop()
         self.generation[row] += 1
         return row
+
+    def free_rows(self) -> list[int]:
+        return list(self._free)
 
     def free(self, row: int) -> None:
         if row in self._free:

@@ -10,7 +10,8 @@ from typing import Callable, Sequence
 import torch
 
 from .engine import Engine
-from .mechanisms import MECHANISMS, check_disable
+from .invariants import check_invariants
+from .mechanisms import MECHANISMS, Mechanisms
 from .request import Req, RequestOutput, SamplingParams
 from .scheduler import Scheduler
 
@@ -36,7 +37,7 @@ class LLM:
                  dtype: str | torch.dtype | None = None, max_running_requests: int | None = None,
                  chunk_size: int | None = None, kv_tokens: int | None = None, trace: bool = False,
                  attention_backend: str = "auto", host_delay_ms: float = 0.0) -> None:
-        disabled = check_disable(disable)
+        mechanisms = Mechanisms(disable)
         if loop not in ("normal", "overlap"):
             raise ValueError(f"loop must be 'normal' or 'overlap', got {loop!r}")
         if device_delay_ms < 0:
@@ -53,7 +54,7 @@ class LLM:
         try:
             self.engine = Engine(model_path, self.device, resolve_dtype(dtype, self.device),
                                  num_rows=max_running_requests or self._default_rows(),
-                                 device_delay_ms=device_delay_ms, disabled=disabled,
+                                 device_delay_ms=device_delay_ms, mechanisms=mechanisms,
                                  attention_backend=attention_backend)
         except OSError as exc:  # transformers reports an unreadable config.json as OSError
             raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
@@ -66,7 +67,7 @@ class LLM:
             self.engine, eos_ids=_eos_ids(config, self.tokenizer, self.model_path),
             max_running=max_running_requests or self._default_rows(),
             chunk_size=chunk_size or (8192 if self.device.type == "cuda" else 512),
-            kv_tokens=kv_tokens, max_context=self.max_context, disabled=disabled, loop=loop,
+            kv_tokens=kv_tokens, max_context=self.max_context, mechanisms=mechanisms, loop=loop,
             host_delay_ms=host_delay_ms)
         self._reqs: dict[int, Req] = {}
         self._next_rid = 0
@@ -150,7 +151,7 @@ class LLM:
                 # went to the wrong requests and some can never be scheduled again.
                 lost = [rid for rid in rids if rid not in outputs]
                 raise RuntimeError(f"requests {lost[:8]} can no longer be scheduled: the scheduler lost "
-                                   f"track of them (disabled: {sorted(self.scheduler.disabled)})")
+                                   f"track of them (disabled: {sorted(self.scheduler.mechanisms.disabled)})")
             for out in self.step():
                 outputs[out.rid] = out
             if on_step is not None:
@@ -167,6 +168,11 @@ class LLM:
 
     def flush_cache(self) -> int:
         return self.scheduler.flush_cache()
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError unless every KV slot, request row and request is owned exactly once
+        (see minisgl/invariants.py). Cheap enough to call between any two steps."""
+        check_invariants(self.scheduler)
 
     @property
     def stats(self):

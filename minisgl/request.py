@@ -75,7 +75,7 @@ class Req:
 
         # Request-pool row and its generation (bumped at every reuse, so late readers can
         # tell a recycled row from the one they were launched with).
-        self.row: int | None = None
+        self.row = -1  # assigned at admission, kept until released
         self.row_generation = -1
         # KV slot of every planned position, host mirror of this row of the req-to-token table.
         self.slot_ids: list[int] = []
@@ -123,6 +123,11 @@ class Req:
     def will_finish_by_length(self) -> bool:
         """True when the samples already launched reach max_new_tokens (known before commit)."""
         return len(self.output_ids) + self.inflight_samples >= self.max_new_tokens
+
+    @property
+    def next_sample_index(self) -> int:
+        """Output index of the most recently planned sample (the seeded sampler's step)."""
+        return len(self.output_ids) + self.inflight_samples - 1
 
     def commit_token(self, token: int) -> None:
         """Append a committed token and decide whether the request is finished."""

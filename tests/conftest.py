@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from minisgl.demo.tiny import make_tiny
+
+# Every scheduler step of every test audits KV slot, row and queue ownership (invariants.py).
+# Tests that switch off a mechanism whose symptom is a leak turn it off for that engine.
+os.environ.setdefault("MINISGL_CHECK_INVARIANTS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
