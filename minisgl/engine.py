@@ -113,7 +113,9 @@ class Engine:
         # The engine first waits for the scheduler's stream, so that everything the scheduler
         # wrote for this batch (request-table rows of new requests) is visible
         # (article 000: run_batch() makes forward_stream wait on schedule_stream).
+        # >>> exercise 8: the engine stream waits for the scheduler stream
         self.stream.wait_stream(after)
+        # <<< exercise 8
 
         def copy_in() -> None:
             span.append(self.tracer.device_begin(self.stream.name, self.device))

@@ -337,7 +337,9 @@ class Scheduler:
         view, result = inflight.view, inflight.result
         self.stats.early_commits += early
         with self.tracer.host("wait", result.batch_id):
+            # >>> exercise 8: the host waits for copy_done
             result.copy_done.synchronize()  # the host may read the tokens, and the batch's device work is done
+            # <<< exercise 8
         with self.tracer.host("commit", result.batch_id):
             self._commit_results(view, result.batch_id, result.next_tokens_host.tolist())
 

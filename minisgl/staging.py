@@ -103,6 +103,7 @@ class StagingRing:
     def acquire(self) -> StagingBuffer:
         buf = self.buffers[self._next]
         self._next = (self._next + 1) % len(self.buffers)
+        # >>> exercise 7: staging write-after-read wait
         if buf.consumed is not None and not buf.consumed.query():
             # The device has not copied what this buffer holds for an earlier batch yet.
             # Write-after-read barrier: wait for it. Without the wait, the rewrite below
@@ -112,4 +113,5 @@ class StagingRing:
                 buf.consumed.synchronize()
             else:
                 self.unread_overwrites += 1
+        # <<< exercise 7
         return buf
