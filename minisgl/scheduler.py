@@ -146,11 +146,13 @@ class Scheduler:
         - after planning, n-1 and n are both prefills and prefill_sync is on: commit the first
           so its first tokens are out one batch sooner (article 000, 「Overlap Scheduler 的执行时间线」).
         """
+        # >>> exercise 1: the sync boundaries
         if last is None:
             return False
         if planned is None:
             return not self.on("future_map")
         return planned.forward.is_prefill and last.view.is_prefill and self.on("prefill_sync")
+        # <<< exercise 1
 
     # ------------------------------------------------------------------ requests in and out
     def check_fits(self, req: Req) -> None:
