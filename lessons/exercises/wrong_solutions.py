@@ -1,0 +1,98 @@
+"""Known-wrong solutions: plausible mistakes, each of which the exercise's tests must catch.
+
+Each entry replaces one or more marked regions of an exercise (by the region's name, the text
+after `# >>> exercise N:`) with wrong code; the other regions keep the reference. The
+repository's test (tests/test_exercises.py) puts each one into a copy of the package, runs the
+exercise's tests, and checks that they fail within a minute and that the first failure says
+`expect`: the concept the learner has to think about. `make_exercise.py check N --wrong NAME`
+shows a teacher what a learner with that mistake sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Wrong:
+    exercise: int
+    name: str
+    story: str  # the mistake, in one line
+    expect: str  # a phrase the first failure (or the hang report) must contain
+    regions: dict[str, str] = field(default_factory=dict)  # region name -> code put there (any indent)
+
+
+OVERLAP_LOOP = """
+if self._must_commit_first(last, planned=None):
+    self.commit(last, early=True)
+    last = None
+planned = self.schedule()
+{before_launch}
+inflight = None
+if planned is not None:
+    result = self.launch(planned)
+    inflight = InFlight({view}, result)
+{after_launch}
+if last is not None:
+    self.commit(last)
+return inflight
+"""
+EARLY = """
+if self._must_commit_first(last, planned):
+    self.commit(last, early=True)
+    last = None
+"""
+SNAPSHOT = 'planned.view.snapshot() if self.on("batch_snapshot") else planned.view'
+
+
+def overlap_loop(before_launch: str = EARLY, after_launch: str = "", view: str = SNAPSHOT) -> str:
+    return OVERLAP_LOOP.format(before_launch=before_launch.strip(), after_launch=after_launch.strip(), view=view)
+
+
+WRONG: list[Wrong] = [
+    # ---------------------------------------------------------------- exercise 1: overlap_loop
+    Wrong(1, "commit-before-launch", "commits batch n-1 before launching batch n: the serial loop again",
+          "must launch batch n before it commits batch n-1", {"overlap_loop": """
+planned = self.schedule()
+if last is not None:
+    self.commit(last)
+if planned is None:
+    return None
+result = self.launch(planned)
+return InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
+"""}),
+    Wrong(1, "prefill-sync-after-launch", "the prefill_sync commit is placed after launch()",
+          "must be committed BEFORE batch n is launched",
+          {"overlap_loop": overlap_loop(before_launch="", after_launch=EARLY)}),
+    Wrong(1, "sync-any-prefill", "syncs on every prefill, also one that follows a decode",
+          "applies only to two prefills in a row", {"the sync boundaries": """
+if last is None:
+    return False
+if planned is None:
+    return not self.on("future_map")
+return planned.forward.is_prefill and self.on("prefill_sync")
+"""}),
+    Wrong(1, "ignore-batch-snapshot", "always snapshots, ignoring the batch_snapshot switch",
+          "the live RunningBatch itself when it is switched off",
+          {"overlap_loop": overlap_loop(view="planned.view.snapshot()")}),
+    Wrong(1, "drop-last-when-idle", "returns as soon as nothing new is planned, dropping the batch in flight",
+          "must still be committed when schedule() plans nothing", {"overlap_loop": """
+planned = self.schedule()
+if planned is None:
+    return None
+if self._must_commit_first(last, planned):
+    self.commit(last, early=True)
+    last = None
+result = self.launch(planned)
+inflight = InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
+if last is not None:
+    self.commit(last)
+return inflight
+"""}),
+    Wrong(1, "no-future-map-boundary", "never commits early when future_map is off",
+          "future_map off", {"the sync boundaries": """
+if last is None or planned is None:
+    return False
+return planned.forward.is_prefill and last.view.is_prefill and self.on("prefill_sync")
+"""}),
+]
