@@ -96,3 +96,44 @@ if last is None or planned is None:
 return planned.forward.is_prefill and last.view.is_prefill and self.on("prefill_sync")
 """}),
 ]
+WRONG += [
+    # ---------------------------------------------------------------- exercise 2: FutureMap
+    Wrong(2, "no-publish", "publish does nothing (only resolve written)", "publish wrote nothing",
+          {"publish": "pass"}),
+    Wrong(2, "key-by-position", "publishes by position in the batch instead of by row",
+          "keyed by request-pool row, not by position", {"publish": "self.tokens[: len(next_tokens)] = next_tokens"}),
+    Wrong(2, "placeholder-off-by-one", "reads row -id instead of -id - 1",
+          "placeholder(row) is -(row+1)", {"resolve": """
+is_future = input_ids < 0
+return torch.where(is_future, self.tokens[(-input_ids).clamp(min=0)], input_ids)
+"""}),
+    Wrong(2, "real-ids-replaced", "treats every id as a placeholder", "real token ids (>= 0, including 0)",
+          {"resolve": "return self.tokens[(-input_ids - 1).clamp(min=0)]"}),
+    Wrong(2, "resolve-in-place", "overwrites the placeholders in the input tensor and returns it",
+          "resolve must not modify its input", {"resolve": """
+is_future = input_ids < 0
+input_ids[is_future] = self.tokens[-input_ids[is_future] - 1]
+return input_ids
+"""}),
+    Wrong(2, "host-loop", "resolves with a Python loop over .tolist() values", "stay on the device", {"resolve": """
+ids = [int(self.tokens[-t - 1]) if t < 0 else t for t in input_ids.tolist()]
+return torch.tensor(ids, dtype=torch.int64, device=input_ids.device)
+"""}),
+]
+WRONG += [
+    # ---------------------------------------------------------------- exercise 3: batch snapshot
+    Wrong(3, "return-self", "returns the live batch", "not the live batch itself", {"snapshot": "return self"}),
+    Wrong(3, "shared-list", "builds a BatchView around the live request list",
+          "its own copy of the request list", {"snapshot": """
+return BatchView(self.batch_id, False, self.reqs, self.rows, self.generations, self.samples, self.qo_lens)
+"""}),
+    Wrong(3, "deep-copied-requests", "deep-copies the requests as well", "the very same Req objects", {"snapshot": """
+import copy
+reqs = copy.deepcopy(self.reqs)
+return BatchView(self.batch_id, False, reqs, self.rows, self.generations, self.samples, self.qo_lens)
+"""}),
+    Wrong(3, "wrong-batch-id", "gives the snapshot the next batch id", "must be the value at launch", {"snapshot": """
+return BatchView(self.batch_id + 1, False, list(self.reqs), self.rows, self.generations, self.samples,
+                 self.qo_lens)
+"""}),
+]
