@@ -137,3 +137,38 @@ return BatchView(self.batch_id + 1, False, list(self.reqs), self.rows, self.gene
                  self.qo_lens)
 """}),
 ]
+WRONG += [
+    # ---------------------------------------------------------------- exercise 4: overshoot
+    Wrong(4, "lookahead-by-committed-length", "looks ahead by committed outputs instead of launched samples",
+          "LAUNCHED samples already reach max_new_tokens", {"length lookahead": """
+if self.on("length_lookahead"):
+    self.running.reqs[:] = [r for r in self.running.reqs if len(r.output_ids) < r.max_new_tokens]
+"""}),
+    Wrong(4, "no-lookahead", "plans every running request, finished by length or not",
+          "must be left out of the next decode batch", {"length lookahead": "pass"}),
+    Wrong(4, "lookahead-ignores-switch", "looks ahead even with length_lookahead off",
+          "with length_lookahead off every capped request", {"length lookahead": """
+self.running.reqs[:] = [r for r in self.running.reqs if not r.will_finish_by_length()]
+"""}),
+    Wrong(4, "skip-without-counting", "drops the late result but does not count it",
+          "count each dropped late result", {"skip_finished": """
+if req.finished and self.on("skip_finished"):
+    continue
+"""}),
+    Wrong(4, "no-skip", "commits late results of finished requests", "is not an output: skip it",
+          {"skip_finished": "pass"}),
+    Wrong(4, "skip-ignores-switch", "skips late results even with skip_finished off", "with skip_finished off",
+          {"skip_finished": """
+if req.finished:
+    self.stats.overshoot_tokens += qo_len
+    continue
+"""}),
+    Wrong(4, "release-committed-only", "frees the tail only up to the KV-committed length",
+          "release by allocated length", {"release by allocated length": """
+self.kv_pool.free(req.slot_ids[written:req.kv_committed_len])
+"""}),
+    Wrong(4, "release-ignores-switch", "frees up to the allocated length even with release_allocated off",
+          "with release_allocated off", {"release by allocated length": """
+self.kv_pool.free(req.slot_ids[written:req.allocated_len])
+"""}),
+]
