@@ -172,3 +172,46 @@ self.kv_pool.free(req.slot_ids[written:req.kv_committed_len])
 self.kv_pool.free(req.slot_ids[written:req.allocated_len])
 """}),
 ]
+CHECKPOINT = """
+written = {written}
+slots = req.slot_ids[:written]
+present = self.cache.insert(req.committed_ids()[:written], torch.tensor(slots, dtype=torch.int64))
+{free_copies}
+{unlock}
+"""
+
+
+def checkpoint(written: str = "min(req.kv_committed_len, req.committed_len)",
+               free_copies: str = "self.kv_pool.free(slots[req.cached_len:present])",
+               unlock: str = "self.cache.unlock(req.prefix_node)") -> str:
+    return CHECKPOINT.format(written=written, free_copies=free_copies, unlock=unlock)
+
+
+WRONG += [
+    # ---------------------------------------------------------------- exercise 5: checkpoint at the commit
+    Wrong(5, "not-reported", "releases the finished request but never reports it", "must be reported",
+          {"the commit point": """
+if req.finished and (finished_before or not req.released):
+    self._release(req)
+"""}),
+    Wrong(5, "checkpoint-committed-len", "checkpoints every committed position, including the last token's",
+          "checkpoint only the positions whose KV committed batches wrote",
+          {"checkpoint": checkpoint(written="req.committed_len")}),
+    Wrong(5, "no-unlock", "never unlocks the prefix locked at admission", "unlock the prefix node",
+          {"checkpoint": checkpoint(unlock="")}),
+    Wrong(5, "copies-not-freed", "does not free its copies of positions the tree already held",
+          "free your own copies", {"checkpoint": checkpoint(free_copies="")}),
+    Wrong(5, "release-every-finish", "releases at every finish, even a request released already",
+          "only if it was not released already", {"the commit point": """
+if req.finished:
+    self._release(req)
+    self.finished.append(req)
+"""}),
+    Wrong(5, "second-finish-silent", "skips the release on a second finish, hiding the double free",
+          "must still call _release", {"the commit point": """
+if req.finished and not finished_before:
+    if not req.released:
+        self._release(req)
+    self.finished.append(req)
+"""}),
+]
