@@ -252,8 +252,12 @@ def run_tests(tests: list[str], dest: Path, extra: list[str]) -> int:
         stacks = hang_file.read_text() if hang_file.exists() else ""
     if stacks.strip():
         print(f"\nHANG: {stacks}", flush=True)
-        print("The test above waited forever (a loop that never ends, or a resource never freed): "
-              "read the stack of the main thread, from the bottom up, to see where.", flush=True)
+        print("The test above never finished. Find the thread whose stack runs through the test file and read it "
+              "from the bottom up: it shows where that thread was when it was stopped. A stack inside "
+              "LLM.generate/step means the scheduler kept stepping without progress: some request is waiting for "
+              "something (a row, KV slots) that is never given back. A stack in synchronize() means a wait for an "
+              "event that never comes.", flush=True)
+        return 1
     return code
 
 

@@ -215,3 +215,48 @@ if req.finished and not finished_before:
     self.finished.append(req)
 """}),
 ]
+FREE_ROW = """
+if self.on("deferred_row_free") and self._row_last_launch[row] {cmp} self._device_done_id{shift}:
+    self.deferred_rows.append(row)
+else:
+    self.req_to_token.free(row)
+"""
+FREE_DEFERRED = """
+still = []
+for row in self.deferred_rows:
+    if self._row_last_launch[row] {cmp} self._device_done_id{shift}:
+        still.append(row)
+    else:
+        self.req_to_token.free(row)
+self.deferred_rows = still
+"""
+
+
+def rows(cmp: str = ">", shift: str = "") -> dict[str, str]:
+    return {"deferred row free": FREE_ROW.format(cmp=cmp, shift=shift),
+            "free deferred rows": FREE_DEFERRED.format(cmp=cmp, shift=shift)}
+
+
+WRONG += [
+    # ---------------------------------------------------------------- exercise 6: row reuse
+    Wrong(6, "free-at-once", "frees the row at once, whatever is in flight", "may be reused only after every batch",
+          {"deferred row free": "self.req_to_token.free(row)"}),
+    Wrong(6, "one-batch-too-early", "frees the row while its last batch is still in flight",
+          "may be reused only after every batch", rows(shift=" + 1")),
+    Wrong(6, "one-batch-too-late", "keeps the row until one batch after its last one: the next owner waits forever",
+          "ran longer than", rows(cmp=">=")),
+    Wrong(6, "never-drained", "parks rows but never frees the parked ones", "ran longer than",
+          {"free deferred rows": "pass"}),
+    Wrong(6, "drain-all", "frees every parked row at the next commit", "may be reused only after every batch",
+          {"free deferred rows": """
+for row in self.deferred_rows:
+    self.req_to_token.free(row)
+self.deferred_rows = []
+"""}),
+    Wrong(6, "ignores-switch", "defers even with deferred_row_free off", "keep the switch", {"deferred row free": """
+if self._row_last_launch[row] > self._device_done_id:
+    self.deferred_rows.append(row)
+else:
+    self.req_to_token.free(row)
+"""}),
+]
