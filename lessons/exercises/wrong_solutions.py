@@ -260,3 +260,39 @@ else:
     self.req_to_token.free(row)
 """}),
 ]
+WRONG += [
+    # ---------------------------------------------------------------- exercise 7: staging write-after-read
+    Wrong(7, "no-wait", "counts the wait but never waits", "must wait for THAT buffer's consumed event",
+          {"staging write-after-read wait": """
+if buf.consumed is not None and not buf.consumed.query():
+    if self.war_wait:
+        self.waits += 1
+    else:
+        self.unread_overwrites += 1
+"""}),
+    Wrong(7, "inverted-query", "waits only when the device has already read the buffer",
+          "must wait for THAT buffer's consumed event", {"staging write-after-read wait": """
+if buf.consumed is not None and buf.consumed.query():
+    if self.war_wait:
+        self.waits += 1
+        buf.consumed.synchronize()
+    else:
+        self.unread_overwrites += 1
+"""}),
+    Wrong(7, "waits-for-the-other-buffer", "waits for the other buffer's read instead of this one's",
+          "must wait for THAT buffer's consumed event", {"staging write-after-read wait": """
+other = self.buffers[self._next]
+if other.consumed is not None and not other.consumed.query():
+    if self.war_wait:
+        self.waits += 1
+        other.consumed.synchronize()
+    else:
+        self.unread_overwrites += 1
+"""}),
+    Wrong(7, "ignores-switch", "waits even with staging_war_wait off", "keep the switch",
+          {"staging write-after-read wait": """
+if buf.consumed is not None and not buf.consumed.query():
+    self.waits += 1
+    buf.consumed.synchronize()
+"""}),
+]
