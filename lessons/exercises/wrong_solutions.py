@@ -296,3 +296,19 @@ if buf.consumed is not None and not buf.consumed.query():
     buf.consumed.synchronize()
 """}),
 ]
+WRONG += [
+    # ---------------------------------------------------------------- exercise 8: the stream handoff
+    Wrong(8, "no-stream-wait", "queues the forward without waiting for the scheduler stream",
+          "must wait for the scheduler stream", {"the engine stream waits for the scheduler stream": "pass"}),
+    Wrong(8, "reversed-stream-wait", "makes the scheduler stream wait for the engine stream instead",
+          "must wait for the scheduler stream",
+          {"the engine stream waits for the scheduler stream": "after.wait_stream(self.stream)"}),
+    Wrong(8, "host-waits-for-scheduler-stream", "blocks the host until the scheduler stream is done",
+          "launch() blocked the host", {"the engine stream waits for the scheduler stream": "after.synchronize()"}),
+    Wrong(8, "no-copy-done-wait", "reads the tokens without waiting for copy_done",
+          "before its copy_done event passed", {"the host waits for copy_done": "pass"}),
+    Wrong(8, "query-instead-of-wait", "asks copy_done whether it passed, and reads anyway",
+          "before its copy_done event passed", {"the host waits for copy_done": "result.copy_done.query()"}),
+    Wrong(8, "waits-for-the-whole-stream", "waits for the whole engine stream instead of copy_done",
+          "not for the whole engine stream", {"the host waits for copy_done": "self.engine.stream.synchronize()"}),
+]
