@@ -49,7 +49,7 @@ def acquire_in_thread(ring: StagingRing) -> tuple[threading.Thread, list]:
 def test_acquire_waits_until_the_device_has_copied_the_buffer():
     ring, unread = ring_with_unread_buffer()
     thread, got = acquire_in_thread(ring)
-    thread.join(0.5)
+    thread.join(2)  # a wrong acquire() returns at once; a right one blocks until the device's read
     returned_early = not thread.is_alive()
     unread.complete()
     thread.join(10)

@@ -4,12 +4,23 @@ still returns at once), and the host waits for a batch's copy_done before readin
 (that event only, not the whole engine stream). Each assertion names its rule."""
 
 import threading
+import time
 
 from minisgl import LLM, SamplingParams
 from minisgl.batch import InFlight
 from minisgl.streams import CpuStream, DeviceError
 
 SIX = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+def copied_within(staging, seconds: float) -> bool:
+    """Whether the device copied the batch's metadata in (its `consumed` event passed) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if staging.consumed is not None and staging.consumed.query():
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_the_forward_waits_for_the_scheduler_stream_without_blocking_the_host(qwen3):
@@ -25,10 +36,7 @@ def test_the_forward_waits_for_the_scheduler_stream_without_blocking_the_host(qw
     launcher.start()
     launcher.join(2)
     blocked = launcher.is_alive()
-    copied_early = planned.forward.staging.consumed is not None and planned.forward.staging.consumed.query()
-    if not blocked:
-        launcher.join(0.5)
-        copied_early = copied_early or planned.forward.staging.consumed.query()
+    copied_early = not blocked and copied_within(planned.forward.staging, seconds=1.0)
     gate.set()
     launcher.join(10)
     scheduler_stream.close()
