@@ -2,7 +2,8 @@
 
 Three resources outlive the host's decision to let them go: KV slots handed to the radix
 cache (commit_point_cache), request-pool rows (deferred_row_free) and the host staging
-buffer of batch metadata (staging_double_buffer). Each switched off gives wrong tokens.
+buffers of batch metadata (staging_double_buffer and staging_war_wait: one of the two is
+enough here, both off give wrong tokens). Each protection switched off gives wrong tokens.
 """
 
 from common import (BAD, OK, console, demo_pairs, differing, figure, header, make_llm, notice, parse_args, run,
@@ -14,21 +15,27 @@ from minisgl.staging import StagingRing
 
 
 def commit_point_and_staging(pairs, delay_ms: float) -> None:
-    section("1. commit_point_cache and staging_double_buffer: same workload, compare with the normal loop")
+    section("1. commit_point_cache and the staging buffers: same workload, compare with the normal loop")
     prompts = [p for p, _ in pairs]
     # Requests end by length at different steps while the others keep decoding in the same batch.
     params = [SamplingParams(max_new_tokens=2 + i % 5) for i in range(len(prompts))]
     ref = run("normal loop", prompts, params, loop="normal")
     runs = [run("overlap, all on", prompts, params, delay_ms=delay_ms),
             run("commit_point_cache off", prompts, params, disable=("commit_point_cache",), delay_ms=delay_ms),
-            run("staging_double_buffer off", prompts, params, disable=("staging_double_buffer",),
-                delay_ms=delay_ms)]
+            run("one staging buffer, with the wait", prompts, params, disable=("staging_double_buffer",),
+                delay_ms=delay_ms),
+            run("one staging buffer, no wait", prompts, params,
+                disable=("staging_double_buffer", "staging_war_wait"), delay_ms=delay_ms)]
     side_by_side(f"{len(prompts)} requests, max_new_tokens 2..6", runs, {
         "outputs that differ from normal": lambda r: f"{differing(r.tokens, ref.tokens)} / {len(prompts)}",
+        "staging waits (host waited for the device's read)": lambda r: str(r.llm.scheduler.staging.waits),
+        "staging rewrites of an unread buffer": lambda r: str(r.llm.scheduler.staging.unread_overwrites),
         "first request's text": lambda r: repr(r.outs[0].text),
     })
     for r in runs:
         figure(f"wrong outputs ({r.label})", differing(r.tokens, ref.tokens), "{:d}")
+    figure("staging waits (one staging buffer, with the wait)", runs[2].llm.scheduler.staging.waits, "{:d}",
+           "the write-after-read wait, on the host: correct, but the device's read is now on the host's path")
 
 
 def row_reuse(delay_ms: float) -> None:
