@@ -145,3 +145,9 @@ def test_known_wrong_solution_is_caught_with_a_message_that_names_the_rule(tmp_p
     assert wrong.expect in said, f"expected the first failure to say {wrong.expect!r}; it said: {said[:1500]}"
     if "HANG" in said:
         assert "most recent call first" in said  # every thread's stack, in the normal output
+
+
+def test_teachers_guide_lists_every_wrong_solution_and_what_it_is_told():
+    guide = (ROOT / "lessons" / "TEACHER.md").read_text()
+    missing = [w.name for w in tool.WRONG if f"| {w.exercise} | `{w.name}` |" not in guide or w.expect not in guide]
+    assert not missing, f"lessons/TEACHER.md does not list these known-wrong solutions: {missing}"
