@@ -16,6 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "lessons" / "exercises" / "work"
+SPLIT = re.compile(r"`minisgl/[\w/]+\.py:\d+\s*\n")
 REF = re.compile(r"`(?P<path>minisgl/[\w/]+\.py):(?P<line>\d+) (?P<name>[A-Za-z_][\w.]*)`")
 
 
@@ -53,6 +54,8 @@ def scan(fix: bool = False) -> list[str]:
                 return f"`{m['path']}:{line} {m['name']}`" if fix else m[0]
             return m[0]
 
+        problems += [f"{md.relative_to(ROOT / 'lessons')}: {m[0].strip()} is split across lines (keep a reference on one)"
+                     for m in SPLIT.finditer(text)]
         new = REF.sub(check, text)
         if fix and new != text:
             md.write_text(new)
