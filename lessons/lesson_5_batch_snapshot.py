@@ -20,9 +20,9 @@ def spy_on_batches(sched) -> dict[int, tuple[list[int], list[int]]]:
         seen[planned.forward.batch_id] = ([r.rid for r in planned.view.reqs], [])
         return launch(planned)
 
-    def spy_commit(view, batch_id, tokens):
-        seen[batch_id][1].extend(r.rid for r in view.reqs)
-        return commit(view, batch_id, tokens)
+    def spy_commit(view, result):
+        seen[result.batch_id][1].extend(r.rid for r in view.reqs)
+        return commit(view, result)
 
     sched.launch, sched._commit_results = spy_launch, spy_commit
     return seen

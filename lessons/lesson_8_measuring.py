@@ -87,7 +87,7 @@ def main() -> None:
     sync_on = run("prefill_sync on", prompts, params, **chunked)
     sync_off = run("prefill_sync off", prompts, params, disable=("prefill_sync",), **chunked)
     for r in (sync_on, sync_off):
-        console.print(f"  {r.label:17} {' '.join(f'{k[0].upper()}{b}' for k, b in r.stats.events[:12])} ...")
+        console.print(f"  {r.label:17} {' '.join(f'{k[0].upper()}{b}' for k, b in list(r.stats.events)[:12])} ...")
     side_by_side("chunk_size 16: a prompt queue that takes several prefill batches to drain", [sync_on, sync_off], {
         "prefill batches": lambda r: str(r.stats.prefill_batches),
         "commits forced before a launch": lambda r: str(r.stats.early_commits),

@@ -70,14 +70,19 @@ class Engine:
         self.mechanisms = mechanisms
         self.num_rows = num_rows
         self.model, self.config = load_model(model_path, dtype, device)
-        self.stream: Stream = make_device_stream("engine", device)
         self.device_delay_s = device_delay_ms / 1000.0
         self.backend = self._make_backend(attention_backend)
         self.graphs: CudaGraphRunner | None = None
         self.future_map = FutureMap(num_rows, device)
+        # Last: on CPU the stream starts a worker thread, which a failure above would leak.
+        self.stream: Stream = make_device_stream("engine", device)
         self.kv: KVCache | None = None
         self.req_to_token: ReqToTokenPool | None = None
         self.tracer = Tracer(enabled=False)
+
+    def close(self) -> None:
+        """Stop the engine stream (on CPU: its worker thread). Idempotent."""
+        self.stream.close()
 
     def bytes_per_token(self) -> int:
         m = self.model
@@ -95,11 +100,13 @@ class Engine:
             return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device)
         return TorchAttentionBackend()
 
-    def attach_memory(self, kv: KVCache, req_to_token: ReqToTokenPool) -> None:
-        self.kv = kv
+    def attach_memory(self, num_slots: int, req_to_token: ReqToTokenPool) -> None:
+        """Allocate the KV cache (`num_slots` token slots in every layer) and adopt the request table."""
+        m = self.model
+        self.kv = KVCache(m.num_layers, num_slots, m.num_kv_heads, m.head_dim, self.dtype, self.device)
         self.req_to_token = req_to_token
         if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph"):
-            self.graphs = CudaGraphRunner(self.model, kv, self.backend, self.num_rows, kv.k[0].shape[0], self.device)
+            self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, self.num_rows, num_slots, self.device)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
         """Queue batch's forward + sampling on the engine stream; return without waiting."""

@@ -1,4 +1,4 @@
-"""Ctrl-C inside a scheduler step is delivered when the step ends.
+"""A scheduler step is atomic: Ctrl-C inside it is delivered when it ends.
 
 A step moves tokens, KV slots and rows between owners (launch records a batch as in flight;
 commit appends tokens, releases requests, frees rows). A KeyboardInterrupt raised halfway
@@ -14,7 +14,27 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Protocol
+
+
+class _Stoppable(Protocol):
+    error: BaseException | None
+
+
+@contextmanager
+def atomic_step(owner: _Stoppable) -> Iterator[None]:
+    """Run one step with interrupts deferred. An exception that escapes it anyway (a second
+    Ctrl-C, an error on the device) may leave state half moved: it is latched in
+    `owner.error`, and every later step refuses to run."""
+    if owner.error is not None:
+        raise RuntimeError(f"the scheduler stopped after an error ({owner.error!r}); close this LLM "
+                           "and create a new one") from owner.error
+    with interrupts_deferred():
+        try:
+            yield
+        except BaseException as exc:
+            owner.error = exc
+            raise
 
 
 @contextmanager

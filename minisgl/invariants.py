@@ -1,4 +1,5 @@
-"""An ownership audit anyone can run: `LLM.check_invariants()`.
+"""Who owns the memory: the report (`LLM.memory_report()`) and an audit anyone can run
+(`LLM.check_invariants()`).
 
 The overlap pipeline moves KV slots and request rows between owners one step late, and each
 mechanism in `minisgl.MECHANISMS` protects one of those moves. This audit checks the result
@@ -26,6 +27,16 @@ if TYPE_CHECKING:
 
 class InvariantError(AssertionError):
     """A KV slot, request row or request is not owned exactly once."""
+
+
+def memory_report(sched: Scheduler) -> dict[str, int]:
+    return {
+        "kv_total": sched.kv_pool.total,
+        "kv_free": sched.kv_pool.free_count,
+        "kv_cached": sched.cache.total_size,
+        "rows_total": sched.req_to_token.num_rows,
+        "rows_free": sched.req_to_token.free_count,
+    }
 
 
 def check_invariants(sched: Scheduler) -> None:

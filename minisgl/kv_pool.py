@@ -36,8 +36,11 @@ class KVPool:
         # pipeline (article 000, "缓存 checkpoint 与资源回收的安全点") show up every time
         # a safety mechanism is switched off, rather than once in a while.
         self._free: list[int] = list(range(num_slots - 1, 0, -1))
-        self._is_free = torch.ones(num_slots, dtype=torch.bool)
-        self._is_free[self.RESERVED_SLOT] = False
+        # One byte per slot (1 = free), for double-free detection. A bytearray, not a tensor:
+        # a decode step allocates one slot per request, and a tensor call each would cost
+        # tens of microseconds of host time per request.
+        self._is_free = bytearray([1]) * num_slots
+        self._is_free[self.RESERVED_SLOT] = 0
 
     @property
     def total(self) -> int:
@@ -55,7 +58,8 @@ class KVPool:
             raise KVAccountingError(f"asked for {n} KV slots, {len(self._free)} free")
         slots = self._free[len(self._free) - n:][::-1]
         del self._free[len(self._free) - n:]
-        self._is_free[slots] = False
+        for slot in slots:
+            self._is_free[slot] = 0
         return slots
 
     def free(self, slots: list[int] | torch.Tensor) -> None:
@@ -63,9 +67,11 @@ class KVPool:
             slots = slots.tolist()
         if not slots:
             return
-        if len(set(slots)) != len(slots) or bool(self._is_free[slots].any()):
-            raise KVAccountingError(f"double free of KV slots {sorted(set(s for s in slots if self._is_free[s]))[:8]}")
-        self._is_free[slots] = True
+        already = sorted({s for s in slots if self._is_free[s]})
+        if already or len(set(slots)) != len(slots):
+            raise KVAccountingError(f"double free of KV slots {already[:8] or sorted(slots)[:8]}")
+        for slot in slots:
+            self._is_free[slot] = 1
         self._free.extend(reversed(slots))
 
 

@@ -19,17 +19,17 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from itertools import accumulate
 
 import torch
 
 from .batch import BatchView, InFlight, Planned, RunningBatch, SchedulerStats
 from .engine import Engine, ForwardBatch, ForwardResult
 from .future_map import placeholder
-from .interrupts import interrupts_deferred
+from .interrupts import atomic_step
 from .invariants import check_invariants
 from .kv_pool import KVAccountingError, KVPool, ReqToTokenPool
 from .mechanisms import Mechanisms
-from .models.attention import KVCache
 from .radix_cache import RadixCache
 from .request import Req
 from .staging import StagingRing, TokenColumns
@@ -40,8 +40,6 @@ class Scheduler:
     def __init__(self, engine: Engine, *, eos_ids: frozenset[int], max_running: int, chunk_size: int,
                  kv_tokens: int, max_context: int, mechanisms: Mechanisms, loop: str,
                  host_delay_ms: float = 0.0) -> None:
-        if loop not in ("normal", "overlap"):
-            raise ValueError(f"loop must be 'normal' or 'overlap', got {loop!r}")
         self.engine = engine
         self.device = engine.device
         self.eos_ids = eos_ids
@@ -57,7 +55,7 @@ class Scheduler:
         self.req_to_token = ReqToTokenPool(max_running, max_context, self.device)
         self.cache = RadixCache(self.kv_pool.free)
         self.staging = StagingRing(max(chunk_size, max_running), max_running, self.device, mechanisms)
-        engine.attach_memory(self._make_kv_cache(self.kv_pool.num_slots), self.req_to_token)
+        engine.attach_memory(self.kv_pool.num_slots, self.req_to_token)
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt not fully launched (chunked prefill)
@@ -77,10 +75,6 @@ class Scheduler:
         self.deferred_rows: list[int] = []  # rows of released requests that a batch in flight still uses
         self._reserved = 0  # KV slots promised to admitted requests but not yet allocated
 
-    def _make_kv_cache(self, num_slots: int) -> KVCache:
-        m = self.engine.model
-        return KVCache(m.num_layers, num_slots, m.num_kv_heads, m.head_dim, self.engine.dtype, self.device)
-
     def on(self, mechanism: str) -> bool:
         return self.mechanisms.on(mechanism)
 
@@ -88,24 +82,15 @@ class Scheduler:
     def step(self) -> list[Req]:
         """One loop iteration; returns the requests that finished during it.
 
-        A step is atomic: Ctrl-C is delivered when it ends (interrupts.py), so a launched
-        batch is always on record and a commit is never half done. Any other exception stops
-        the scheduler: the state may be half moved, so every later step refuses to run."""
-        if self.error is not None:
-            raise RuntimeError(f"the scheduler stopped after an error ({self.error!r}); close this LLM "
-                               "and create a new one") from self.error
+        Atomic (interrupts.py): Ctrl-C lands after the step, any other error stops the scheduler."""
         self.tracer.iteration += 1
-        with interrupts_deferred():
-            try:
-                if self.loop == "normal":
-                    self.normal_loop()
-                else:
-                    self.last = self.overlap_loop(self.last)
-                if self.check_each_step:
-                    check_invariants(self)
-            except BaseException as exc:
-                self.error = exc
-                raise
+        with atomic_step(self):
+            if self.loop == "normal":
+                self.normal_loop()
+            else:
+                self.last = self.overlap_loop(self.last)
+            if self.check_each_step:
+                check_invariants(self)
         done, self.finished = self.finished, []
         return done
 
@@ -167,7 +152,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running.reqs or self.releasing or self.last)
+        # `finished` too: a step ended by a deferred Ctrl-C has not handed out its finished requests yet.
+        return bool(self.waiting or self.prefilling or self.running.reqs or self.releasing or self.last
+                    or self.finished)
 
     def abort(self, req: Req) -> None:
         req.abort_requested = True  # acted on at the start of the next schedule
@@ -176,9 +163,7 @@ class Scheduler:
     def schedule(self) -> Planned | None:
         """Plan batch n from committed state plus what is in flight. Prefill first."""
         with self.tracer.host("schedule"):
-            if self.host_delay_s:
-                # Emulated scheduler work (the lab's knob for C): counted as host time, like
-                # the Python a real scheduler runs here. A sleep, so the device thread is not slowed.
+            if self.host_delay_s:  # emulated scheduler work: the lab's knob for C (a sleep, GIL released)
                 time.sleep(self.host_delay_s)
             self._handle_aborts()
             self.running.reqs[:] = [r for r in self.running.reqs if not r.finished]  # filter_batch
@@ -201,7 +186,7 @@ class Scheduler:
         if not chunks:
             return None
         tokens = TokenColumns()
-        reqs, qo_lens, kv_lens, samples = [], [], [], []
+        reqs, qo_lens, kv_lens, samples = [r for r, _ in chunks], [n for _, n in chunks], [], []
         for req, n in chunks:
             start = req.launched_len
             tokens.add(req.row, req.prompt_ids[start:start + n], start, self._alloc_slots(req, n))
@@ -211,8 +196,6 @@ class Scheduler:
             if sampled:  # decode from the next step on, its first token relayed by the FutureMap
                 self.prefilling.remove(req)
                 self.running.reqs.append(req)
-            reqs.append(req)
-            qo_lens.append(n)
             kv_lens.append(req.launched_len)
             samples.append(sampled)
         self.stats.prefill_batches += 1
@@ -228,28 +211,29 @@ class Scheduler:
         # <<< exercise 4
         if not self.running.reqs:
             return None
+        reqs = self.running.reqs
+        # Requests whose last sample is already in flight: this step is wasted overshoot.
+        self.stats.overshoot_steps += sum(r.will_finish_by_length() for r in reqs)
         tokens = TokenColumns()
-        for req in self.running.reqs:
-            if req.will_finish_by_length():
-                self.stats.overshoot_steps += 1  # its last sample is already in flight: this step is waste
-            position = req.launched_len
-            tokens.add(req.row, [self._decode_input(req, position)], position, self._alloc_slots(req, 1))
+        release_when_planned = not self.on("commit_point_cache")
+        for req in reqs:  # a few list operations per request: this loop is the decode step's host cost
+            tokens.add(req.row, [self._decode_input(req)], req.launched_len, self._alloc_slots(req, 1))
             req.launched_len += 1
             req.inflight_samples += 1  # planned: this step samples one more token
-            if not self.on("commit_point_cache") and req.will_finish_by_length():
+            if release_when_planned and req.will_finish_by_length():
                 # WRONG on purpose: hand the prefix to the cache and free the request's slots now,
                 # when its final step is only planned. Requests later in this same batch are then
                 # given the slots this step still reads and writes (article 000,
                 # "缓存 checkpoint 与资源回收的安全点": release only after the last device use).
                 self._release(req)
-        reqs = self.running.reqs
         self.stats.decode_batches += 1
         return self._plan(reqs, tokens, [1] * len(reqs), [r.launched_len for r in reqs], [True] * len(reqs),
                           is_prefill=False)
 
-    def _decode_input(self, req: Req, position: int) -> int:
-        if position < req.committed_len:
-            return req.token_at(position)
+    def _decode_input(self, req: Req) -> int:
+        """The input id of req's next decode step: a committed token, or a FutureMap placeholder."""
+        if req.launched_len < req.committed_len:
+            return req.token_at(req.launched_len)
         # In flight: batch n gathers the value batch n-1 published in the FutureMap.
         assert self.on("future_map"), "without the FutureMap the input token must be committed"
         return placeholder(req.row)
@@ -261,7 +245,7 @@ class Scheduler:
         params = [r.params for r in reqs]
         staging = self.staging.acquire()  # may wait: write-after-read barrier
         staging.write(tokens, rows=[r.row for r in reqs], kv_lens=kv_lens,
-                      qo_indptr=_cumsum(qo_lens), kv_indptr=_cumsum(kv_lens),
+                      qo_indptr=[0, *accumulate(qo_lens)], kv_indptr=[0, *accumulate(kv_lens)],
                       temperature=[p.temperature for p in params], top_p=[p.top_p for p in params],
                       top_k=[p.top_k for p in params], seeds=[r.sample_seed for r in reqs],
                       sample_steps=[r.next_sample_index for r in reqs])
@@ -315,10 +299,9 @@ class Scheduler:
         shortfall = n - self.kv_pool.free_count
         if shortfall > 0:
             self.cache.evict(shortfall)  # the admission promise guarantees this suffices
-        slots = self.kv_pool.alloc(n)
-        req.slot_ids += slots
+        req.slot_ids += (slots := self.kv_pool.alloc(n))
         req.reserved_tokens -= n
-        self._reserved -= n
+        self._reserved -= n  # promised at admission, now allocated
         return slots
 
     # ------------------------------------------------------------------ launch and commit
@@ -343,11 +326,12 @@ class Scheduler:
             result.copy_done.synchronize()  # the host may read the tokens, and the batch's device work is done
             # <<< exercise 8
         with self.tracer.host("commit", result.batch_id):
-            self._commit_results(view, result.batch_id, result.next_tokens_host.tolist())
+            self._commit_results(view, result)
 
-    def _commit_results(self, view: BatchView | RunningBatch, batch_id: int, tokens: list[int]) -> None:
-        self._device_done_id = max(self._device_done_id, batch_id)
-        self.stats.events.append(("commit", batch_id))
+    def _commit_results(self, view: BatchView | RunningBatch, result: ForwardResult) -> None:
+        self._device_done_id = max(self._device_done_id, result.batch_id)
+        self.stats.events.append(("commit", result.batch_id))
+        tokens = result.next_tokens_host.tolist()
         for req, row, generation, sampled, qo_len, token in zip(view.reqs, view.rows, view.generations,
                                                                 view.samples, view.qo_lens, tokens):
             if self.req_to_token.generation[row] != generation:
@@ -459,19 +443,6 @@ class Scheduler:
                 self._release(req)
             self.finished.append(req)
 
-    # ------------------------------------------------------------------ accounting
-    def memory_report(self) -> dict[str, int]:
-        return {
-            "kv_total": self.kv_pool.total,
-            "kv_free": self.kv_pool.free_count,
-            "kv_cached": self.cache.total_size,
-            "rows_total": self.req_to_token.num_rows,
-            "rows_free": self.req_to_token.free_count,
-        }
-
-    def flush_cache(self) -> int:
-        return self.cache.flush()
-
     def close(self) -> None:
         """Commit the batch in flight (unless an error stopped the scheduler), then stop the streams."""
         try:
@@ -480,10 +451,3 @@ class Scheduler:
                 self.commit(last)
         finally:
             self.engine.stream.close()
-
-
-def _cumsum(lengths: list[int]) -> list[int]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out

@@ -9,17 +9,10 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 
-from .conftest import assert_pool_whole
+from .conftest import assert_pool_whole, drain
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 LONG = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat"
-
-
-def drain(llm: LLM) -> dict[int, object]:
-    outs = {}
-    while llm.has_unfinished():
-        outs.update({o.rid: o for o in llm.step()})
-    return outs
 
 
 @pytest.fixture(scope="module")

@@ -80,10 +80,10 @@ def test_a_commit_waits_for_its_own_batch_only(qwen3):
         results[planned.forward.batch_id] = launch(planned)
         return results[planned.forward.batch_id]
 
-    def spy_commit(view, batch_id, tokens):
-        if batch_id + 1 in results:  # batch n was launched before batch n-1 is committed
-            next_busy.append(not results[batch_id + 1].copy_done.query())
-        return commit_results(view, batch_id, tokens)
+    def spy_commit(view, result):
+        if result.batch_id + 1 in results:  # batch n was launched before batch n-1 is committed
+            next_busy.append(not results[result.batch_id + 1].copy_done.query())
+        return commit_results(view, result)
 
     llm.scheduler.launch, llm.scheduler._commit_results = spy_launch, spy_commit
     llm.generate(["hello there", "the lazy dog"], SIX)
