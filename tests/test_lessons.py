@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
 FIGURE = re.compile(r"^» (?P<name>.+?) = (?P<value>-?[\d.]+)", re.MULTILINE)
 SCRIPTS = {int(p.name.split("_")[1]): p for p in LESSONS.glob("lesson_*.py")}
+OUTSIDE = re.compile("|".join(re.escape(part) for part in ("shared" + "/", "DESIGN" + ".md")))  # paths a clone lacks
 READING_SECTIONS = {int(n) for n in re.findall(r"^## §(\d+) ", (LESSONS / "readings" / "README.md").read_text(),
                                                  re.MULTILINE)}
 sys.path.insert(0, str(LESSONS))
@@ -130,11 +131,12 @@ def test_every_lesson_has_its_text_and_index_entry():
 
 
 def test_nothing_cites_a_path_outside_the_repository():
-    """A clone has no ../shared and no DESIGN.md: lessons, readings and the README must stand alone."""
+    """A clone has none of the notes kept outside the repository: lessons, readings, benchmarks and
+    the README must stand alone (no path into the workspace's shared folder, no design notes file)."""
     work = LESSONS / "exercises" / "work"  # learners' copies, not part of the repository
     files = [ROOT / "README.md", *(p for d in (LESSONS, ROOT / "benchmarks") for p in d.rglob("*")
-                                   if p.suffix in (".md", ".py") and work not in p.parents)]
-    offenders = [str(p.relative_to(ROOT)) for p in files if re.search(r"shared/|DESIGN\.md", p.read_text())]
+                                   if p.suffix in (".md", ".py", ".sh") and work not in p.parents)]
+    offenders = [str(p.relative_to(ROOT)) for p in files if OUTSIDE.search(p.read_text())]
     assert not offenders, offenders
 
 
