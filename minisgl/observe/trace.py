@@ -231,6 +231,18 @@ def pipeline_metrics(spans: list[Span]) -> dict:
     return out
 
 
+def ideal_ratio(g: float, c: float) -> float:
+    """The overlap loop's best throughput over the normal loop's: a serial step costs G + C,
+    an overlapped one max(G, C). 2 at C = G; above it the host caps the gain at (G+C)/C."""
+    return (g + c) / max(g, c)
+
+
+def realised_share(ratio: float, ideal: float) -> float:
+    """The part of the possible gain that was realised: (ratio - 1) / (ideal - 1). 1 = all of
+    it, 0 = none; noise can put it a little above 1. NaN when there was nothing to gain."""
+    return (ratio - 1) / (ideal - 1) if ideal > 1 else float("nan")
+
+
 def request_metrics(outputs: list) -> dict:
     """Latency figures over finished requests (RequestOutput), in seconds.
 
