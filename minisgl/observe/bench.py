@@ -201,27 +201,28 @@ def print_results(results: list[dict]) -> None:
     """One row per configuration, medians over its repeats. Device busy and idle come first:
     they show the bubble directly and barely move with the machine's load; throughput does."""
     table = Table(title="where the time goes (medians over the repeats)", title_justify="left",
-                  box=box.SIMPLE_HEAD, pad_edge=False)
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in ("loop", "delay\nms", "device\nbusy", "idle ms\n/step", "G\nms", "C\nms", "tok/s", "tok/s\nrange",
                 "TTFT\nms", "TPOT\nms"):
         table.add_column(col, justify="right", no_wrap=True)
     for (loop, delay), runs in _groups(results).items():
-        ms = lambda key: f"{_median(runs, key) * 1000:.2f}"  # noqa: E731
+        ms = lambda key, digits=2: f"{_median(runs, key) * 1000:.{digits}f}"  # noqa: E731
         busy = _median(runs, "pipe_device_busy_fraction")
         table.add_row(loop, f"{delay:g}", "–" if math.isnan(busy) else f"{busy:.1%}",
                       ms("pipe_exposed_host_time_per_step_s"), ms("pipe_device_time_per_forward_s"),
                       ms("pipe_host_time_per_iteration_s"), f"{_median(runs, 'output_tok_per_s'):.0f}",
-                      _range([r["output_tok_per_s"] for r in runs]), ms("req_ttft_mean_s"), ms("req_tpot_mean_s"))
+                      _range([r["output_tok_per_s"] for r in runs]), ms("req_ttft_mean_s", 1), ms("req_tpot_mean_s", 1))
     console.print(table)
-    console.print("G: device time per forward.  C: host work per iteration (schedule + launch + commit\n"
-                  "spans, waiting excluded).  idle/step: device idle per forward (the bubble).", style="dim",
+    console.print("G: device time per forward.  C: host work per iteration (schedule, launch and\n"
+                  "commit spans; waiting excluded).  idle/step: device idle per forward (the bubble).",
+                  style="dim",
                   highlight=False)
 
 
 def print_ratios(results: list[dict]) -> None:
     """overlap/normal per delay: median and range over paired repeats, next to the ideal
     (G+C)/max(G,C) with G and C measured in the normal runs, and the share of the gain realised."""
-    table = Table(title="overlap vs normal: ideal (G+C)/max(G,C), G and C from the normal runs",
+    table = Table(title="overlap vs normal (G and C from the normal runs)",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("delay\nms", "G\nms", "C\nms", "ideal", "overlap/\nnormal", "range", "share of\nthe gain"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -240,8 +241,8 @@ def print_ratios(results: list[dict]) -> None:
         table.add_row(f"{delay:g}", f"{g * 1000:.2f}", f"{c * 1000:.2f}", f"{ideal:.2f}x", f"{ratio:.2f}x", span,
                       "–" if math.isnan(share) else f"{share:.0%}")
     console.print(table)
-    console.print("share of the gain: (overlap/normal - 1) / (ideal - 1); 100% = all the time the host\n"
-                  "could hide was hidden. Noise moves it most where the ideal is close to 1.", style="dim",
+    console.print("share of the gain: (overlap/normal - 1) / (ideal - 1); 100%: all the host work\n"
+                  "was hidden. Noise moves it most where the ideal is close to 1.", style="dim",
                   highlight=False)
 
 

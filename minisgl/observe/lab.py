@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import time
@@ -36,7 +37,7 @@ from ..request import SamplingParams
 from .bench import Workload, console, default_model
 from .trace import ideal_ratio, pipeline_metrics, realised_share
 
-DEFAULT_POINTS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0)
+DEFAULT_POINTS = (0.2, 0.5, 1.0, 1.5, 2.0, 3.2)  # ends with a margin: G drifts
 CPU_DEVICE_DELAY_MS = 12.0
 
 
@@ -191,54 +192,54 @@ def steps_for(g_s: float, c_s: float, run_s: float, min_steps: int, max_steps: i
 # --------------------------------------------------------------------------- the chart
 
 
-def render_chart(points: list[dict], width: int = 40, height: int = 12) -> list[str]:
+def render_chart(points: list[dict], width: int = 40) -> list[str]:
     """Measured median (●) with its range (│) against the ideal curve (·), ratio over C/G.
 
     `points` are dicts with c_over_g, ratio_median, ratio_min, ratio_max (the JSON points).
-    The ideal is drawn as a function of C/G: (G+C)/max(G,C) = (1+x)/max(1,x).
-    Returns plain lines, `height` rows of plot plus the x axis.
+    The ideal is drawn as a function of C/G: (G+C)/max(G,C) = (1+x)/max(1,x). Whole C/G
+    values fall on columns and every row is 0.1 (0.2 for a wide spread) of ratio, so the
+    peak 2.0 at C/G = 1 is drawn exactly. Returns plain lines: the plot, the axis, its labels.
     """
-    x_max = max([3.0] + [p["c_over_g"] for p in points]) * 1.05
-    y_values = [p["ratio_min"] for p in points] + [p["ratio_max"] for p in points]
-    y_lo = min([1.0] + y_values) - 0.05
-    y_hi = max([2.0] + y_values) + 0.05
     label_w = 5
-    plot_w = max(10, width - label_w - 1)
+    plot_w = max(10, width - label_w - 6)  # room for the axis name after the last tick
+    x_need = max([3.0] + [p["c_over_g"] for p in points]) * 1.05
+    per_unit = max(1, int((plot_w - 1) // x_need))  # columns per unit of C/G
+    y_values = [p["ratio_min"] for p in points] + [p["ratio_max"] for p in points]
+    y_lo = math.floor(min([1.0] + y_values) * 10) / 10
+    y_hi = math.ceil(max([2.0] + y_values) * 10) / 10
+    step = 0.1 if y_hi - y_lo <= 1.5 else 0.2
+    height = round((y_hi - y_lo) / step) + 1
     grid = [[" "] * plot_w for _ in range(height)]
 
     def col(x: float) -> int:
-        return min(plot_w - 1, max(0, round(x / x_max * (plot_w - 1))))
+        return min(plot_w - 1, max(0, round(x * per_unit)))
 
     def row(y: float) -> int:
-        return min(height - 1, max(0, round((y_hi - y) / (y_hi - y_lo) * (height - 1))))
+        return min(height - 1, max(0, round((y_hi - y) / step)))
 
     for c in range(plot_w):
-        x = c / (plot_w - 1) * x_max
-        grid[row(ideal_ratio(1.0, x))][c] = "·"
+        grid[row(ideal_ratio(1.0, c / per_unit))][c] = "·"
     for p in points:
         c = col(p["c_over_g"])
         for r in range(row(p["ratio_max"]), row(p["ratio_min"]) + 1):
             grid[r][c] = "│"
         grid[row(p["ratio_median"])][c] = "●"
-    lines = []
     ticks = {row(y): f"{y:.1f}" for y in (1.0, 1.5, 2.0) if y_lo <= y <= y_hi}
-    for r in range(height):
-        label = ticks.get(r, "")
-        lines.append(f"{label:>{label_w - 1}} {'┤' if label else '│'}" + "".join(grid[r]))
-    axis = ["─"] * plot_w
-    labels = [" "] * (plot_w + 4)
-    for x in range(int(x_max) + 1):
+    lines = [f"{ticks.get(r, ''):>{label_w - 1}} {'┤' if r in ticks else '│'}" + "".join(grid[r])
+             for r in range(height)]
+    axis, labels = ["─"] * plot_w, [" "] * plot_w
+    for x in range((plot_w - 1) // per_unit + 1):
         axis[col(x)] = "┬"
-        labels[col(x)] = str(x)
+        labels[col(x)] = str(x)[-1]
     lines.append(" " * (label_w - 1) + " └" + "".join(axis))
     lines.append(" " * (label_w + 1) + "".join(labels).rstrip() + "  C/G")
     return lines
 
 
-def chart_text(points: list[dict], width: int = 40, height: int = 12) -> Text:
+def chart_text(points: list[dict], width: int = 40) -> Text:
     text = Text("overlap/normal vs C/G\n", style="bold")
     text.append("● measured median  │ range  · ideal\n", style="dim")
-    body = Text("\n".join(render_chart(points, width, height)))
+    body = Text("\n".join(render_chart(points, width)))
     body.highlight_regex("●", "bold green")
     body.highlight_regex("·", "cyan")
     return text + body
@@ -292,16 +293,22 @@ def run_lab(args: argparse.Namespace) -> int:
     console.print(f"[bold]minisgl lab[/] {model.name}, {'cuda' if cuda else 'cpu'}, device_delay_ms={delay:g}, "
                   f"{args.workload} workload, {requests} requests, {args.repeats} repeats")
 
+    _warn_if_loaded()
     # Probe: G and the host's own work C0 (no knob), from one short normal run.
     probe_load = make_workload(args.workload, vocab, requests, 40)
     probe = measure_point(bench, probe_load, 0.0, 1).normal[0]
     console.print(f"probe, normal loop, no host delay: G {probe.g_s * 1e3:.2f} ms, C {probe.c_s * 1e3:.2f} ms "
                   f"(lowest C/G: {probe.c_s / probe.g_s:.2f})")
+    g_seen = [probe.g_s]  # G drifts with the machine's load: each point aims with the median so far
     points = []
-    for target, host_delay in zip(targets, host_delays(probe.g_s, probe.c_s, targets)):
-        steps = steps_for(probe.g_s, probe.c_s + host_delay / 1e3, args.run_s, args.min_steps, 400)
+    for target in targets:
+        g_est = statistics.median(g_seen)
+        host_delay = host_delays(g_est, probe.c_s, [target])[0]
+        steps = steps_for(g_est, probe.c_s + host_delay / 1e3, args.run_s, args.min_steps, 400)
         workload = make_workload(args.workload, vocab, requests, steps)
-        point = measure_point(bench, workload, host_delay, args.repeats).to_json()
+        measured = measure_point(bench, workload, host_delay, args.repeats)
+        g_seen += [r.g_s for r in measured.normal]
+        point = measured.to_json()
         points.append(point)
         console.print(f"  target {target:g}: host_delay_ms {host_delay:5.2f}, {steps:3d} steps: C/G "
                       f"{point['c_over_g']:.2f}, ovl/norm {point['ratio_median']:.2f} (ideal {point['ideal']:.2f})")
@@ -317,6 +324,14 @@ def run_lab(args: argparse.Namespace) -> int:
                        "probe_g_ms": probe.g_s * 1e3, "probe_c_ms": probe.c_s * 1e3},
             "points": points, "runtime_s": runtime}, indent=2))
     return 0
+
+
+def _warn_if_loaded() -> None:
+    """Other processes on the CPU stretch the forward and the hand-offs unevenly: say so."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:
+        console.print(f"[yellow]load average {load:.1f} on {cores} cores: other processes compete for the CPU, "
+                      f"expect noisy ratios (best run on an idle machine)[/]")
 
 
 def parse_points(text: str) -> list[float]:
