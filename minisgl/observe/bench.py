@@ -214,7 +214,7 @@ def print_results(results: list[dict]) -> None:
                       _range([r["output_tok_per_s"] for r in runs]), ms("req_ttft_mean_s", 1), ms("req_tpot_mean_s", 1))
     console.print(table)
     console.print("G: device time per forward.  C: host work per iteration (schedule, launch and\n"
-                  "commit spans; waiting excluded).  idle/step: device idle per forward (the bubble).",
+                  "commit spans; waiting excluded).  idle/step: device idle per forward (bubble).",
                   style="dim",
                   highlight=False)
 

@@ -11,7 +11,7 @@ order (normal, overlap, overlap, normal, ...) so that a slow phase of a shared m
 both loops alike; the point reports the median and range of the paired ratios. G and C are
 measured from the normal runs' trace spans (`pipeline_metrics`), never taken from the knobs.
 
-On the CPU the device is a worker thread; `device_delay_ms` (a sleep on that thread, 12 ms by
+On the CPU the device is a worker thread; `device_delay_ms` (a sleep on that thread, 20 ms by
 default) makes G large and steady next to the Python of the tiny forward. On CUDA the same
 command runs the real forward with no delay (`--model DIR --device cuda`).
 """
@@ -38,7 +38,7 @@ from .bench import Workload, console, default_model
 from .trace import ideal_ratio, pipeline_metrics, realised_share
 
 DEFAULT_POINTS = (0.2, 0.5, 1.0, 1.5, 2.0, 3.2)  # ends with a margin: G drifts
-CPU_DEVICE_DELAY_MS = 12.0
+CPU_DEVICE_DELAY_MS = 20.0
 
 
 @dataclass
@@ -313,7 +313,11 @@ def run_lab(args: argparse.Namespace) -> int:
         console.print(f"  target {target:g}: host_delay_ms {host_delay:5.2f}, {steps:3d} steps: C/G "
                       f"{point['c_over_g']:.2f}, ovl/norm {point['ratio_median']:.2f} (ideal {point['ideal']:.2f})")
     runtime = time.perf_counter() - started
-    console.print(Columns([lab_table(points), chart_text(points)], padding=(0, 3)))
+    if console.width >= 125:  # room for both side by side
+        console.print(Columns([lab_table(points), chart_text(points, 44)], padding=(0, 3)))
+    else:
+        console.print(lab_table(points))
+        console.print(chart_text(points, min(72, console.width - 2)))
     console.print(LEGEND, style="dim", highlight=False)
     worst = max(abs(p["ratio_median"] / p["ideal"] - 1) for p in points)
     console.print(f"largest distance of a median from its ideal: {worst:.1%}; runtime {runtime:.0f} s")
@@ -353,11 +357,11 @@ def _device_type(args: argparse.Namespace) -> str:
 def add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--points", default=",".join(f"{x:g}" for x in DEFAULT_POINTS),
                    help="target C/G values, comma-separated (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=5, help="paired runs per point (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="paired runs per point (default: %(default)s)")
     p.add_argument("--workload", default="decode", choices=["decode", "prefill"],
                    help="decode: a few requests, many steps; prefill: many long prompts, 2 tokens each")
     p.add_argument("--requests", type=int, default=None, help="requests in the decode batch (default 2; 64 on CUDA)")
-    p.add_argument("--run-s", type=float, default=1.5, help="about how long one normal run lasts (sets the steps)")
-    p.add_argument("--min-steps", type=int, default=60, help="fewest decode steps per run")
+    p.add_argument("--run-s", type=float, default=2.0, help="about how long one normal run lasts (sets the steps)")
+    p.add_argument("--min-steps", type=int, default=40, help="fewest decode steps per run")
     p.add_argument("--json", default=None, help="also write the points to this JSON file")
     p.set_defaults(device_delay_ms=None)  # unset: 8 ms on the CPU, 0 on CUDA
