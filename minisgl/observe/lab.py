@@ -121,7 +121,7 @@ def prefill_workload(vocab: int, requests: int, prompt_len: int = 120) -> Worklo
 
 
 def make_workload(kind: str, vocab: int, requests: int, steps: int) -> Workload:
-    return prefill_workload(vocab, requests * 8) if kind == "prefill" else decode_workload(vocab, requests, steps)
+    return prefill_workload(vocab, requests * 16) if kind == "prefill" else decode_workload(vocab, requests, steps)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -362,6 +362,6 @@ def add_lab_args(p: argparse.ArgumentParser) -> None:
                    help="decode: a few requests, many steps; prefill: many long prompts, 2 tokens each")
     p.add_argument("--requests", type=int, default=None, help="requests in the decode batch (default 2; 64 on CUDA)")
     p.add_argument("--run-s", type=float, default=2.0, help="about how long one normal run lasts (sets the steps)")
-    p.add_argument("--min-steps", type=int, default=40, help="fewest decode steps per run")
+    p.add_argument("--min-steps", type=int, default=60, help="fewest decode steps per run")
     p.add_argument("--json", default=None, help="also write the points to this JSON file")
     p.set_defaults(device_delay_ms=None)  # unset: 8 ms on the CPU, 0 on CUDA
