@@ -121,7 +121,7 @@ def prefill_workload(vocab: int, requests: int, prompt_len: int = 120) -> Worklo
 
 
 def make_workload(kind: str, vocab: int, requests: int, steps: int) -> Workload:
-    return prefill_workload(vocab, requests * 16) if kind == "prefill" else decode_workload(vocab, requests, steps)
+    return prefill_workload(vocab, requests * 32) if kind == "prefill" else decode_workload(vocab, requests, steps)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -278,7 +278,8 @@ gain that the overlap loop realised."""
 
 def run_lab(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    targets = parse_points(args.points)
+    targets = parse_numbers(args.points, "--points", allow_zero=False)
+    fixed = parse_numbers(args.host_delays, "--host-delays", allow_zero=True) if args.host_delays else None
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     model = default_model(args)
@@ -292,35 +293,25 @@ def run_lab(args: argparse.Namespace) -> int:
     bench = Bench(args, delay)
     console.print(f"[bold]minisgl lab[/] {model.name}, {'cuda' if cuda else 'cpu'}, device_delay_ms={delay:g}, "
                   f"{args.workload} workload, {requests} requests, {args.repeats} repeats")
-
     _warn_if_loaded()
     # Probe: G and the host's own work C0 (no knob), from one short normal run.
-    probe_load = make_workload(args.workload, vocab, requests, 40)
-    probe = measure_point(bench, probe_load, 0.0, 1).normal[0]
+    probe = measure_point(bench, make_workload(args.workload, vocab, requests, 40), 0.0, 1).normal[0]
     console.print(f"probe, normal loop, no host delay: G {probe.g_s * 1e3:.2f} ms, C {probe.c_s * 1e3:.2f} ms "
                   f"(lowest C/G: {probe.c_s / probe.g_s:.2f})")
     g_seen = [probe.g_s]  # G drifts with the machine's load: each point aims with the median so far
     points = []
-    for target in targets:
+    for i in range(len(fixed) if fixed else len(targets)):
         g_est = statistics.median(g_seen)
-        host_delay = host_delays(g_est, probe.c_s, [target])[0]
+        host_delay = fixed[i] if fixed else host_delays(g_est, probe.c_s, [targets[i]])[0]
         steps = steps_for(g_est, probe.c_s + host_delay / 1e3, args.run_s, args.min_steps, 400)
-        workload = make_workload(args.workload, vocab, requests, steps)
-        measured = measure_point(bench, workload, host_delay, args.repeats)
+        measured = measure_point(bench, make_workload(args.workload, vocab, requests, steps), host_delay,
+                                 args.repeats)
         g_seen += [r.g_s for r in measured.normal]
-        point = measured.to_json()
-        points.append(point)
-        console.print(f"  target {target:g}: host_delay_ms {host_delay:5.2f}, {steps:3d} steps: C/G "
-                      f"{point['c_over_g']:.2f}, ovl/norm {point['ratio_median']:.2f} (ideal {point['ideal']:.2f})")
+        points.append(measured.to_json())
+        console.print(f"  host_delay_ms {host_delay:6.2f}, {steps:3d} steps: C/G {points[-1]['c_over_g']:.2f}, "
+                      f"ovl/norm {points[-1]['ratio_median']:.2f} (ideal {points[-1]['ideal']:.2f})")
     runtime = time.perf_counter() - started
-    if console.width >= 125:  # room for both side by side
-        console.print(Columns([lab_table(points), chart_text(points, 44)], padding=(0, 3)))
-    else:
-        console.print(lab_table(points))
-        console.print(chart_text(points, min(72, console.width - 2)))
-    console.print(LEGEND, style="dim", highlight=False)
-    worst = max(abs(p["ratio_median"] / p["ideal"] - 1) for p in points)
-    console.print(f"largest distance of a median from its ideal: {worst:.1%}; runtime {runtime:.0f} s")
+    report(points, runtime)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "config": {"model": str(model), "device": "cuda" if cuda else "cpu", "device_delay_ms": delay,
@@ -328,6 +319,18 @@ def run_lab(args: argparse.Namespace) -> int:
                        "probe_g_ms": probe.g_s * 1e3, "probe_c_ms": probe.c_s * 1e3},
             "points": points, "runtime_s": runtime}, indent=2))
     return 0
+
+
+def report(points: list[dict], runtime_s: float) -> None:
+    """The table and the chart: side by side where the console is wide enough, else stacked."""
+    if console.width >= 125:
+        console.print(Columns([lab_table(points), chart_text(points, 44)], padding=(0, 3)))
+    else:
+        console.print(lab_table(points))
+        console.print(chart_text(points, min(72, console.width - 2)))
+    console.print(LEGEND, style="dim", highlight=False)
+    worst = max(abs(p["ratio_median"] / p["ideal"] - 1) for p in points)
+    console.print(f"largest distance of a median from its ideal: {worst:.1%}; runtime {runtime_s:.0f} s")
 
 
 def _warn_if_loaded() -> None:
@@ -338,14 +341,14 @@ def _warn_if_loaded() -> None:
                       f"expect noisy ratios (best run on an idle machine)[/]")
 
 
-def parse_points(text: str) -> list[float]:
+def parse_numbers(text: str, option: str, allow_zero: bool) -> list[float]:
     try:
-        points = [float(x) for x in text.split(",") if x.strip()]
+        values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--points must be comma-separated numbers, got {text!r}") from None
-    if not points or any(p <= 0 for p in points):
-        raise ValueError(f"--points must be positive C/G values, got {text!r}")
-    return points
+        raise ValueError(f"{option} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 or (v == 0 and not allow_zero) for v in values):
+        raise ValueError(f"{option} must be {'non-negative' if allow_zero else 'positive'} numbers, got {text!r}")
+    return values
 
 
 def _device_type(args: argparse.Namespace) -> str:
@@ -357,6 +360,8 @@ def _device_type(args: argparse.Namespace) -> str:
 def add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--points", default=",".join(f"{x:g}" for x in DEFAULT_POINTS),
                    help="target C/G values, comma-separated (default: %(default)s)")
+    p.add_argument("--host-delays", default=None, metavar="MS,...",
+                   help="sweep these host_delay_ms values instead of aiming at --points (e.g. one C for two workloads)")
     p.add_argument("--repeats", type=int, default=3, help="paired runs per point (default: %(default)s)")
     p.add_argument("--workload", default="decode", choices=["decode", "prefill"],
                    help="decode: a few requests, many steps; prefill: many long prompts, 2 tokens each")
