@@ -22,7 +22,7 @@ demo: install
 	$(PY) -m minisgl demo
 
 bench: install
-	$(PY) -m minisgl bench --compare-loops
+	$(PY) -m minisgl bench --compare-loops --repeat 3
 
 # the loop-comparison lab (lessons/lab_overlap.md): overlap/normal against the ideal, C/G 0.2..3.2
 lab: install
