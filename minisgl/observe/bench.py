@@ -131,8 +131,6 @@ def _progress(label: str, total: int) -> Progress | None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if args.repeat < 1:
-        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     model = default_model(args)
     args.model = str(model)
     from transformers import AutoConfig

@@ -33,6 +33,7 @@ from rich.columns import Columns
 from rich.table import Table
 from rich.text import Text
 
+from ..options import build_llm, positive_int
 from ..request import SamplingParams
 from .bench import Workload, console, default_model
 from .trace import ideal_ratio, pipeline_metrics, realised_share
@@ -135,8 +136,6 @@ class Bench:
         self.device_delay_ms = device_delay_ms
 
     def engine(self, loop: str, host_delay_ms: float, kv_tokens: int):
-        from ..options import build_llm
-
         llm = build_llm(self.args, loop=loop, device_delay_ms=self.device_delay_ms, host_delay_ms=host_delay_ms,
                         trace=True, kv_tokens=self.args.kv_tokens or kv_tokens)
         llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))  # warm-up (and JIT, graphs on GPU)
@@ -280,8 +279,6 @@ def run_lab(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     targets = parse_numbers(args.points, "--points", allow_zero=False)
     fixed = parse_numbers(args.host_delays, "--host-delays", allow_zero=True) if args.host_delays else None
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     model = default_model(args)
     args.model = str(model)
     from transformers import AutoConfig
@@ -362,11 +359,11 @@ def add_lab_args(p: argparse.ArgumentParser) -> None:
                    help="target C/G values, comma-separated (default: %(default)s)")
     p.add_argument("--host-delays", default=None, metavar="MS,...",
                    help="sweep these host_delay_ms values instead of aiming at --points (e.g. one C for two workloads)")
-    p.add_argument("--repeats", type=int, default=3, help="paired runs per point (default: %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="paired runs per point (default: %(default)s)")
     p.add_argument("--workload", default="decode", choices=["decode", "prefill"],
                    help="decode: a few requests, many steps; prefill: many long prompts, 2 tokens each")
-    p.add_argument("--requests", type=int, default=None, help="requests in the decode batch (default 2; 64 on CUDA)")
+    p.add_argument("--requests", type=positive_int, default=None, help="requests in the decode batch (default 2; 64 on CUDA)")
     p.add_argument("--run-s", type=float, default=2.0, help="about how long one normal run lasts (sets the steps)")
-    p.add_argument("--min-steps", type=int, default=60, help="fewest decode steps per run")
+    p.add_argument("--min-steps", type=positive_int, default=60, help="fewest decode steps per run")
     p.add_argument("--json", default=None, help="also write the points to this JSON file")
     p.set_defaults(device_delay_ms=None)  # unset: 8 ms on the CPU, 0 on CUDA
