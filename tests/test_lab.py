@@ -15,7 +15,7 @@ from rich.console import Console
 
 from minisgl.__main__ import main
 from minisgl.observe.bench import print_ratios, print_results
-from minisgl.observe.lab import host_delays, lab_table, render_chart, steps_for
+from minisgl.observe.lab import host_delay_for, lab_table, render_chart, steps_for
 from minisgl.observe.timeline import render_timeline
 from minisgl.observe.trace import Span, ideal_ratio, realised_share
 
@@ -40,7 +40,7 @@ def test_realised_share():
 
 def test_host_delays_and_steps():
     # G 10 ms, the host's own work 1 ms: C/G 0.5 needs 4 ms more, C/G 0.05 needs none.
-    assert host_delays(0.010, 0.001, [0.5, 2.0, 0.05]) == pytest.approx([4.0, 19.0, 0.0])
+    assert [host_delay_for(0.010, 0.001, x) for x in (0.5, 2.0, 0.05)] == pytest.approx([4.0, 19.0, 0.0])
     assert steps_for(0.010, 0.010, run_s=1.0, min_steps=10, max_steps=400) == 50
     assert steps_for(0.010, 0.090, run_s=1.0, min_steps=20, max_steps=400) == 20
     assert steps_for(0.0001, 0.0, run_s=1.0, min_steps=20, max_steps=400) == 400
@@ -53,9 +53,9 @@ def _point(x: float, ratio: float) -> dict:
 def test_chart_puts_markers_on_the_ideal_curve():
     points = [_point(x, ideal_ratio(1.0, x)) for x in (0.25, 1.0, 3.0)]
     lines = render_chart(points, width=40)
-    assert len(lines) == 12 + 2  # ratio 1.0 to 2.1 (the top range) in rows of 0.1, the axis, its labels
+    assert len(lines) == 13 + 2  # ratio 0.9 to 2.1 in rows of 0.1, the axis, its labels
     assert all(len(line) <= 40 for line in lines)
-    plot = lines[:12]
+    plot = lines[:13]
     assert sum(line.count("●") for line in plot) == 3
     # The median at C/G = 1 sits on the row labelled 2.0, the top of the ideal curve.
     two = next(line for line in plot if line.lstrip().startswith("2.0"))
@@ -63,6 +63,12 @@ def test_chart_puts_markers_on_the_ideal_curve():
     # Ranges are drawn around each median.
     assert sum(line.count("│") for line in plot) > 3
     assert "C/G" in lines[-1] and "3" in lines[-1]
+
+
+def test_chart_cuts_a_stray_range_at_the_edge():
+    lines = render_chart([_point(1.0, 1.9), {**_point(2.0, 1.5), "ratio_max": 3.4}], width=40)
+    assert len(lines) == 13 + 2  # the axis still ends at 2.1: the range is cut, not the chart stretched
+    assert lines[0].count("│") == 2  # the left border and the cut range
 
 
 def test_chart_shows_a_point_far_from_the_ideal_off_the_curve():

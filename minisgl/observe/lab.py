@@ -115,7 +115,8 @@ def decode_workload(vocab: int, requests: int, steps: int, prompt_len: int = 8) 
 
 def prefill_workload(vocab: int, requests: int, prompt_len: int = 120) -> Workload:
     """Prefill-heavy: many long prompts and 2 new tokens each: most forwards are prefills,
-    and with prefill_sync on two prefills in a row are committed in between (no overlap)."""
+    and with prefill_sync on the first of two prefills in a row is committed before the
+    second is launched (the device waits for that commit and launch)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
     return Workload("prefill", prompts, [SamplingParams(max_new_tokens=2, ignore_eos=True)] * requests)
@@ -128,7 +129,7 @@ def make_workload(kind: str, vocab: int, requests: int, steps: int) -> Workload:
 # --------------------------------------------------------------------------- measuring
 
 
-class Bench:
+class Runner:
     """Builds engines for the lab from the parsed options and runs the workload on them."""
 
     def __init__(self, args: argparse.Namespace, device_delay_ms: float) -> None:
@@ -162,25 +163,25 @@ def kv_tokens_for(workload: Workload) -> int:
     return max(1024, 2 * need)
 
 
-def measure_point(bench: Bench, workload: Workload, host_delay_ms: float, repeats: int) -> Point:
+def measure_point(runner: Runner, workload: Workload, host_delay_ms: float, repeats: int) -> Point:
     """Both loops on the same workload, `repeats` pairs in ABBA order."""
     point = Point(host_delay_ms, max(sp.max_new_tokens for sp in workload.params))
     kv = kv_tokens_for(workload)
-    llms = {loop: bench.engine(loop, host_delay_ms, kv) for loop in ("normal", "overlap")}
+    llms = {loop: runner.engine(loop, host_delay_ms, kv) for loop in ("normal", "overlap")}
     try:
         for rep in range(repeats):
             order = ("normal", "overlap") if rep % 2 == 0 else ("overlap", "normal")
             for loop in order:
-                getattr(point, loop).append(bench.run(llms[loop], workload))
+                getattr(point, loop).append(runner.run(llms[loop], workload))
     finally:
         for llm in llms.values():
             llm.close()
     return point
 
 
-def host_delays(g_s: float, c0_s: float, targets: list[float]) -> list[float]:
-    """The host_delay_ms that brings C = c0 + delay to each target C/G (0 where c0 alone is more)."""
-    return [max(0.0, target * g_s - c0_s) * 1e3 for target in targets]
+def host_delay_for(g_s: float, c0_s: float, target: float) -> float:
+    """The host_delay_ms that brings C = c0 + delay to the target C/G (0 where c0 alone is more)."""
+    return max(0.0, target * g_s - c0_s) * 1e3
 
 
 def steps_for(g_s: float, c_s: float, run_s: float, min_steps: int, max_steps: int) -> int:
@@ -197,15 +198,16 @@ def render_chart(points: list[dict], width: int = 40) -> list[str]:
     `points` are dicts with c_over_g, ratio_median, ratio_min, ratio_max (the JSON points).
     The ideal is drawn as a function of C/G: (G+C)/max(G,C) = (1+x)/max(1,x). Whole C/G
     values fall on columns and every row is 0.1 (0.2 for a wide spread) of ratio, so the
-    peak 2.0 at C/G = 1 is drawn exactly. Returns plain lines: the plot, the axis, its labels.
+    peak 2.0 at C/G = 1 is drawn exactly. Ranges beyond the axis stop at its edge. Returns plain lines: the plot, the axis, its labels.
     """
     label_w = 5
     plot_w = max(10, width - label_w - 6)  # room for the axis name after the last tick
     x_need = max([3.0] + [p["c_over_g"] for p in points]) * 1.05
     per_unit = max(1, int((plot_w - 1) // x_need))  # columns per unit of C/G
-    y_values = [p["ratio_min"] for p in points] + [p["ratio_max"] for p in points]
-    y_lo = math.floor(min([1.0] + y_values) * 10) / 10
-    y_hi = math.ceil(max([2.0] + y_values) * 10) / 10
+    # The axis spans the ideal (1 to 2) and the medians; a stray repeat's range is cut at the edge.
+    medians = [p["ratio_median"] for p in points]
+    y_lo = math.floor(min([1.0] + medians) * 10) / 10 - 0.1
+    y_hi = math.ceil(max([2.0] + medians) * 10) / 10 + 0.1
     step = 0.1 if y_hi - y_lo <= 1.5 else 0.2
     height = round((y_hi - y_lo) / step) + 1
     grid = [[" "] * plot_w for _ in range(height)]
@@ -287,21 +289,21 @@ def run_lab(args: argparse.Namespace) -> int:
     cuda = _device_type(args) == "cuda"
     delay = args.device_delay_ms if args.device_delay_ms is not None else (0.0 if cuda else CPU_DEVICE_DELAY_MS)
     requests = args.requests or (64 if cuda else 2)
-    bench = Bench(args, delay)
+    runner = Runner(args, delay)
     console.print(f"[bold]minisgl lab[/] {model.name}, {'cuda' if cuda else 'cpu'}, device_delay_ms={delay:g}, "
                   f"{args.workload} workload, {requests} requests, {args.repeats} repeats")
     _warn_if_loaded()
     # Probe: G and the host's own work C0 (no knob), from one short normal run.
-    probe = measure_point(bench, make_workload(args.workload, vocab, requests, 40), 0.0, 1).normal[0]
+    probe = measure_point(runner, make_workload(args.workload, vocab, requests, 40), 0.0, 1).normal[0]
     console.print(f"probe, normal loop, no host delay: G {probe.g_s * 1e3:.2f} ms, C {probe.c_s * 1e3:.2f} ms "
                   f"(lowest C/G: {probe.c_s / probe.g_s:.2f})")
     g_seen = [probe.g_s]  # G drifts with the machine's load: each point aims with the median so far
     points = []
     for i in range(len(fixed) if fixed else len(targets)):
         g_est = statistics.median(g_seen)
-        host_delay = fixed[i] if fixed else host_delays(g_est, probe.c_s, [targets[i]])[0]
+        host_delay = fixed[i] if fixed else host_delay_for(g_est, probe.c_s, targets[i])
         steps = steps_for(g_est, probe.c_s + host_delay / 1e3, args.run_s, args.min_steps, 400)
-        measured = measure_point(bench, make_workload(args.workload, vocab, requests, steps), host_delay,
+        measured = measure_point(runner, make_workload(args.workload, vocab, requests, steps), host_delay,
                                  args.repeats)
         g_seen += [r.g_s for r in measured.normal]
         points.append(measured.to_json())
