@@ -8,8 +8,10 @@ pair of CUDA events resolved after the run (so recording never syncs the device)
 Reading a finished trace (below the Tracer):
 - `to_chrome_trace` / `write_chrome_trace`: open the run in Perfetto or chrome://tracing.
 - `pipeline_metrics`: device busy fraction, the idle gaps between forwards (the bubble),
-  G (device time per forward) and C (host work per iteration). The serial loop's step is
-  about G + C; the overlap loop's about max(G, C).
+  G (device time per forward) and C (host work per iteration: schedule + launch + commit
+  spans, waiting excluded). These are the only G and C in minisgl: bench, lab, lessons and
+  the timeline all read them here. The serial loop's step is about G + C; the overlap
+  loop's about max(G, C): `ideal_ratio`, and `realised_share` of a measured ratio.
 - `request_metrics`: TTFT, TPOT and end-to-end latency over finished requests.
 `minisgl.observe.timeline.render_timeline` draws the same spans in the terminal.
 """
