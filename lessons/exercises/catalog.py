@@ -133,8 +133,8 @@ EXERCISES = {e.number: e for e in (
     )),
     Exercise(7, "the staging buffers' write-after-read wait (staging.py)", 7, (
         "tests/test_ex7_staging.py",
-        "tests/test_mechanisms.py::test_staging_one_buffer_with_the_wait_is_correct_but_waits",
         "tests/test_mechanisms.py::test_staging_both_protections_off_gives_wrong_tokens[5.0]",
+        "tests/test_mechanisms.py::test_staging_two_buffers_without_the_wait_hold_while_n_commits_before_n_plus_2[5.0]",
     ), (
         "The host writes batch n+1's metadata into a host buffer that the device copies when it "
         "reaches the batch. What may the device still have to read when the host wants to rewrite "
