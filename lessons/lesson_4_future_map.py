@@ -78,6 +78,7 @@ def main() -> None:
     figure("device busy (future_map on)", on.metrics["device_busy_fraction"])
     figure("device busy (future_map off)", off.metrics["device_busy_fraction"])
     figure("early commits (future_map off)", off.stats.early_commits, "{:d}", "one per batch: the serial loop again")
+    figure("batches (future_map off)", off.stats.batches, "{:d}")
     figure("outputs identical", int(on.tokens == off.tokens), "{:d}")
     notice("without the FutureMap the host has to wait for batch n's tokens to write batch n+1's input ids: "
            "every batch is synced first and the red gaps come back: device busy drops, idle per forward "

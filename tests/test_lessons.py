@@ -64,8 +64,9 @@ def test_lesson_4_future_map_off_brings_the_bubble_back():
     _, f = run_lesson(4)
     assert f["placeholders in that batch (future_map on)"] > 0
     assert f["placeholders in that batch (future_map off)"] == 0
-    assert f["device busy (future_map off)"] < f["device busy (future_map on)"]
-    assert f["early commits (future_map off)"] > 0
+    # The bubble itself is a timing (device busy, printed by the lesson; noisy on a loaded
+    # machine). Its cause is structural: off, every batch is committed before the next launch.
+    assert f["early commits (future_map off)"] >= f["batches (future_map off)"] - 1 > 0
     assert f["outputs identical"] == 1
 
 
