@@ -13,37 +13,30 @@ from pathlib import Path
 from .mechanisms import MECHANISMS
 
 
+def _number(text: str, convert, valid, expected: str):
+    """An argparse value: `text` converted, and `valid`, or one error saying what is `expected`."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+    if not valid(value):
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type for counts and sizes: 0 or a negative number is an error, not "the default"."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type for rates: a finite number above 0 (nan, inf and 0 are errors)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+    return _number(text, int, lambda v: v >= 1, "an integer >= 1")
 
 
 def nonnegative_int(text: str) -> int:
     """argparse type for counts where 0 means "none" (e.g. skip a step)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """argparse type for rates: a finite number above 0 (nan, inf and 0 are errors)."""
+    return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -8,6 +8,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.request import FLOAT32_TINY
+from minisgl.streams import DeviceError
 
 from .conftest import assert_pool_whole, drain
 from .test_robust import assert_one_line_exit_2
@@ -137,25 +138,21 @@ def test_train_demo_bad_flags_exit_2_and_write_nothing(tmp_path, capsys, bad):
 # deferred_row_free and row_generation_check off) reached the caller as a ValueError, the type
 # that means bad input: the CLI printed it as "error: ..." with exit 2. And a device error said
 # only "work on stream 'engine' failed", whatever had failed.
-def test_an_error_inside_a_step_is_not_reported_as_bad_input(qwen3):
+@pytest.mark.parametrize("where, error, raised, message", [
+    ("scheduler._commit_results", ValueError("13 tokens but 11 slots"), RuntimeError,
+     "failed inside a step: ValueError: 13 tokens"),
+    ("engine._forward_and_sample", IndexError("index 6 is out of bounds"), DeviceError,
+     "failed: IndexError: index 6 is out of bounds"),
+])
+def test_an_error_inside_a_step_says_what_failed_and_is_not_bad_input(qwen3, where, error, raised, message):
     with LLM(qwen3) as llm:
-        def broken(*args):
-            raise ValueError("13 tokens but 11 slots")
+        owner, name = where.split(".")
 
-        llm.scheduler._commit_results = broken
-        with pytest.raises(RuntimeError, match="failed inside a step: ValueError: 13 tokens"):
+        def broken(*args):
+            raise error
+
+        setattr(getattr(llm, owner), name, broken)
+        with pytest.raises(raised, match=message):
             llm.generate(["hello there"], GREEDY)
         with pytest.raises(RuntimeError, match="failed earlier"):
-            llm.generate(["hello there"], GREEDY)
-
-
-def test_device_error_names_what_failed(qwen3):
-    from minisgl.streams import DeviceError
-
-    with LLM(qwen3) as llm:
-        def broken(*args):
-            raise IndexError("index 6 is out of bounds")
-
-        llm.engine._forward_and_sample = broken
-        with pytest.raises(DeviceError, match="IndexError: index 6 is out of bounds"):
             llm.generate(["hello there"], GREEDY)
