@@ -17,6 +17,7 @@ import torch
 from .checks import INT64_MAX, check_bool, check_int, check_real, check_token_ids, is_int
 from .config import DEFAULTS, free_memory_bytes
 from .engine import Engine
+from .interrupts import interrupts_deferred
 from .invariants import check_invariants, memory_report
 from .mechanisms import MECHANISMS, Mechanisms
 from .models.checkpoint import read_json_object
@@ -179,8 +180,7 @@ class LLM:
         """Run one scheduler iteration; return the requests that finished in it, plus any
         finished earlier (during a generate()) and not collected yet."""
         with self._use(drives=True):
-            for out in self._step():
-                self._results[out.rid] = out
+            self._step()
             return self._take_results()
 
     def collect(self) -> list[RequestOutput]:
@@ -227,7 +227,10 @@ class LLM:
                 self._run_until_done(reqs, outputs, on_step)
             except BaseException:
                 for req in reqs:
-                    if req.rid not in outputs:
+                    self._results.pop(req.rid, None)  # finished, not handed out: dropped with the rest
+                    # Only those queued: a Ctrl-C between two _queue() calls leaves the rest
+                    # unqueued, and their ids are handed out again by the next request.
+                    if req.rid in self._reqs:
                         self._abandoned.add(req.rid)
                         self.scheduler.abort(req)
                 raise
@@ -243,37 +246,39 @@ class LLM:
                 lost = sorted(mine - outputs.keys())
                 raise RuntimeError(f"requests {lost[:8]} can no longer be scheduled: the scheduler lost "
                                    f"track of them (disabled: {sorted(self.scheduler.mechanisms.disabled)})")
-            for out in self._step():
-                (outputs if out.rid in mine else self._results)[out.rid] = out
+            self._step()
+            for rid in mine & self._results.keys():
+                outputs[rid] = self._results.pop(rid)
             if on_step is not None:
                 on_step(len(outputs))
         # Every request is out, but an overshoot step may still be in flight: commit it, so that
         # memory_report() shows the pool whole, unless the caller has other requests queued.
         while self.scheduler.has_work() and not self._reqs:
-            for out in self._step():
-                self._results[out.rid] = out
+            self._step()
 
-    def _step(self) -> list[RequestOutput]:
-        """One scheduler iteration. An error (not a deferred Ctrl-C) stops the scheduler: it is
-        raised here once, and every later call refuses (see _use)."""
+    def _step(self) -> None:
+        """One scheduler iteration; the requests that finished go to self._results. An error
+        (not a deferred Ctrl-C) stops the scheduler: it is raised here once, and every later
+        call refuses (see _use)."""
         nothing_in_flight, launched = self.scheduler.last is None, self.scheduler.stats.batches
-        try:
-            finished = self.scheduler.step()
-        except (ValueError, TypeError) as exc:
-            # Every request was validated when queued, so these inside a step are the engine's
-            # failure (e.g. a mechanism switched off), never bad input: not the types that say
-            # "your argument was wrong" (the CLI would answer "error:" and exit 2).
-            raise RuntimeError(f"the engine failed inside a step: {type(exc).__name__}: {exc}") from exc
-        outs = []
-        for req in finished:
-            del self._reqs[req.rid]
-            if req.rid in self._abandoned:
-                self._abandoned.discard(req.rid)
-            else:
-                outs.append(self._output(req))
+        # Ctrl-C waits until the finished requests are stored in self._results: landing between
+        # the scheduler handing them over and here, it would lose them for good.
+        with interrupts_deferred():
+            try:
+                finished = self.scheduler.step()
+            except (ValueError, TypeError) as exc:
+                # Every request was validated when queued, so these inside a step are the engine's
+                # failure (e.g. a mechanism switched off), never bad input: not the types that say
+                # "your argument was wrong" (the CLI would answer "error:" and exit 2).
+                raise RuntimeError(f"the engine failed inside a step: {type(exc).__name__}: {exc}") from exc
+            for req in finished:
+                del self._reqs[req.rid]
+                if req.rid in self._abandoned:
+                    self._abandoned.discard(req.rid)
+                else:
+                    self._results[req.rid] = self._output(req)
         if nothing_in_flight and self.scheduler.stats.batches == launched:
             self._check_not_stuck()
-        return outs
 
     def _check_not_stuck(self) -> None:
         """After a step that had nothing in flight and launched nothing: if requests still wait
@@ -309,9 +314,10 @@ class LLM:
         return req
 
     def _queue(self, req: Req) -> None:
-        self.scheduler.add(req)
-        self._reqs[req.rid] = req
-        self._next_rid = req.rid + 1
+        with interrupts_deferred():  # queued and known by id, or neither
+            self.scheduler.add(req)
+            self._reqs[req.rid] = req
+            self._next_rid = req.rid + 1
 
     # ---------------------------------------------------------------- memory
     def memory_report(self) -> dict[str, int]:

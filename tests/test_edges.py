@@ -4,6 +4,8 @@ finding; the checkpoint findings are cases of test_robust.py's BREAKERS."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from minisgl import LLM, SamplingParams
@@ -156,3 +158,49 @@ def test_an_error_inside_a_step_says_what_failed_and_is_not_bad_input(qwen3, whe
             llm.generate(["hello there"], GREEDY)
         with pytest.raises(RuntimeError, match="failed earlier"):
             llm.generate(["hello there"], GREEDY)
+
+
+# Ctrl-C while finished requests were turned into outputs (detokenizing): the scheduler had
+# handed them over, the KeyboardInterrupt dropped them, and step() never returned them.
+def test_ctrl_c_while_outputs_are_made_loses_no_result(qwen3):
+    with LLM(qwen3) as llm:
+        rids = [llm.add_request("hello there", GREEDY), llm.add_request("count 1 to 5:", GREEDY)]
+        decode, fired = llm.tokenizer.decode, []
+
+        def interrupting_decode(*args, **kwargs):
+            if not fired:
+                fired.append(1)
+                signal.raise_signal(signal.SIGINT)
+            return decode(*args, **kwargs)
+
+        llm.tokenizer.decode = interrupting_decode
+        got = {}
+        with pytest.raises(KeyboardInterrupt):
+            while llm.has_unfinished():
+                got.update({o.rid: o for o in llm.step()})
+        got.update(drain(llm))
+        assert sorted(got) == rids and all(len(o.token_ids) == 8 for o in got.values())
+        assert_pool_whole(llm)
+
+
+# Ctrl-C between queueing two of generate()'s requests: the unqueued ones were marked
+# abandoned, their ids were handed out again, and the next generate() dropped its own
+# results ("can no longer be scheduled").
+def test_ctrl_c_while_queueing_leaves_later_requests_alone(qwen3):
+    with LLM(qwen3) as llm:
+        add, calls = llm.scheduler.add, []
+
+        def interrupting_add(req):
+            calls.append(1)
+            if len(calls) == 2:
+                signal.raise_signal(signal.SIGINT)
+            return add(req)
+
+        llm.scheduler.add = interrupting_add
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a b", "c d", "e f", "g h"], GREEDY)
+        llm.scheduler.add = add
+        outs = llm.generate(["hello", "count 1 to 5:", "x y"], GREEDY)
+        assert [len(o.token_ids) for o in outs] == [8, 8, 8]
+        drain(llm)
+        assert_pool_whole(llm)
