@@ -204,3 +204,22 @@ def test_ctrl_c_while_queueing_leaves_later_requests_alone(qwen3):
         assert [len(o.token_ids) for o in outs] == [8, 8, 8]
         drain(llm)
         assert_pool_whole(llm)
+
+
+# A second Ctrl-C that cut a step's context exit short left the (generator) context suspended;
+# closing it later latched GeneratorExit as the scheduler's error: "the engine failed earlier
+# (GeneratorExit: )". Seen with interrupts every few milliseconds on the step() interface.
+def test_a_step_context_never_exited_latches_nothing_and_restores_the_handler():
+    import gc
+    from types import SimpleNamespace
+
+    from minisgl.interrupts import atomic_step
+
+    handler = signal.getsignal(signal.SIGINT)
+    owner = SimpleNamespace(error=None)
+    context = atomic_step(owner)
+    context.__enter__()
+    del context  # its __exit__ never runs
+    gc.collect()
+    assert owner.error is None
+    assert signal.getsignal(signal.SIGINT) is handler
