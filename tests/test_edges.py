@@ -223,3 +223,14 @@ def test_a_step_context_never_exited_latches_nothing_and_restores_the_handler():
     gc.collect()
     assert owner.error is None
     assert signal.getsignal(signal.SIGINT) is handler
+
+
+# `python -m minisgl` imported torch and transformers from minisgl/__init__ before the command
+# line's Ctrl-C handling began: a Ctrl-C in those seconds was a traceback, not "interrupted".
+def test_the_command_line_module_starts_without_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, minisgl.__main__; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
