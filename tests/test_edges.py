@@ -136,25 +136,14 @@ def test_train_demo_bad_flags_exit_2_and_write_nothing(tmp_path, capsys, bad):
     assert not out.exists()
 
 
-# A ValueError raised inside a step (here "13 tokens but 11 slots" from the radix cache with
-# deferred_row_free and row_generation_check off) reached the caller as a ValueError, the type
-# that means bad input: the CLI printed it as "error: ..." with exit 2. And a device error said
-# only "work on stream 'engine' failed", whatever had failed.
-@pytest.mark.parametrize("where, error, raised, message", [
-    ("scheduler._commit_results", ValueError("13 tokens but 11 slots"), RuntimeError,
-     "failed inside a step: ValueError: 13 tokens"),
-    ("engine._forward_and_sample", IndexError("index 6 is out of bounds"), DeviceError,
-     "failed: IndexError: index 6 is out of bounds"),
-])
-def test_an_error_inside_a_step_says_what_failed_and_is_not_bad_input(qwen3, where, error, raised, message):
+# A device error said only "work on stream 'engine' failed", whatever had failed.
+def test_device_error_says_what_failed(qwen3):
     with LLM(qwen3) as llm:
-        owner, name = where.split(".")
-
         def broken(*args):
-            raise error
+            raise IndexError("index 6 is out of bounds")
 
-        setattr(getattr(llm, owner), name, broken)
-        with pytest.raises(raised, match=message):
+        llm.engine._forward_and_sample = broken
+        with pytest.raises(DeviceError, match="failed: IndexError: index 6 is out of bounds"):
             llm.generate(["hello there"], GREEDY)
         with pytest.raises(RuntimeError, match="failed earlier"):
             llm.generate(["hello there"], GREEDY)
