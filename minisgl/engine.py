@@ -6,6 +6,17 @@
 device-to-host copy will fill, and `copy_done`, the event after that copy. Only after
 `copy_done.synchronize()` may the host read the tokens.
 
+`Engine.close()` gives every device resource back (graphs and their memory pool, FlashInfer
+workspaces, the KV pool, the request table, the weights) and stops the stream's thread.
+
+Keep-alive (article 000): a tensor that one stream creates and another stream reads must
+stay allocated until the reader has run, or the caching allocator hands its memory to the
+next allocation while the read is still queued. Here every tensor the engine stream reads
+is either created on the engine stream itself (the staging copies, the sampled tokens, the
+attention metadata: allocated under `self.stream`, so the allocator orders reuse after
+them), or owned by a long-lived object (the staging buffers, the plans, the CUDA-graph
+buffers), whose reuse the write-after-read waits and the plan parity protect.
+
 On CPU the "device" is the stream's worker thread; `device_delay_ms` adds a sleep at the
 start of every forward there (GIL released) to emulate a slower device. That is a teaching
 aid: it makes device time large and predictable, so the overlap and its race windows are
@@ -14,6 +25,7 @@ visible and deterministic.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +37,10 @@ from .gpu.cuda_graph import CudaGraphRunner
 from .gpu.flashinfer_backend import FlashInferBackend, flashinfer_available
 from .future_map import FutureMap
 from .kv_pool import ReqToTokenPool
-from .models.decoder import load_model
 from .models.sampler import sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
+from .models.decoder import DETERMINISTIC_ROWS, load_model, set_fixed_rows
 from .observe.trace import Tracer
 
 
@@ -60,15 +72,33 @@ class ForwardResult:
     copy_done: Event
 
 
+@dataclass
+class BatchRecord:
+    """One launched batch as the run-level breakdown needs it (recorded only while tracing)."""
+
+    batch_id: int
+    is_prefill: bool
+    num_reqs: int
+    num_tokens: int  # new tokens
+    kv_tokens: int  # positions attended over, all requests together
+    attention_pairs: int  # sum over requests of new tokens x positions: prefill attention work
+    padded_reqs: int  # rows actually computed: the CUDA-graph size a decode batch is padded to
+
+
 class Engine:
     def __init__(self, model_path: str | Path, device: torch.device, dtype: torch.dtype, num_rows: int,
                  device_delay_ms: float = 0.0, disabled: frozenset[str] = frozenset(),
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", deterministic: bool = False) -> None:
         self.device = device
+        # Batch-invariant kernels (`LLM(..., deterministic=True)`): a request's tokens then do
+        # not depend on which other requests share its batches (see models/decoder.py Linear).
+        self.deterministic = deterministic
         self.dtype = dtype
         self.disabled = disabled
         self.num_rows = num_rows
         self.model, self.config = load_model(model_path, dtype, device)
+        if deterministic:
+            set_fixed_rows(self.model, DETERMINISTIC_ROWS)
         self.stream: Stream = make_device_stream("engine", device)
         self.device_delay_s = device_delay_ms / 1000.0
         self.backend = self._make_backend(attention_backend)
@@ -77,6 +107,8 @@ class Engine:
         self.kv: KVCache | None = None
         self.req_to_token: ReqToTokenPool | None = None
         self.tracer = Tracer(enabled=False)
+        self.batch_log: list[BatchRecord] = []  # filled while tracing: what observe/breakdown.py attributes
+        self.closed = False
 
     def bytes_per_token(self) -> int:
         m = self.model
@@ -91,8 +123,9 @@ class Engine:
             if self.device.type != "cuda":
                 raise ValueError("the flashinfer backend needs a CUDA device")
             m = self.model
-            return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device)
-        return TorchAttentionBackend()
+            return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
+                                     deterministic=self.deterministic)
+        return TorchAttentionBackend(deterministic=self.deterministic)
 
     def attach_memory(self, kv: KVCache, req_to_token: ReqToTokenPool) -> None:
         self.kv = kv
@@ -103,12 +136,20 @@ class Engine:
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
         """Queue batch's forward + sampling on the engine stream; return without waiting."""
         B = batch.num_reqs
+        # Allocated here, on the host's stream, written on the engine stream. Keep-alive by a
+        # kept reference: the ForwardResult holds both until commit, which waits for copy_done,
+        # the event after their last use (and close() synchronizes before anything is freed).
         next_tokens = torch.empty(B, dtype=torch.int64, device=self.device)
         pinned = self.device.type == "cuda" and "pinned_copy" not in self.disabled
         next_tokens_host = torch.empty(B, dtype=torch.int64, pin_memory=pinned)
         inputs: list[DeviceInputs] = []
         span: list[object] = []
         iteration = self.tracer.iteration
+        if self.tracer.enabled:
+            padded = self.graphs.padded_size(B) if self.graphs is not None and not batch.is_prefill else B
+            self.batch_log.append(BatchRecord(batch.batch_id, batch.is_prefill, B, batch.num_tokens,
+                                              sum(batch.kv_lens), sum(q * k for q, k in zip(batch.qo_lens, batch.kv_lens)),
+                                              padded))
         # The engine first waits for the scheduler's stream, so that everything the scheduler
         # wrote for this batch (request-table rows of new requests) is visible
         # (article 000: run_batch() makes forward_stream wait on schedule_stream).
@@ -131,6 +172,33 @@ class Engine:
         self.stream.launch(forward)
         copy_done = self.stream.record_event()
         return ForwardResult(batch.batch_id, next_tokens, next_tokens_host, copy_done)
+
+    def close(self) -> None:
+        """Give back everything this engine holds on the device, and stop the stream's thread.
+
+        Idempotent. Waits for queued work first: nothing freed here may still be read by a
+        kernel. The request table is the scheduler's, but the engine frees its device memory
+        with the rest (a closed LLM is never used again)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.device.type == "cuda":
+            self.stream.synchronize()
+        self.stream.close()  # CPU: the worker drains its queue, then exits
+        if self.graphs is not None:
+            self.graphs.close()
+        if isinstance(self.backend, FlashInferBackend):
+            self.backend.close()
+        if self.req_to_token is not None:
+            self.req_to_token.table = self.req_to_token.table.new_empty(0)
+        self.graphs = self.kv = self.req_to_token = None
+        self.model = self.future_map = self.backend = None  # type: ignore[assignment]
+        # Reference cycles (FlashInfer wrappers, closures) would otherwise keep tensors alive
+        # until some later collection, possibly in the middle of the next engine's graph capture.
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _emulated_delay(self) -> None:
         """Extra device time: a sleep on the CPU stream's thread, a spinning kernel on CUDA."""

@@ -35,7 +35,7 @@ class LLM:
                  disable: Sequence[str] | str = (), device_delay_ms: float = 0.0,
                  dtype: str | torch.dtype | None = None, max_running_requests: int | None = None,
                  chunk_size: int | None = None, kv_tokens: int | None = None, trace: bool = False,
-                 attention_backend: str = "auto", host_delay_ms: float = 0.0) -> None:
+                 attention_backend: str = "auto", host_delay_ms: float = 0.0, deterministic: bool = False) -> None:
         disabled = check_disable(disable)
         if loop not in ("normal", "overlap"):
             raise ValueError(f"loop must be 'normal' or 'overlap', got {loop!r}")
@@ -54,7 +54,7 @@ class LLM:
             self.engine = Engine(model_path, self.device, resolve_dtype(dtype, self.device),
                                  num_rows=max_running_requests or self._default_rows(),
                                  device_delay_ms=device_delay_ms, disabled=disabled,
-                                 attention_backend=attention_backend)
+                                 attention_backend=attention_backend, deterministic=deterministic)
         except OSError as exc:  # transformers reports an unreadable config.json as OSError
             raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
         self.engine.tracer.enabled = trace
@@ -206,6 +206,7 @@ class LLM:
 
     def close(self) -> None:
         self.scheduler.close()
+        self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self

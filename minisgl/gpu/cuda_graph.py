@@ -76,13 +76,27 @@ class CudaGraphRunner:
                 self.graphs[parity][bs] = graph
         torch.cuda.synchronize(device)
 
+    def padded_size(self, num_reqs: int) -> int:
+        """The captured batch size a decode batch of num_reqs requests runs at."""
+        return next((s for s in self.batch_sizes if s >= num_reqs), num_reqs)
+
+    def close(self) -> None:
+        """Free the graphs, their private memory pool, and the static buffers. Without it the
+        pool stays reserved until the garbage collector happens to run, which may be in the
+        middle of the next engine's capture."""
+        for graphs in self.graphs:
+            for graph in graphs.values():
+                graph.reset()
+        self.graphs, self.logits, self.wrappers = [{}, {}], [{}, {}], []
+        self.workspace = self.kv_indices_buf = self.kv_indptr_buf = None  # type: ignore[assignment]
+
     def can_run(self, meta: AttentionMetadata) -> bool:
         return meta.is_decode and meta.num_requests <= self.batch_sizes[-1]
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, parity: int) -> torch.Tensor:
         """Replay on the current (engine) stream; returns logits [B, vocab] (a view of a static buffer)."""
         B = meta.num_requests
-        bs = next(s for s in self.batch_sizes if s >= B)
+        bs = self.padded_size(B)
         pad = bs - B
         self.input_ids[:B].copy_(input_ids)
         self.positions[:B].copy_(meta.positions)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.attention import AttentionMetadata, KVCache
+from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -41,7 +41,7 @@ def host_indptr(lengths: list[int]) -> torch.Tensor:
 
 class FlashInferBackend:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, deterministic: bool = False) -> None:
         import flashinfer
 
         if dtype not in (torch.float16, torch.bfloat16):
@@ -50,8 +50,11 @@ class FlashInferBackend:
         self.dtype = dtype
         # One float workspace: it is used only while kernels run, and batches run in order.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # Tensor cores pay off when several query heads share a KV head (GQA group >= 4).
-        self.use_tensor_cores = num_qo_heads // num_kv_heads >= 4
+        # Tensor cores pay off when several query heads share a KV head (GQA group >= 4); the
+        # deterministic mode needs them: only that kernel can switch the KV split off.
+        self.use_tensor_cores = num_qo_heads // num_kv_heads >= 4 or deterministic
+        self.deterministic = deterministic
+        self.prefill_reference = TorchAttentionBackend(deterministic=True) if deterministic else None
         self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
         self.decode = [flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                     use_tensor_cores=self.use_tensor_cores)
@@ -67,17 +70,24 @@ class FlashInferBackend:
         if meta.is_decode:
             self._active = decode_wrapper or self.decode[parity]
             self._active.plan(kv_indptr, kv_indices, last_page_len, num_qo, num_kv, head_dim, 1,
-                              q_data_type=self.dtype, kv_data_type=self.dtype)
-        else:
+                              q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=self.deterministic)
+        elif self.prefill_reference is None:
             self._active = self.prefill[parity]
             self._active.plan(host_indptr(meta.qo_lens), kv_indptr, kv_indices, last_page_len, num_qo, num_kv,
                               head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
+        if self.prefill_reference is not None and not meta.is_decode:
+            return self.prefill_reference.forward(q, k, v, layer_id, meta, kv)
         k_pool, v_pool = kv.k[layer_id], kv.v[layer_id]
         k_pool[meta.out_slots] = k.to(k_pool.dtype)
         v_pool[meta.out_slots] = v.to(v_pool.dtype)
         # [slots, heads, dim] viewed as [pages, page_size=1, heads, dim] (the "NHD" layout)
         paged = (k_pool.unsqueeze(1), v_pool.unsqueeze(1))
         return self._active.run(q.contiguous(), paged)
+
+    def close(self) -> None:
+        """Drop the wrappers (they hold the workspace and their plans' buffers)."""
+        self.prefill, self.decode, self._active = [], [], None
+        self.workspace = None
