@@ -89,6 +89,11 @@ class Engine:
     def __init__(self, model_path: str | Path, device: torch.device, dtype: torch.dtype, num_rows: int,
                  device_delay_ms: float = 0.0, disabled: frozenset[str] = frozenset(),
                  attention_backend: str = "auto", deterministic: bool = False) -> None:
+        if device.type == "cuda":
+            # An earlier engine that was dropped without close() may still sit in reference
+            # cycles: collect it now, at a safe point, not during this engine's graph capture.
+            gc.collect()
+            torch.cuda.empty_cache()
         self.device = device
         # Batch-invariant kernels (`LLM(..., deterministic=True)`): a request's tokens then do
         # not depend on which other requests share its batches (see models/decoder.py Linear).

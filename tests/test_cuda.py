@@ -87,7 +87,9 @@ def gpu_workload(model: str, **kwargs):
     ref = LLM(model, device="cuda", loop="normal", chunk_size=16, **kwargs)
     base = random_workload(0, ref.engine.model.vocab_size)
     workload = with_stops(base, [t for t, _ in run(ref, base)], 0)
-    return workload, run(ref, workload)
+    expected = run(ref, workload)
+    ref.close()
+    return workload, expected
 
 
 def test_overlap_equals_normal_on_gpu_float32(qwen3):

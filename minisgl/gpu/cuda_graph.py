@@ -16,6 +16,8 @@ all with one launch. Graphs have fixed shapes and fixed addresses, so:
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from ..models.attention import AttentionMetadata, KVCache
@@ -61,20 +63,36 @@ class CudaGraphRunner:
     def _capture_all(self, device: torch.device) -> None:
         pool = None
         stream = torch.cuda.Stream(device=device)
-        for parity in range(2):
-            for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs fit in its pool
-                wrapper = self.wrappers[parity][bs]
-                meta = self._static_meta(bs, [1] * bs, torch.zeros(bs, dtype=torch.int64, device=device))
-                self.backend.plan(meta, decode_wrapper=wrapper)
-                with torch.cuda.stream(stream):
-                    self.model(self.input_ids[:bs], meta, self.kv, self.backend)  # warm-up outside the graph
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[parity][bs] = self.model(self.input_ids[:bs], meta, self.kv, self.backend)
-                pool = graph.pool()
-                self.graphs[parity][bs] = graph
+        # The side stream starts after everything queued so far (the KV pool's zeroing, the
+        # weights): a new stream does not wait for the default one by itself.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        # No garbage collection while capturing: collecting an earlier engine's leftovers here
+        # would free its graphs and their pool in the middle of this capture (it crashed the
+        # process: "illegal memory access"). Engine.__init__ collects before we start.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(stream):
+                for parity in range(2):
+                    for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs fit in its pool
+                        pool = self._capture(parity, bs, pool, stream, device)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         torch.cuda.synchronize(device)
+
+    def _capture(self, parity: int, bs: int, pool, stream: torch.cuda.Stream, device: torch.device):
+        """Plan, warm up and capture the graph for batch size bs; returns the memory pool to share."""
+        wrapper = self.wrappers[parity][bs]
+        meta = self._static_meta(bs, [1] * bs, torch.zeros(bs, dtype=torch.int64, device=device))
+        self.backend.plan(meta, decode_wrapper=wrapper)
+        self.model(self.input_ids[:bs], meta, self.kv, self.backend)  # warm-up outside the graph
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            self.logits[parity][bs] = self.model(self.input_ids[:bs], meta, self.kv, self.backend)
+        self.graphs[parity][bs] = graph
+        return graph.pool()
 
     def padded_size(self, num_reqs: int) -> int:
         """The captured batch size a decode batch of num_reqs requests runs at."""
