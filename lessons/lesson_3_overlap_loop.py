@@ -14,7 +14,7 @@ from minisgl.scheduler import InFlight, Scheduler
 
 def event_string(events: list[tuple[str, int]], n: int = 14) -> str:
     """("launch", 7) -> L7, ("commit", 7) -> C7: the order the host did them in."""
-    return " ".join(f"{kind[0].upper()}{bid}" for kind, bid in events[:n]) + " ..."
+    return " ".join(f"{kind[0].upper()}{bid}" for kind, bid in list(events)[:n]) + " ..."
 
 
 def max_in_flight(events: list[tuple[str, int]]) -> int:

@@ -72,12 +72,12 @@ def main() -> None:
         "device busy": lambda r: pct(r.metrics["device_busy_fraction"]),
         "device idle per forward": lambda r: ms(r.metrics["exposed_host_time_per_step_s"]),
         "output tok/s": lambda r: f"{r.tok_per_s:.0f}",
-        "early syncs (commit before launch)": lambda r: str(r.stats.early_syncs),
+        "early commits (commit before launch)": lambda r: str(r.stats.early_commits),
         "batches": lambda r: str(r.stats.batches),
     })
     figure("device busy (future_map on)", on.metrics["device_busy_fraction"])
     figure("device busy (future_map off)", off.metrics["device_busy_fraction"])
-    figure("early syncs (future_map off)", off.stats.early_syncs, "{:d}", "one per batch: the serial loop again")
+    figure("early commits (future_map off)", off.stats.early_commits, "{:d}", "one per batch: the serial loop again")
     figure("outputs identical", int(on.tokens == off.tokens), "{:d}")
     notice("without the FutureMap the host has to wait for batch n's tokens to write batch n+1's input ids: "
            "every batch is synced first, the red gaps come back, and only speed (not a token) is lost.")

@@ -2,7 +2,8 @@
 
 Three resources outlive the host's decision to let them go: KV slots handed to the radix
 cache (commit_point_cache), request-pool rows (deferred_row_free) and the host staging
-buffer of batch metadata (staging_double_buffer). Each switched off gives wrong tokens.
+buffers of batch metadata (staging_double_buffer, staging_war_wait: the article's two
+protections; either one alone is enough here, both off gives wrong tokens).
 """
 
 from common import (BAD, OK, console, demo_pairs, differing, figure, header, make_llm, notice, parse_args, run,
@@ -14,21 +15,27 @@ from minisgl.staging import StagingRing
 
 
 def commit_point_and_staging(pairs, delay_ms: float) -> None:
-    section("1. commit_point_cache and staging_double_buffer: same workload, compare with the normal loop")
+    section("1. commit_point_cache and the staging protections: same workload, compare with the normal loop")
     prompts = [p for p, _ in pairs]
     # Requests end by length at different steps while the others keep decoding in the same batch.
     params = [SamplingParams(max_new_tokens=2 + i % 5) for i in range(len(prompts))]
     ref = run("normal loop", prompts, params, loop="normal")
     runs = [run("overlap, all on", prompts, params, delay_ms=delay_ms),
             run("commit_point_cache off", prompts, params, disable=("commit_point_cache",), delay_ms=delay_ms),
-            run("staging_double_buffer off", prompts, params, disable=("staging_double_buffer",),
+            run("one staging buffer, wait on", prompts, params, disable=("staging_double_buffer",),
+                delay_ms=delay_ms),
+            run("two buffers, no wait", prompts, params, disable=("staging_war_wait",), delay_ms=delay_ms),
+            run("staging both off", prompts, params, disable=("staging_double_buffer", "staging_war_wait"),
                 delay_ms=delay_ms)]
     side_by_side(f"{len(prompts)} requests, max_new_tokens 2..6", runs, {
         "outputs that differ from normal": lambda r: f"{differing(r.tokens, ref.tokens)} / {len(prompts)}",
+        "host waits for a staging read": lambda r: str(r.llm.scheduler.staging.waits),
+        "rewrites of an unread buffer": lambda r: str(r.llm.scheduler.staging.unread_overwrites),
         "first request's text": lambda r: repr(r.outs[0].text),
     })
     for r in runs:
         figure(f"wrong outputs ({r.label})", differing(r.tokens, ref.tokens), "{:d}")
+        figure(f"unread overwrites ({r.label})", r.llm.scheduler.staging.unread_overwrites, "{:d}")
 
 
 def row_reuse(delay_ms: float) -> None:
@@ -37,7 +44,8 @@ def row_reuse(delay_ms: float) -> None:
     # A is short and stops on EOS; its overshoot step writes its next slot into row[pos], a
     # position inside D's cached prefix if the row has already changed hands.
     d_prompt, a_prompt = "reverse cat dog owl fox bee cow:", "reverse sun moon:"
-    for label, disable in (("deferred_row_free on", ()), ("deferred_row_free off", ("deferred_row_free",))):
+    for label, disable in (("deferred_row_free on", ()), ("deferred_row_free off", ("deferred_row_free",)),
+                           ("row_generation_check off too", ("deferred_row_free", "row_generation_check"))):
         llm = make_llm("overlap", disable, delay_ms, max_running_requests=1)
         llm.generate([d_prompt], SamplingParams(max_new_tokens=2))  # E: puts D's prefix in the radix cache
         a, d = llm.generate([a_prompt, d_prompt], SamplingParams(max_new_tokens=40))

@@ -87,16 +87,16 @@ def main() -> None:
     sync_on = run("prefill_sync on", prompts, params, **chunked)
     sync_off = run("prefill_sync off", prompts, params, disable=("prefill_sync",), **chunked)
     for r in (sync_on, sync_off):
-        console.print(f"  {r.label:17} {' '.join(f'{k[0].upper()}{b}' for k, b in r.stats.events[:12])} ...")
+        console.print(f"  {r.label:17} {' '.join(f'{k[0].upper()}{b}' for k, b in list(r.stats.events)[:12])} ...")
     side_by_side("chunk_size 16: a prompt queue that takes several prefill batches to drain", [sync_on, sync_off], {
         "prefill batches": lambda r: str(r.stats.prefill_batches),
-        "commits forced before a launch": lambda r: str(r.stats.early_syncs),
+        "commits forced before a launch": lambda r: str(r.stats.early_commits),
         "TTFT p50": lambda r: ms(r.latency["ttft_p50_s"]),
         "output tok/s": lambda r: f"{r.tok_per_s:.0f}",
         "device busy": lambda r: pct(r.metrics["device_busy_fraction"]),
     })
-    figure("early syncs (prefill_sync on)", sync_on.stats.early_syncs, "{:d}", "prefill batches - 1")
-    figure("early syncs (prefill_sync off)", sync_off.stats.early_syncs, "{:d}")
+    figure("early commits (prefill_sync on)", sync_on.stats.early_commits, "{:d}", "prefill batches - 1")
+    figure("early commits (prefill_sync off)", sync_off.stats.early_commits, "{:d}")
     console.print("  On, a prefill's first tokens are committed before the next prefill is launched (C2 before L3). "
                   "The TTFT gain is the host time of scheduling one prefill: tiny here, next to the noise of a "
                   "shared machine; with long prompts and radix matching it is not.")

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from .options import add_engine_args, build_llm
+from .options import OneLineParser, add_engine_args, build_llm, positive_int
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -21,10 +21,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    params.validate()
-    llm = build_llm(args)
-    prompts = args.prompt or [p for p, _ in _demo_pairs(args.num_demo_prompts)]
-    outs = _generate_with_progress(llm, prompts, params)
+    with build_llm(args) as llm:
+        prompts = args.prompt or [p for p, _ in _demo_pairs(args.num_demo_prompts)]
+        outs = _generate_with_progress(llm, prompts, params)
     table = Table(title=f"minisgl generate ({args.loop} loop, {llm.device})")
     table.add_column("prompt", overflow="fold")
     table.add_column("output", overflow="fold", style="green")
@@ -33,7 +32,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt, out in zip(prompts, outs):
         table.add_row(prompt, out.text, str(len(out.token_ids)), out.finish_reason)
     Console().print(table)
-    llm.close()
     return 0
 
 
@@ -87,13 +85,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="minisgl", description="A minimal LLM engine that explains overlap scheduling.")
+    ap = OneLineParser(prog="minisgl", description="A minimal LLM engine that explains overlap scheduling.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for prompts")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable; default: demo prompts)")
-    g.add_argument("--num-demo-prompts", type=int, default=3, help="without --prompt: how many demo prompts")
+    g.add_argument("--num-demo-prompts", type=positive_int, default=3, help="without --prompt: how many demo prompts")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)
@@ -108,10 +106,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", default="small", choices=["small", "offline", "online"],
                    help="small: CPU-sized; offline: 256 requests, lengths uniform in 100..1024 (GPU); "
                         "online: the offline lengths arriving at --rate")
-    b.add_argument("--num-requests", type=int, default=None)
+    b.add_argument("--num-requests", type=positive_int, default=None)
     b.add_argument("--delays", default=None, help="comma-separated device_delay_ms values for --compare-loops")
     b.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same requests")
-    b.add_argument("--hf-requests", type=int, default=None, help="time HF on only the first N requests")
+    b.add_argument("--hf-requests", type=positive_int, default=None, help="time HF on only the first N requests")
     b.add_argument("--json", default=None, help="also write the figures to this JSON file")
     b.add_argument("--rate", default="8", help="--workload online: arrival rate(s) in requests/s, comma-separated")
     b.add_argument("--breakdown", action="store_true",
@@ -121,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="record a run and write a Chrome trace JSON (Perfetto, chrome://tracing)")
     add_engine_args(t)
     t.add_argument("--out", default="trace.json")
-    t.add_argument("--num-requests", type=int, default=8)
+    t.add_argument("--num-requests", type=positive_int, default=8)
     t.set_defaults(func=cmd_trace)
 
     d = sub.add_parser("demo", help="generate with the demo model and show both loops' timelines")
@@ -143,12 +141,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "train-demo":
         return cmd_train_demo(argv[1:])
-    args = parser().parse_args(argv)  # argparse itself exits with 2 on bad flags
+    args = parser().parse_args(argv)  # a bad flag exits with 2 here (OneLineParser)
     try:
         return args.func(args)
-    except (ValueError, OSError) as exc:  # OSError: transformers on an unreadable model directory
+    except (ValueError, TypeError, OSError) as exc:  # OSError: transformers on an unreadable model directory
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130  # the shell's code for "ended by SIGINT"
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ result_queue」: why the queue must hold batch.copy(), not the batch).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from .engine import ForwardBatch, ForwardResult
@@ -42,7 +43,7 @@ class RunningBatch:
     # this object (see "batch_snapshot" in overlap_loop).
     @property
     def rows(self) -> list[int]:
-        return [r.row if r.row is not None else -1 for r in self.reqs]
+        return [r.row for r in self.reqs]
 
     @property
     def generations(self) -> list[int]:
@@ -57,8 +58,7 @@ class RunningBatch:
         return [1] * len(self.reqs)
 
     def snapshot(self) -> BatchView:
-        # >>> exercise 3: return a BatchView of this batch as it is now: its id, is_prefill False, a *copy* of the
-        # >>> request list, and the rows, generations, samples and qo_lens lists (the properties build fresh lists).
+        # >>> exercise 3: snapshot
         return BatchView(self.batch_id, False, list(self.reqs), self.rows, self.generations, self.samples,
                          self.qo_lens)
         # <<< exercise 3
@@ -87,5 +87,6 @@ class SchedulerStats:
     overshoot_steps: int = 0  # decode rows launched for a request whose samples already reached its length
     stale_row_results: int = 0  # late results whose row had been recycled (ABA, detected by generation)
     cached_tokens: int = 0  # prompt tokens served from the radix cache at admission
-    early_syncs: int = 0  # commits forced before a launch (future_map off, prefill_sync)
-    events: list[tuple[str, int]] = field(default_factory=list)  # ("launch"|"commit", batch_id), in order
+    early_commits: int = 0  # batch n-1 committed before batch n launched (future_map off, prefill_sync)
+    # ("launch"|"commit", batch_id) in order: the latest 65536 only, so a long run's memory stays flat.
+    events: deque[tuple[str, int]] = field(default_factory=lambda: deque(maxlen=1 << 16))

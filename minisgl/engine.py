@@ -37,6 +37,7 @@ from .gpu.cuda_graph import CudaGraphRunner
 from .gpu.flashinfer_backend import FlashInferBackend, flashinfer_available
 from .future_map import FutureMap
 from .kv_pool import ReqToTokenPool
+from .mechanisms import Mechanisms
 from .models.sampler import sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
@@ -87,8 +88,9 @@ class BatchRecord:
 
 class Engine:
     def __init__(self, model_path: str | Path, device: torch.device, dtype: torch.dtype, num_rows: int,
-                 device_delay_ms: float = 0.0, disabled: frozenset[str] = frozenset(),
+                 device_delay_ms: float = 0.0, mechanisms: Mechanisms = Mechanisms(),
                  attention_backend: str = "auto", deterministic: bool = False) -> None:
+        self.closed = False
         if device.type == "cuda":
             # An earlier engine that was dropped without close() may still sit in reference
             # cycles: collect it now, at a safe point, not during this engine's graph capture.
@@ -99,21 +101,21 @@ class Engine:
         # not depend on which other requests share its batches (see models/decoder.py Linear).
         self.deterministic = deterministic
         self.dtype = dtype
-        self.disabled = disabled
+        self.mechanisms = mechanisms
         self.num_rows = num_rows
         self.model, self.config = load_model(model_path, dtype, device)
         if deterministic:
             set_fixed_rows(self.model, DETERMINISTIC_ROWS)
-        self.stream: Stream = make_device_stream("engine", device)
         self.device_delay_s = device_delay_ms / 1000.0
         self.backend = self._make_backend(attention_backend)
         self.graphs: CudaGraphRunner | None = None
         self.future_map = FutureMap(num_rows, device)
+        # Last: on CPU the stream starts a worker thread, which a failure above would leak.
+        self.stream: Stream = make_device_stream("engine", device)
         self.kv: KVCache | None = None
         self.req_to_token: ReqToTokenPool | None = None
         self.tracer = Tracer(enabled=False)
         self.batch_log: list[BatchRecord] = []  # filled while tracing: what observe/breakdown.py attributes
-        self.closed = False
 
     def bytes_per_token(self) -> int:
         m = self.model
@@ -132,11 +134,13 @@ class Engine:
                                      deterministic=self.deterministic)
         return TorchAttentionBackend(deterministic=self.deterministic)
 
-    def attach_memory(self, kv: KVCache, req_to_token: ReqToTokenPool) -> None:
-        self.kv = kv
+    def attach_memory(self, num_slots: int, req_to_token: ReqToTokenPool) -> None:
+        """Allocate the KV cache (`num_slots` token slots in every layer) and adopt the request table."""
+        m = self.model
+        self.kv = KVCache(m.num_layers, num_slots, m.num_kv_heads, m.head_dim, self.dtype, self.device)
         self.req_to_token = req_to_token
-        if isinstance(self.backend, FlashInferBackend) and "cuda_graph" not in self.disabled:
-            self.graphs = CudaGraphRunner(self.model, kv, self.backend, self.num_rows, kv.k[0].shape[0], self.device)
+        if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph"):
+            self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, self.num_rows, num_slots, self.device)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
         """Queue batch's forward + sampling on the engine stream; return without waiting."""
@@ -145,7 +149,7 @@ class Engine:
         # kept reference: the ForwardResult holds both until commit, which waits for copy_done,
         # the event after their last use (and close() synchronizes before anything is freed).
         next_tokens = torch.empty(B, dtype=torch.int64, device=self.device)
-        pinned = self.device.type == "cuda" and "pinned_copy" not in self.disabled
+        pinned = self.device.type == "cuda" and self.mechanisms.on("pinned_copy")
         next_tokens_host = torch.empty(B, dtype=torch.int64, pin_memory=pinned)
         inputs: list[DeviceInputs] = []
         span: list[object] = []
@@ -249,7 +253,7 @@ class Engine:
         # Device-to-host into pinned memory, queued like a kernel: the host learns the values
         # only at copy_done. Off ("pinned_copy", GPU only), the copy blocks the host right here,
         # inside launch(), until the forward is done: no overlap is possible any more.
-        next_tokens_host.copy_(tokens, non_blocking="pinned_copy" not in self.disabled)
+        next_tokens_host.copy_(tokens, non_blocking=self.mechanisms.on("pinned_copy"))
 
     def _attention_metadata(self, batch: ForwardBatch, inp: DeviceInputs, table: torch.Tensor) -> AttentionMetadata:
         """Gather every request's KV slots from its row of the request table."""

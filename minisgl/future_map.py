@@ -27,18 +27,17 @@ class FutureMap:
     def __init__(self, num_rows: int, device: torch.device) -> None:
         # A row nobody published yet holds 0: a valid id, so a missing publish (or a batch that
         # read another batch's metadata) shows up as wrong tokens, not as a crash.
-        self.tokens = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(num_rows, dtype=torch.int64, device=device)
 
     def publish(self, rows: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Runs on the engine stream right after sampling batch n."""
-        # >>> exercise 2: publish: write next_tokens[i] into the mailbox of request-pool row rows[i].
+        # >>> exercise 2: publish
         self.tokens[rows] = next_tokens
         # <<< exercise 2
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Runs on the engine stream at the entry of batch n+1: placeholders become token ids."""
-        # >>> exercise 2: resolve: every placeholder -(row + 1) (any negative id) becomes the token published for that
-        # >>> row; real ids (>= 0) stay. Return a new tensor, on the device, with no host sync.
+        # >>> exercise 2: resolve
         is_future = input_ids < 0
         rows = (-input_ids - 1).clamp(min=0)
         return torch.where(is_future, self.tokens[rows], input_ids)

@@ -18,19 +18,29 @@ class KVAccountingError(RuntimeError):
 
 
 class KVPool:
-    """Free list of KV slots. Slot 0 is reserved as the target of padded (dummy) tokens."""
+    """Free list of `kv_tokens` usable KV slots, numbered 1..kv_tokens.
 
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 2:
-            raise ValueError(f"kv_tokens must be >= 1, got {num_slots - 1}")
+    Slot 0 is reserved: padded (dummy) tokens of a CUDA-graph batch read and write it, so
+    the KV cache has `num_slots = kv_tokens + 1` entries and no request ever owns slot 0.
+    """
+
+    RESERVED_SLOT = 0
+
+    def __init__(self, kv_tokens: int) -> None:
+        if kv_tokens < 1:
+            raise ValueError(f"kv_tokens must be >= 1, got {kv_tokens}")
+        num_slots = kv_tokens + 1
         self.num_slots = num_slots
         # A stack: the most recently freed slot is handed out first. Reuse is therefore
         # immediate and deterministic, which is what makes the reuse hazards of the overlap
         # pipeline (article 000, "缓存 checkpoint 与资源回收的安全点") show up every time
         # a safety mechanism is switched off, rather than once in a while.
         self._free: list[int] = list(range(num_slots - 1, 0, -1))
-        self._is_free = torch.ones(num_slots, dtype=torch.bool)
-        self._is_free[0] = False
+        # One byte per slot (1 = free), for double-free detection. A bytearray, not a tensor:
+        # a decode step allocates one slot per request, and a tensor call each would cost
+        # tens of microseconds of host time per request.
+        self._is_free = bytearray([1]) * num_slots
+        self._is_free[self.RESERVED_SLOT] = 0
 
     @property
     def total(self) -> int:
@@ -40,12 +50,16 @@ class KVPool:
     def free_count(self) -> int:
         return len(self._free)
 
+    def free_slots(self) -> list[int]:
+        return list(self._free)
+
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise KVAccountingError(f"asked for {n} KV slots, {len(self._free)} free")
         slots = self._free[len(self._free) - n:][::-1]
         del self._free[len(self._free) - n:]
-        self._is_free[slots] = False
+        for slot in slots:
+            self._is_free[slot] = 0
         return slots
 
     def free(self, slots: list[int] | torch.Tensor) -> None:
@@ -53,9 +67,11 @@ class KVPool:
             slots = slots.tolist()
         if not slots:
             return
-        if len(set(slots)) != len(slots) or bool(self._is_free[slots].any()):
-            raise KVAccountingError(f"double free of KV slots {sorted(set(s for s in slots if self._is_free[s]))[:8]}")
-        self._is_free[slots] = True
+        already = sorted({s for s in slots if self._is_free[s]})
+        if already or len(set(slots)) != len(slots):
+            raise KVAccountingError(f"double free of KV slots {already[:8] or sorted(slots)[:8]}")
+        for slot in slots:
+            self._is_free[slot] = 1
         self._free.extend(reversed(slots))
 
 
@@ -70,9 +86,7 @@ class ReqToTokenPool:
     def __init__(self, num_rows: int, max_context: int, device: torch.device) -> None:
         self.num_rows = num_rows
         self.max_context = max_context
-        # One extra row at the end for padded (dummy) requests; its entries all point at slot 0.
-        self.table = torch.zeros(num_rows + 1, max_context, dtype=torch.int64, device=device)
-        self.padding_row = num_rows
+        self.table = torch.zeros(num_rows, max_context, dtype=torch.int64, device=device)
         self.generation = [0] * num_rows
         self._free: list[int] = list(range(num_rows - 1, -1, -1))
 
@@ -86,6 +100,9 @@ class ReqToTokenPool:
         row = self._free.pop()
         self.generation[row] += 1
         return row
+
+    def free_rows(self) -> list[int]:
+        return list(self._free)
 
     def free(self, row: int) -> None:
         if row in self._free:

@@ -3,14 +3,23 @@ interface (`add_request`, `step`, `abort`, `collect`) for staggered arrivals and
 
 from __future__ import annotations
 
+import os
 import random
+import threading
+import warnings
+import weakref
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
+from .checks import INT64_MAX, check_bool, check_int, check_real, check_token_ids, is_int
+from .config import DEFAULTS
 from .engine import Engine
-from .mechanisms import MECHANISMS, check_disable
+from .invariants import check_invariants, memory_report
+from .mechanisms import MECHANISMS, Mechanisms
+from .models.checkpoint import read_json_object
 from .request import Req, RequestOutput, SamplingParams
 from .scheduler import Scheduler
 
@@ -24,86 +33,235 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a string or a torch.dtype, got {type(dtype).__name__}")
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
 
 
 class LLM:
-    def __init__(self, model_path: str | Path, device: str | torch.device | None = None, loop: str = "overlap",
-                 disable: Sequence[str] | str = (), device_delay_ms: float = 0.0,
+    """An engine on one device. Not thread-safe by design: one LLM serves one thread at a time,
+    and a call while another thread is inside it raises RuntimeError at once (state is never
+    shared half-updated). `close()` frees it; any later use raises RuntimeError."""
+
+    def __init__(self, model_path: str | os.PathLike, device: str | torch.device | None = None,
+                 loop: str = "overlap", disable: Sequence[str] | str = (), device_delay_ms: float = 0.0,
                  dtype: str | torch.dtype | None = None, max_running_requests: int | None = None,
                  chunk_size: int | None = None, kv_tokens: int | None = None, trace: bool = False,
                  attention_backend: str = "auto", host_delay_ms: float = 0.0, deterministic: bool = False) -> None:
-        disabled = check_disable(disable)
-        if loop not in ("normal", "overlap"):
-            raise ValueError(f"loop must be 'normal' or 'overlap', got {loop!r}")
-        if device_delay_ms < 0:
-            raise ValueError(f"device_delay_ms must be >= 0, got {device_delay_ms}")
-        if host_delay_ms < 0:
-            raise ValueError(f"host_delay_ms must be >= 0, got {host_delay_ms}")
-        self.device = torch.device(device) if device is not None else \
-            torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # Every argument is checked before anything is started, so a bad one leaves nothing behind.
+        if not isinstance(model_path, (str, os.PathLike)):
+            raise TypeError(f"model_path must be a path, got {type(model_path).__name__}")
+        mechanisms = Mechanisms(disable)
+        _check_choice("loop", loop, ("normal", "overlap"))
+        _check_choice("attention_backend", attention_backend, ("auto", "torch", "flashinfer"))
+        device_delay_ms = check_real("device_delay_ms", device_delay_ms, 0.0, MAX_DELAY_MS)
+        host_delay_ms = check_real("host_delay_ms", host_delay_ms, 0.0, MAX_DELAY_MS)
+        check_bool("trace", trace)
+        self.device = resolve_device(device)
+        dtype = resolve_dtype(dtype, self.device)
+        rows = _optional_int("max_running_requests", max_running_requests, MAX_ROWS)
+        chunk_size = _optional_int("chunk_size", chunk_size, MAX_TOKENS)
+        kv_tokens = _optional_int("kv_tokens", kv_tokens, MAX_TOKENS)
+        rows = rows or DEFAULTS.rows(self.device)
         if self.device.type == "cpu":
             # One intra-op thread: the host thread and the stream thread each get a core
-            # (DESIGN.md, measured facts about the emulated stream).
+            # (measured facts about the emulated stream: streams.py, CpuStream).
             torch.set_num_threads(1)
         self.model_path = Path(model_path)
-        try:
-            self.engine = Engine(model_path, self.device, resolve_dtype(dtype, self.device),
-                                 num_rows=max_running_requests or self._default_rows(),
-                                 device_delay_ms=device_delay_ms, disabled=disabled,
-                                 attention_backend=attention_backend, deterministic=deterministic)
-        except OSError as exc:  # transformers reports an unreadable config.json as OSError
-            raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
-        self.engine.tracer.enabled = trace
-        self.tokenizer = _load_tokenizer(self.model_path)
-        config = self.engine.config
-        kv_tokens = kv_tokens or self._default_kv_tokens()
-        self.max_context = min(int(getattr(config, "max_position_embeddings", 4096)), kv_tokens)
-        self.scheduler = Scheduler(
-            self.engine, eos_ids=_eos_ids(config, self.tokenizer, self.model_path),
-            max_running=max_running_requests or self._default_rows(),
-            chunk_size=chunk_size or (8192 if self.device.type == "cuda" else 512),
-            kv_tokens=kv_tokens, max_context=self.max_context, disabled=disabled, loop=loop,
-            host_delay_ms=host_delay_ms)
-        self._reqs: dict[int, Req] = {}
+        self._closed = False
+        self._guard = threading.RLock()  # held by the one thread inside a call (see the class doc)
+        self._reqs: dict[int, Req] = {}  # queued or running
+        self._results: dict[int, RequestOutput] = {}  # finished, not yet handed to the caller
+        self._abandoned: set[int] = set()  # started by a generate() that raised: results dropped
         self._next_rid = 0
         self._rng = random.Random(0)
+        try:
+            self.engine = Engine(model_path, self.device, dtype, num_rows=rows, device_delay_ms=device_delay_ms,
+                                 mechanisms=mechanisms, attention_backend=attention_backend, deterministic=bool(deterministic))
+        except OSError as exc:  # transformers reports an unreadable config.json as OSError
+            raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
+        # Stops the engine's worker thread if this LLM is dropped or the interpreter exits
+        # unclosed (a torch kernel still running during interpreter teardown can abort it).
+        self._stop_engine = weakref.finalize(self, self.engine.close)
+        try:  # from here on the engine's stream runs: a failure must stop it again
+            self.engine.tracer.enabled = trace
+            self.tokenizer = _load_tokenizer(self.model_path)
+            config = self.engine.config
+            kv_tokens = kv_tokens or DEFAULTS.kv_tokens(self.device, self.engine.bytes_per_token())
+            self.model_context = int(config.max_position_embeddings)  # caps prompt + new tokens
+            # The longest prompt + new tokens this engine holds: the model's window, or the KV
+            # pool less the one slot an overshoot step may write. The same arithmetic as
+            # Scheduler.check_fits(), so a prompt shorter than this with one new token always fits.
+            self.max_context = min(self.model_context, kv_tokens - 1)
+            self.scheduler = Scheduler(
+                self.engine, eos_ids=_eos_ids(config, self.tokenizer, self.model_path), max_running=rows,
+                chunk_size=chunk_size or DEFAULTS.chunk_size(self.device), kv_tokens=kv_tokens,
+                # Request-table width: no request holds more positions than the pool has slots,
+                # nor more than its context plus the one overshoot position.
+                max_context=min(self.model_context + 1, kv_tokens), mechanisms=mechanisms, loop=loop,
+                host_delay_ms=host_delay_ms)
+        except BaseException:
+            self._stop_engine()
+            raise
 
-    # ---------------------------------------------------------------- defaults
-    def _default_rows(self) -> int:
-        return 256 if self.device.type == "cuda" else 64
+    # ---------------------------------------------------------------- lifecycle
+    @contextmanager
+    def _use(self) -> Iterator[None]:
+        """Enter a call: refuse another thread, a closed engine and a failed one, each at once."""
+        if not self._guard.acquire(blocking=False):
+            raise RuntimeError("this LLM is in use by another thread; one LLM serves one thread at a time")
+        try:
+            if self._closed:
+                raise RuntimeError("this LLM is closed")
+            error = self.scheduler.error  # an exception escaped a step: the state may be half moved
+            if error is not None:
+                raise RuntimeError(f"the engine failed earlier ({type(error).__name__}: {error}) and refuses "
+                                   f"further work; close() it and build a new LLM") from error
+            yield
+        finally:
+            self._guard.release()
 
-    def _default_kv_tokens(self) -> int:
-        per_token = self.engine.bytes_per_token()
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.8) - (4 << 30)  # headroom for activations, graphs and sampling
-        else:
-            budget = 2 << 30  # 2 GiB of host memory
-        return max(1024, min(budget // per_token, 1 << 20 if self.device.type == "cuda" else 65536))
+    def close(self) -> None:
+        """Commit the batch in flight, stop the engine and free its memory. Idempotent. Raises only
+        when another thread is inside a call; a failure while finishing is a warning, and the
+        engine stops anyway (no worker thread is left behind)."""
+        if self._closed:
+            return
+        if not self._guard.acquire(blocking=False):
+            raise RuntimeError("this LLM is in use by another thread; one LLM serves one thread at a time")
+        self._closed = True
+        try:
+            self.scheduler.close()  # commits the batch in flight unless an error stopped the scheduler
+        except Exception as exc:  # noqa: BLE001 - closing must still stop the engine below
+            warnings.warn(f"LLM.close(): the batch in flight failed: {exc!r}", RuntimeWarning, stacklevel=2)
+        finally:
+            self._stop_engine()
+            self._guard.release()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---------------------------------------------------------------- incremental interface
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
-        """Queue one request; returns its id. Bad input raises ValueError and changes nothing."""
-        req = self._new_req(prompt, params or SamplingParams(), self._next_rid)
-        self._queue(req)
-        return req.rid
+        """Queue one request; returns its id. Bad input raises ValueError/TypeError and changes nothing."""
+        with self._use():
+            req = self._new_req(prompt, _check_params(params), self._next_rid)
+            self._queue(req)
+            return req.rid
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler iteration; return the requests that finished in it, plus any
+        finished earlier (during a generate()) and not collected yet."""
+        with self._use():
+            for out in self._step():
+                self._results[out.rid] = out
+            return self._take_results()
+
+    def collect(self) -> list[RequestOutput]:
+        """The finished requests not handed out yet, without running the engine."""
+        with self._use():
+            return self._take_results()
+
+    def abort(self, rid: int) -> None:
+        """Stop request `rid`; it finishes with reason "abort" at the next step. A request that
+        already finished (its result not collected yet) is left as it is."""
+        with self._use():
+            check_int("rid", rid, 0, INT64_MAX)
+            if rid in self._reqs:
+                self.scheduler.abort(self._reqs[rid])
+            elif rid not in self._results:
+                raise ValueError(f"unknown or finished request id {rid}")
+
+    def has_unfinished(self) -> bool:
+        """True while a request is queued or running, or a result waits to be collected."""
+        with self._use():
+            return self.scheduler.has_work() or bool(self._results)
+
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 on_step: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order. Validates all input before starting.
+
+        Requests queued with add_request() run alongside; their results stay collectable
+        (step(), collect()). If anything escapes (KeyboardInterrupt included), the requests
+        this call started are aborted: the next drain gives back their rows and KV slots."""
+        with self._use():
+            if on_step is not None and not callable(on_step):
+                raise TypeError(f"on_step must be callable, got {type(on_step).__name__}")
+            prompts = _prompt_list(prompts)
+            params_list = _params_list(sampling_params, len(prompts))
+            # Validate every request before queueing any, so bad input leaves nothing half-started.
+            reqs = [self._new_req(p, sp, self._next_rid + i) for i, (p, sp) in enumerate(zip(prompts, params_list))]
+            outputs: dict[int, RequestOutput] = {}
+            try:
+                for req in reqs:
+                    self._queue(req)
+                self._run_until_done(reqs, outputs, on_step)
+            except BaseException:
+                for req in reqs:
+                    if req.rid not in outputs:
+                        self._abandoned.add(req.rid)
+                        self.scheduler.abort(req)
+                raise
+            return [outputs[req.rid] for req in reqs]
+
+    def _run_until_done(self, reqs: list[Req], outputs: dict[int, RequestOutput],
+                        on_step: Callable[[int], None] | None) -> None:
+        mine = {req.rid for req in reqs}
+        while len(outputs) < len(mine):
+            if not self.scheduler.has_work():
+                # Only reachable with a mechanism switched off (e.g. batch_snapshot): results
+                # went to the wrong requests and some can never be scheduled again.
+                lost = sorted(mine - outputs.keys())
+                raise RuntimeError(f"requests {lost[:8]} can no longer be scheduled: the scheduler lost "
+                                   f"track of them (disabled: {sorted(self.scheduler.mechanisms.disabled)})")
+            for out in self._step():
+                (outputs if out.rid in mine else self._results)[out.rid] = out
+            if on_step is not None:
+                on_step(len(outputs))
+        # Every request is out, but an overshoot step may still be in flight: commit it, so that
+        # memory_report() shows the pool whole, unless the caller has other requests queued.
+        while self.scheduler.has_work() and not self._reqs:
+            for out in self._step():
+                self._results[out.rid] = out
+
+    def _step(self) -> list[RequestOutput]:
+        """One scheduler iteration. An error (not a deferred Ctrl-C) stops the scheduler: it is
+        raised here once, and every later call refuses (see _use)."""
+        outs = []
+        for req in self.scheduler.step():
+            del self._reqs[req.rid]
+            if req.rid in self._abandoned:
+                self._abandoned.discard(req.rid)
+            else:
+                outs.append(self._output(req))
+        return outs
+
+    def _take_results(self) -> list[RequestOutput]:
+        results, self._results = list(self._results.values()), {}
+        return results
 
     def _new_req(self, prompt: Prompt, params: SamplingParams, rid: int) -> Req:
-        """Validate everything about one request (raises ValueError) without queueing it."""
-        params.validate()
-        ids = self._tokenize(prompt)
+        """Validate everything about one request (raises ValueError/TypeError) without queueing it."""
         vocab = self.engine.model.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params.validate(vocab)
+        ids = self._tokenize(prompt)
         if len(ids) >= self.max_context:
+            limit = "the model" if self.max_context == self.model_context else "kv_tokens"
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_context} "
-                             f"(prompt plus at least one new token)")
+                             f"(prompt plus at least one new token; {limit} sets it)")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        req = Req(rid, ids, params, self.scheduler.eos_ids, self.max_context, seed)
+        # max_new_tokens is cut at the model's window (finish "length"), never at the pool's
+        # size: a request the pool is too small for is refused by check_fits() instead.
+        req = Req(rid, ids, params, self.scheduler.eos_ids, self.model_context, seed)
         self.scheduler.check_fits(req)
         return req
 
@@ -112,61 +270,20 @@ class LLM:
         self._reqs[req.rid] = req
         self._next_rid = req.rid + 1
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler iteration; return the requests that finished in it."""
-        done = self.scheduler.step()
-        for req in done:
-            del self._reqs[req.rid]
-        return [self._output(r) for r in done]
-
-    def abort(self, rid: int) -> None:
-        if rid not in self._reqs:
-            raise ValueError(f"unknown or finished request id {rid}")
-        self.scheduler.abort(self._reqs[rid])
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
-
-    def generate(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 on_step: Callable[[int], None] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order. Validates all input before starting."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        # Validate every request before queueing any, so bad input leaves nothing half-started.
-        reqs = [self._new_req(p, sp, self._next_rid + i) for i, (p, sp) in enumerate(zip(prompts, params_list))]
-        for req in reqs:
-            self._queue(req)
-        rids = [req.rid for req in reqs]
-        outputs: dict[int, RequestOutput] = {}
-        while any(rid not in outputs for rid in rids):
-            if not self.scheduler.has_work():
-                # Only reachable with a mechanism switched off (e.g. batch_snapshot): results
-                # went to the wrong requests and some can never be scheduled again.
-                lost = [rid for rid in rids if rid not in outputs]
-                raise RuntimeError(f"requests {lost[:8]} can no longer be scheduled: the scheduler lost "
-                                   f"track of them (disabled: {sorted(self.scheduler.disabled)})")
-            for out in self.step():
-                outputs[out.rid] = out
-            if on_step is not None:
-                on_step(len(outputs))
-        # Every request is out, but an overshoot step may still be in flight: commit it, so that
-        # memory_report() shows the pool whole, unless the caller has other requests queued.
-        while self.scheduler.has_work() and all(r.finished for r in self._reqs.values()):
-            self.step()
-        return [outputs[rid] for rid in rids]
-
     # ---------------------------------------------------------------- memory
     def memory_report(self) -> dict[str, int]:
-        return self.scheduler.memory_report()
+        with self._use():
+            return memory_report(self.scheduler)
 
     def flush_cache(self) -> int:
-        return self.scheduler.flush_cache()
+        with self._use():
+            return self.scheduler.cache.flush()
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError unless every KV slot, request row and request is owned exactly once
+        (see minisgl/invariants.py). Cheap enough to call between any two steps."""
+        with self._use():
+            check_invariants(self.scheduler)
 
     @property
     def stats(self):
@@ -174,8 +291,9 @@ class LLM:
 
     def reset_stats(self) -> None:
         """Zero the scheduler's counters and drop recorded spans (e.g. after a warm-up)."""
-        self.scheduler.stats = type(self.scheduler.stats)()
-        self.engine.tracer.clear()
+        with self._use():
+            self.scheduler.stats = type(self.scheduler.stats)()
+            self.engine.tracer.clear()
 
     @property
     def mechanisms(self) -> dict[str, str]:
@@ -188,7 +306,7 @@ class LLM:
                 raise ValueError(f"{self.model_path} has no tokenizer: pass token ids instead of text")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            ids = check_token_ids("prompt", prompt, self.engine.model.vocab_size)
         if not ids:
             raise ValueError("empty prompt")
         return ids
@@ -204,15 +322,68 @@ class LLM:
         return RequestOutput(req.rid, req.prompt_ids, list(req.output_ids), text, req.finish_reason or "abort",
                              metrics)
 
-    def close(self) -> None:
-        self.scheduler.close()
-        self.engine.close()
 
-    def __enter__(self) -> "LLM":
-        return self
+# Upper bounds for the sizes: ids of rows, slots and tokens travel as int32 in device kernels.
+MAX_ROWS = MAX_TOKENS = (1 << 31) - 2
+MAX_DELAY_MS = 3_600_000.0  # an hour per step: any more is a typo, not a teaching aid
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """cpu, cuda or cuda:N (an existing GPU); None picks cuda when available."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a string such as 'cpu' or 'cuda', got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA GPU is available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s) present")
+    return dev
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _optional_int(name: str, value: object, high: int) -> int | None:
+    """A size that is either left out (None: the default) or a positive integer."""
+    return None if value is None else check_int(name, value, 1, high)
+
+
+def _check_params(params: object, default_for_none: bool = True) -> SamplingParams:
+    if params is None and default_for_none:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
+def _prompt_list(prompts: object) -> list[Prompt]:
+    """One prompt (text or token ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and is_int(prompts[0])):
+        return [prompts]  # type: ignore[list-item]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a string, a list of token ids or a list of those, "
+                        f"got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _params_list(params: object, n: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [_check_params(params)] * n
+    if not isinstance(params, Sequence):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+    params_list = [_check_params(p, default_for_none=False) for p in params]  # a list spells each one out
+    if len(params_list) != n:
+        raise ValueError(f"{len(params_list)} SamplingParams for {n} prompts")
+    return params_list
 
 
 def _load_tokenizer(model_path: Path):
@@ -220,7 +391,10 @@ def _load_tokenizer(model_path: Path):
 
     if not (model_path / "tokenizer.json").exists() and not (model_path / "tokenizer_config.json").exists():
         return None
-    return AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+    except Exception as exc:  # the tokenizers library raises its own types for a corrupt file
+        raise ValueError(f"cannot load the tokenizer in {str(model_path)!r}: {exc}") from exc
 
 
 def _eos_ids(config, tokenizer, model_path: Path) -> frozenset[int]:
@@ -235,9 +409,8 @@ def _eos_ids(config, tokenizer, model_path: Path) -> frozenset[int]:
     add(getattr(config, "eos_token_id", None))
     gen_config = model_path / "generation_config.json"
     if gen_config.exists():
-        import json
-
-        add(json.loads(gen_config.read_text()).get("eos_token_id"))
+        add(read_json_object(gen_config).get("eos_token_id"))
     if tokenizer is not None:
         add(tokenizer.eos_token_id)
     return frozenset(ids)
+

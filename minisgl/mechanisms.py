@@ -1,7 +1,9 @@
 """The named overlap mechanisms: every one can be switched off to watch what breaks.
 
-Each name is checked at the line that implements it (`sched.on("name")`), next to a comment
-saying what breaks without it and which section of the articles explains it.
+Each name is checked at the line that implements it (`mechanisms.on("name")`), next to a
+comment saying what breaks without it and which section of the articles explains it. One
+`Mechanisms` object answers for the whole engine (scheduler, engine, staging), and it refuses
+a name it does not know, so a typo can never silently read as "on".
 """
 
 from __future__ import annotations
@@ -22,8 +24,15 @@ MECHANISMS: dict[str, str] = {
     "that step still reads: wrong tokens)",
     "deferred_row_free": "a request-pool row is reused only after the last in-flight batch that uses it commits "
     "(off: the old request's late write lands in the recycled row, ABA: wrong tokens)",
-    "staging_double_buffer": "host staging buffers for batch metadata alternate, with a write-after-read wait "
-    "(off: batch n's metadata is overwritten while the device has not read it yet: wrong tokens)",
+    "staging_double_buffer": "two host staging buffers for batch metadata alternate, so batch n+1 is written "
+    "into the other buffer while the device may still read batch n's (off: one buffer; with staging_war_wait "
+    "on the host waits for the device to read it, correct but the wait adds idle; with both off: wrong tokens)",
+    "staging_war_wait": "before a staging buffer is rewritten the host waits for the event recorded after the "
+    "device read it: the write-after-read barrier (off, with two buffers: still correct, because batch n "
+    "commits before batch n+2 is planned; off with one buffer: batch n's metadata is overwritten: wrong tokens)",
+    "row_generation_check": "a late result whose request-pool row was recycled is recognised by the row's "
+    "generation and dropped (off, with deferred_row_free also off: the old request's late token is committed "
+    "to the row's new owner)",
     "length_lookahead": "requests that will finish by length are left out of the next batch "
     "(off: wasted overshoot steps, counted in stats)",
     "prefill_sync": "consecutive prefill batches commit before the next launch, so the first one's tokens "
@@ -44,3 +53,22 @@ def check_disable(names: Iterable[str]) -> frozenset[str]:
     if unknown:
         raise ValueError(f"unknown mechanism(s) {unknown}; valid names: {sorted(MECHANISMS)}")
     return disabled
+
+
+class Mechanisms:
+    """The switches of one engine: `on(name)` is True unless `name` was disabled.
+
+    Asking for a name that is not in MECHANISMS raises, so a misspelt check fails loudly
+    instead of quietly answering "on".
+    """
+
+    def __init__(self, disabled: Iterable[str] = ()) -> None:
+        self.disabled = check_disable(disabled)
+
+    def on(self, name: str) -> bool:
+        if name not in MECHANISMS:
+            raise KeyError(f"no mechanism named {name!r}; known: {sorted(MECHANISMS)}")
+        return name not in self.disabled
+
+    def __repr__(self) -> str:
+        return f"Mechanisms(disabled={sorted(self.disabled)})"

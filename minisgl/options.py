@@ -12,6 +12,24 @@ from pathlib import Path
 from .mechanisms import MECHANISMS
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts and sizes: 0 or a negative number is an error, not "the default"."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad flags print one line, `error: ...`, and exit 2, like every other bad input."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the demo model)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -23,9 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="emulated extra device time per forward (CPU teaching aid)")
     p.add_argument("--host-delay-ms", type=float, default=0.0,
                    help="emulated extra scheduler (host) work per loop iteration (the lab's knob for C)")
-    p.add_argument("--max-running-requests", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=None)
-    p.add_argument("--kv-tokens", type=int, default=None)
+    p.add_argument("--max-running-requests", type=positive_int, default=None)
+    p.add_argument("--chunk-size", type=positive_int, default=None)
+    p.add_argument("--kv-tokens", type=positive_int, default=None)
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's tokens do not depend on its batch")
 

@@ -224,6 +224,16 @@ class RadixCache:
         return self.evict(self._evictable)
 
     # ------------------------------------------------------------- debugging
+    def slots(self) -> List[int]:
+        """Every KV slot the tree holds (for the ownership audit)."""
+        out: List[int] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            out += node.slots.tolist()
+            stack.extend(node.children.values())
+        return out
+
     def check_invariants(self) -> None:
         """Walk the whole tree and assert that the bookkeeping is consistent."""
         evictable = protected = 0

@@ -15,9 +15,15 @@ writes) >= `kv_committed_len` (positions written by batches already committed), 
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .checks import INT64_MAX, INT64_MIN, check_bool, check_int, check_real, check_token_ids, is_int
+
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the staging buffers' dtype
+TOP_K_MAX = (1 << 31) - 1  # int32 range: already far more than any vocabulary
 
 if TYPE_CHECKING:
     from .radix_cache import TreeNode
@@ -25,6 +31,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to pick each new token. Checked when built: a bad value is a TypeError/ValueError here,
+    never a failure on the device later (see checks.py for why)."""
+
     max_new_tokens: int = 16
     temperature: float = 0.0  # 0 means greedy
     top_k: int = -1  # -1 means the whole vocabulary
@@ -33,16 +42,23 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
 
-    def validate(self) -> None:
-        """Raise one clear ValueError for a bad parameter (the engine keeps running)."""
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+    def __post_init__(self) -> None:
+        self.validate()
+        # A tuple, so that the frozen params stay hashable and nobody edits them in flight.
+        object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in self.stop_token_ids))
+
+    def validate(self, vocab: int | None = None) -> None:
+        """Raise one clear TypeError/ValueError for a bad parameter (the engine keeps running).
+        With `vocab`, stop token ids must also be in [0, vocab)."""
+        check_int("max_new_tokens", self.max_new_tokens, 1, INT64_MAX)
+        check_real("temperature", self.temperature, 0.0, FLOAT32_MAX)  # staged as float32
+        check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not (is_int(self.top_k) and self.top_k == -1):
+            check_int("top_k (-1 for off)", self.top_k, 1, TOP_K_MAX)
+        if self.seed is not None:
+            check_int("seed", self.seed, INT64_MIN, INT64_MAX)  # staged as int64
+        check_bool("ignore_eos", self.ignore_eos)
+        check_token_ids("stop_token_ids", self.stop_token_ids, INT64_MAX if vocab is None else vocab)
 
 
 @dataclass
@@ -75,7 +91,7 @@ class Req:
 
         # Request-pool row and its generation (bumped at every reuse, so late readers can
         # tell a recycled row from the one they were launched with).
-        self.row: int | None = None
+        self.row = -1  # assigned at admission, kept until released
         self.row_generation = -1
         # KV slot of every planned position, host mirror of this row of the req-to-token table.
         self.slot_ids: list[int] = []
@@ -123,6 +139,11 @@ class Req:
     def will_finish_by_length(self) -> bool:
         """True when the samples already launched reach max_new_tokens (known before commit)."""
         return len(self.output_ids) + self.inflight_samples >= self.max_new_tokens
+
+    @property
+    def next_sample_index(self) -> int:
+        """Output index of the most recently planned sample (the seeded sampler's step)."""
+        return len(self.output_ids) + self.inflight_samples - 1
 
     def commit_token(self, token: int) -> None:
         """Append a committed token and decide whether the request is finished."""

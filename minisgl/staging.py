@@ -3,23 +3,48 @@
 The scheduler writes a batch's metadata (input ids, positions, KV slots, sampling
 parameters) into host buffers; the engine stream copies them to the device when it reaches
 the batch. In the overlap loop the host is already writing batch n+1 while batch n may
-not have been copied yet, so one buffer is not enough: buffers alternate, and before a
-buffer is rewritten the host waits for the event recorded right after the device read it
-(article 000: `_apply_war_barrier()` and the two-slot keep-alive buffer).
+not have been copied yet. The article names two protections, and each is a switch here:
+
+- `staging_double_buffer`: two buffers alternate, so batch n+1 never lands in batch n's;
+- `staging_war_wait`: before a buffer is rewritten, the host waits for the event recorded
+  right after the device read it (the write-after-read barrier).
+
+Either one alone keeps the tokens right in this scheduler: the wait alone by waiting, the
+second buffer alone because batch n is committed (so read) before batch n+2 is planned.
+`unread_overwrites` counts the rewrites of a buffer the device had not read yet: the hazard
+itself, whether or not it happened to change a token (readings: the WAR barrier section).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .mechanisms import Mechanisms
 from .streams import Event
 
 TOKEN_FIELDS = ("input_ids", "positions", "out_slots", "token_rows")
 REQUEST_FIELDS = ("rows", "kv_lens", "top_k", "seeds", "sample_steps")
 INDPTR_FIELDS = ("qo_indptr", "kv_indptr")
 FLOAT_FIELDS = ("temperature", "top_p")
+
+
+@dataclass
+class TokenColumns:
+    """One batch's per-token metadata, built by the scheduler (the TOKEN_FIELDS of a buffer)."""
+
+    input_ids: list[int] = field(default_factory=list)  # token ids, or FutureMap placeholders
+    positions: list[int] = field(default_factory=list)
+    out_slots: list[int] = field(default_factory=list)  # KV slot each token's K/V is written to
+    token_rows: list[int] = field(default_factory=list)  # request-pool row of each token
+
+    def add(self, row: int, input_ids: list[int], start: int, out_slots: list[int]) -> None:
+        """Append the tokens at positions start, start+1, ... of the request in `row`."""
+        self.input_ids += input_ids
+        self.positions += range(start, start + len(input_ids))
+        self.out_slots += out_slots
+        self.token_rows += [row] * len(input_ids)
 
 
 @dataclass
@@ -53,8 +78,8 @@ class StagingBuffer:
         self.host.update({f: torch.zeros(max_reqs, dtype=torch.float32, pin_memory=pin) for f in FLOAT_FIELDS})
         self.consumed: Event | None = None  # recorded on the engine stream after the device copy
 
-    def write(self, **columns: list[int] | list[float]) -> None:
-        for name, values in columns.items():
+    def write(self, tokens: TokenColumns, **columns: list[int] | list[float]) -> None:
+        for name, values in {**vars(tokens), **columns}.items():
             self.host[name][: len(values)] = torch.tensor(values, dtype=self.host[name].dtype)
 
     def to_device(self, num_tokens: int, num_reqs: int) -> DeviceInputs:
@@ -67,17 +92,24 @@ class StagingBuffer:
 
 
 class StagingRing:
-    def __init__(self, max_tokens: int, max_reqs: int, device: torch.device, double_buffer: bool) -> None:
-        self.buffers = [StagingBuffer(max_tokens, max_reqs, device) for _ in range(2 if double_buffer else 1)]
-        self.double_buffer = double_buffer
+    def __init__(self, max_tokens: int, max_reqs: int, device: torch.device, mechanisms: Mechanisms) -> None:
+        count = 2 if mechanisms.on("staging_double_buffer") else 1
+        self.buffers = [StagingBuffer(max_tokens, max_reqs, device) for _ in range(count)]
+        self.war_wait = mechanisms.on("staging_war_wait")
         self._next = 0
+        self.waits = 0  # acquires that had to wait for the device to read the buffer
+        self.unread_overwrites = 0  # acquires that rewrote a buffer the device had not read: the hazard
 
     def acquire(self) -> StagingBuffer:
         buf = self.buffers[self._next]
         self._next = (self._next + 1) % len(self.buffers)
-        # Write-after-read barrier: wait until the device has copied what this buffer held for
-        # an earlier batch. Off ("staging_double_buffer" disabled) the single buffer is
-        # rewritten at once, while the batch in flight may still be about to read it.
-        if self.double_buffer and buf.consumed is not None:
-            buf.consumed.synchronize()
+        if buf.consumed is not None and not buf.consumed.query():
+            # The device has not copied what this buffer holds for an earlier batch yet.
+            # Write-after-read barrier: wait for it. Without the wait, the rewrite below
+            # races the device's read, and the batch in flight may run on the new metadata.
+            if self.war_wait:
+                self.waits += 1
+                buf.consumed.synchronize()
+            else:
+                self.unread_overwrites += 1
         return buf

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from minisgl.demo.tiny import make_tiny
+
+# Every scheduler step of every test audits KV slot, row and queue ownership (invariants.py).
+# Tests that switch off a mechanism whose symptom is a leak turn it off for that engine.
+os.environ.setdefault("MINISGL_CHECK_INVARIANTS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,6 +36,16 @@ def qwen3(tiny_models) -> str:
     return tiny_models["qwen3"]
 
 
+@pytest.fixture(scope="module")
+def llm(qwen3):
+    """One engine per test module, with a pool small enough that "too large" is easy to ask for."""
+    from minisgl import LLM
+
+    engine = LLM(qwen3, kv_tokens=600)
+    yield engine
+    engine.close()
+
+
 def assert_pool_whole(llm) -> None:
     """After a drained workload every slot is free or cached, every row free; after flush all free."""
     mem = llm.memory_report()
@@ -38,3 +54,11 @@ def assert_pool_whole(llm) -> None:
     llm.flush_cache()
     mem = llm.memory_report()
     assert mem["kv_free"] == mem["kv_total"], mem
+
+
+def drain(llm) -> dict[int, object]:
+    """Step until nothing is queued, running or uncollected; the outputs by request id."""
+    outs = {}
+    while llm.has_unfinished():
+        outs.update({o.rid: o for o in llm.step()})
+    return outs

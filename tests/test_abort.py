@@ -9,17 +9,10 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 
-from .conftest import assert_pool_whole
+from .conftest import assert_pool_whole, drain
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 LONG = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat"
-
-
-def drain(llm: LLM) -> dict[int, object]:
-    outs = {}
-    while llm.has_unfinished():
-        outs.update({o.rid: o for o in llm.step()})
-    return outs
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +84,32 @@ def test_abort_unknown_request(qwen3):
     llm = LLM(qwen3)
     with pytest.raises(ValueError, match="unknown"):
         llm.abort(12345)
+
+
+@pytest.mark.parametrize("stage", ["prefill chunk", "decode step"])
+def test_abort_releases_at_the_commit_point_with_exact_accounting(qwen3, stage):
+    # release_allocated off: every slot of a dropped in-flight result leaks, and each one is
+    # counted in overshoot_tokens (a prefill chunk counts all of its positions, not 1).
+    llm = LLM(qwen3, loop="overlap", chunk_size=4, device_delay_ms=5, disable=["release_allocated"])
+    llm.scheduler.check_each_step = False  # the leak is the point
+    keep, gone, req = start_two(llm)
+    if stage == "prefill chunk":
+        while req.launched_len == 0:
+            llm.step()
+    else:
+        while len(req.output_ids) < 2:
+            llm.step()
+    sched = llm.scheduler
+    assert sched._row_last_launch[req.row] > sched._device_done_id  # a batch of it is in flight
+    released_after_its_batch = []
+    release = sched._release
+    sched._release = lambda r: (r is req and released_after_its_batch.append(
+        sched._row_last_launch[r.row] <= sched._device_done_id), release(r))
+    llm.abort(gone)
+    llm.step()  # the abort takes effect at schedule(): out of the batches at once ...
+    assert req not in sched.running.reqs and req not in sched.prefilling
+    drain(llm)
+    assert req.released and released_after_its_batch == [True]  # ... released after its batch committed
+    mem = llm.memory_report()
+    leaked = mem["kv_total"] - mem["kv_free"] - mem["kv_cached"]
+    assert leaked == llm.stats.overshoot_tokens > 0

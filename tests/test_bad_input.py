@@ -16,13 +16,6 @@ from .conftest import assert_pool_whole
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm(qwen3):
-    engine = LLM(qwen3, kv_tokens=600)
-    yield engine
-    engine.close()
-
-
 @pytest.mark.parametrize("params, message", [
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(temperature=-0.5), "temperature"),

@@ -62,7 +62,7 @@ def test_lesson_4_future_map_off_brings_the_bubble_back():
     assert f["placeholders in that batch (future_map on)"] > 0
     assert f["placeholders in that batch (future_map off)"] == 0
     assert f["device busy (future_map off)"] < f["device busy (future_map on)"]
-    assert f["early syncs (future_map off)"] > 0
+    assert f["early commits (future_map off)"] > 0
     assert f["outputs identical"] == 1
 
 
@@ -86,7 +86,9 @@ def test_lesson_7_early_reuse_gives_wrong_tokens():
     _, f = run_lesson(7)
     assert f["wrong outputs (overlap, all on)"] == 0
     assert f["wrong outputs (commit_point_cache off)"] > 0
-    assert f["wrong outputs (staging_double_buffer off)"] > 0
+    assert f["wrong outputs (staging both off)"] > 0 and f["unread overwrites (staging both off)"] > 0
+    for protected in ("one staging buffer, wait on", "two buffers, no wait"):
+        assert f[f"wrong outputs ({protected})"] == 0 and f[f"unread overwrites ({protected})"] == 0
     assert f["stale row results (deferred_row_free on)"] == 0 and f["wrong D (deferred_row_free on)"] == 0
     assert f["stale row results (deferred_row_free off)"] == 1
 
@@ -97,7 +99,7 @@ def test_lesson_8_measures_against_the_ideal():
         assert f[f"ideal (delay {delay} ms)"] >= 1.0
         assert 0.3 < f[f"overlap/normal (delay {delay} ms)"] < 3
     assert f["outputs identical"] == 1 and f["pools whole"] == 1
-    assert f["early syncs (prefill_sync on)"] > 0 and f["early syncs (prefill_sync off)"] == 0
+    assert f["early commits (prefill_sync on)"] > 0 and f["early commits (prefill_sync off)"] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

@@ -1,4 +1,4 @@
-"""Each overlap mechanism switched off shows its documented symptom (DESIGN.md table).
+"""Each overlap mechanism switched off shows its documented symptom (README's mechanism table).
 
 Races are made deterministic with `device_delay_ms` (the device is slow, so the host always
 wins the race) and with the KV pool's LIFO reuse (a freed slot or row is handed out next).
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from minisgl import LLM, MECHANISMS, SamplingParams
+from minisgl.invariants import InvariantError
 from minisgl.kv_pool import KVAccountingError
 
 from .conftest import assert_pool_whole
@@ -26,8 +27,12 @@ def reference(model: str, prompts, params) -> list[list[int]]:
     return outs
 
 
-def overlap(model: str, *disabled: str, **kwargs) -> LLM:
-    return LLM(model, loop="overlap", disable=disabled, **kwargs)
+def overlap(model: str, *disabled: str, audit: bool = True, **kwargs) -> LLM:
+    """An overlap-loop engine. `audit=False` stops the per-step ownership audit, for a switch
+    whose symptom is corrupted ownership: the test then looks at the symptom itself."""
+    llm = LLM(model, loop="overlap", disable=disabled, **kwargs)
+    llm.scheduler.check_each_step = audit
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,8 @@ def stop_workload(qwen3):
 def test_mechanism_names_are_the_contract():
     assert set(MECHANISMS) >= {"future_map", "batch_snapshot", "skip_finished", "release_allocated",
                                "commit_point_cache", "deferred_row_free", "staging_double_buffer",
-                               "length_lookahead", "prefill_sync", "cuda_graph", "pinned_copy"}
+                               "length_lookahead", "prefill_sync", "cuda_graph", "pinned_copy",
+                               "staging_war_wait", "row_generation_check"}
 
 
 def test_future_map_off_brings_the_bubble_back(qwen3):
@@ -55,7 +61,7 @@ def test_future_map_off_brings_the_bubble_back(qwen3):
     # Off: every batch is committed before the next one is launched, exactly like normal_loop.
     pos = {e: i for i, e in enumerate(off.stats.events)}
     assert all(pos[("commit", n - 1)] < pos[("launch", n)] for n in range(1, off.stats.batches))
-    assert off.stats.early_syncs == off.stats.batches
+    assert off.stats.early_commits == off.stats.batches
     pos = {e: i for i, e in enumerate(on.stats.events)}
     assert all(pos[("launch", n)] < pos[("commit", n - 1)] for n in range(1, on.stats.batches))
 
@@ -63,7 +69,7 @@ def test_future_map_off_brings_the_bubble_back(qwen3):
 def test_batch_snapshot_off_results_land_on_wrong_requests(qwen3):
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 20, 20, 20)]
     expected = reference(qwen3, PROMPTS, params)
-    llm = overlap(qwen3, "batch_snapshot")
+    llm = overlap(qwen3, "batch_snapshot", audit=False)
     reqs = [llm.scheduler.waiting[-1] for p, sp in zip(PROMPTS, params) if llm.add_request(p, sp) >= 0]
     for _ in range(40):  # bounded: with misrouted results some requests never reach their length
         llm.step()
@@ -73,7 +79,7 @@ def test_batch_snapshot_off_results_land_on_wrong_requests(qwen3):
     assert [o.token_ids for o in good.generate(PROMPTS, params)] == expected
     # generate() does not hang on the misrouted requests: it says they are lost.
     with pytest.raises(RuntimeError, match="no longer be scheduled"):
-        overlap(qwen3, "batch_snapshot").generate(PROMPTS, params)
+        overlap(qwen3, "batch_snapshot", audit=False).generate(PROMPTS, params)
 
 
 def test_skip_finished_off_leaks_token_after_stop_and_double_frees(qwen3):
@@ -96,11 +102,13 @@ def test_skip_finished_off_leaks_token_after_stop_and_double_frees(qwen3):
 
 def test_release_allocated_off_leaks_kv_slots(qwen3, stop_workload):
     workload, expected = stop_workload
-    llm = overlap(qwen3, "release_allocated", chunk_size=16)
+    llm = overlap(qwen3, "release_allocated", audit=False, chunk_size=16)
     assert run(llm, workload) == expected  # tokens are right ...
     mem = llm.memory_report()
     leaked = mem["kv_total"] - mem["kv_free"] - mem["kv_cached"]
     assert leaked == llm.stats.overshoot_tokens > 0  # ... but one slot per overshoot is lost
+    with pytest.raises(InvariantError, match=f"{leaked} owned by nobody"):
+        llm.check_invariants()  # and the ownership audit names them
     good = overlap(qwen3, chunk_size=16)
     assert run(good, workload) == expected
     assert_pool_whole(good)
@@ -110,13 +118,13 @@ def test_commit_point_cache_off_gives_wrong_tokens(qwen3):
     # Request 0 finishes by length while the others keep decoding in the same batch.
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 20, 20, 20)]
     expected = reference(qwen3, PROMPTS, params)
-    bad = overlap(qwen3, "commit_point_cache")
+    bad = overlap(qwen3, "commit_point_cache", audit=False)
     assert [o.token_ids for o in bad.generate(PROMPTS, params)] != expected
     good = overlap(qwen3)
     assert [o.token_ids for o in good.generate(PROMPTS, params)] == expected
 
 
-def deferred_row_scenario(model: str, *disabled: str):
+def deferred_row_scenario(model: str, *disabled: str, audit: bool = True):
     """One row only. E leaves a long prompt in the cache. A stops on a stop token (so its
     overshoot step is in flight when it is committed); D, waiting for A's row, reuses that
     row and a cached prefix longer than A. A's late write lands in D's row."""
@@ -124,14 +132,14 @@ def deferred_row_scenario(model: str, *disabled: str):
     (a_ref,) = reference(model, ["abc"], GREEDY)
     a_params = SamplingParams(max_new_tokens=20, stop_token_ids=(a_ref[3],))
     (d_ref,) = reference(model, [prefix + " and then"], GREEDY)
-    llm = LLM(model, loop="overlap", disable=disabled, max_running_requests=1, device_delay_ms=30)
+    llm = overlap(model, *disabled, audit=audit, max_running_requests=1, device_delay_ms=30)
     llm.generate([prefix], SamplingParams(max_new_tokens=2))  # E: prefix now cached
     a_out, d_out = llm.generate(["abc", prefix + " and then"], [a_params, GREEDY])
     return llm, d_out.token_ids, d_ref, a_out
 
 
 def test_deferred_row_free_off_row_reuse_clobbers_new_request(qwen3):
-    llm, d_tokens, d_ref, _ = deferred_row_scenario(qwen3, "deferred_row_free")
+    llm, d_tokens, d_ref, _ = deferred_row_scenario(qwen3, "deferred_row_free", audit=False)
     assert llm.stats.stale_row_results == 1  # the generation check saw the late reader
     assert d_tokens != d_ref
     good, d_tokens, d_ref, a_out = deferred_row_scenario(qwen3)
@@ -140,14 +148,43 @@ def test_deferred_row_free_off_row_reuse_clobbers_new_request(qwen3):
     assert_pool_whole(good)
 
 
+def test_row_generation_check_off_late_token_lands_on_new_request(qwen3):
+    llm, d_tokens, d_ref, _ = deferred_row_scenario(qwen3, "deferred_row_free", "row_generation_check",
+                                                    audit=False)
+    assert llm.stats.stale_row_results == 0  # nobody noticed the recycled row ...
+    assert d_tokens != d_ref  # ... and the new owner of the row got the old request's late token
+
+
 @pytest.mark.parametrize("delay_ms", [0.0, 5.0])
-def test_staging_double_buffer_off_gives_wrong_tokens(qwen3, delay_ms):
+def test_staging_both_protections_off_gives_wrong_tokens(qwen3, delay_ms):
     expected = reference(qwen3, PROMPTS, GREEDY)
-    bad = overlap(qwen3, "staging_double_buffer", device_delay_ms=delay_ms)
+    bad = overlap(qwen3, "staging_double_buffer", "staging_war_wait", device_delay_ms=delay_ms, audit=False)
     outs = [o.token_ids for o in bad.generate(PROMPTS, GREEDY)]
     assert sum(o != e for o, e in zip(outs, expected)) >= 2
+    assert bad.scheduler.staging.unread_overwrites > 0
     good = overlap(qwen3, device_delay_ms=delay_ms)
     assert [o.token_ids for o in good.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_staging_one_buffer_with_the_wait_is_correct_but_waits(qwen3):
+    expected = reference(qwen3, PROMPTS, GREEDY)
+    llm = overlap(qwen3, "staging_double_buffer", device_delay_ms=5)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert llm.scheduler.staging.unread_overwrites == 0
+    assert llm.scheduler.staging.waits > 0  # the host stalled on the device's read: idle it adds
+
+
+@pytest.mark.parametrize("delay_ms", [0.0, 5.0])
+def test_staging_two_buffers_without_the_wait_hold_while_n_commits_before_n_plus_2(qwen3, delay_ms):
+    # The claim: batch n is committed (so its metadata was read) before batch n+2 is planned
+    # into n's buffer. Then no rewrite ever finds its buffer unread, and the tokens are right.
+    expected = reference(qwen3, PROMPTS, GREEDY)
+    llm = overlap(qwen3, "staging_war_wait", device_delay_ms=delay_ms)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert llm.scheduler.staging.unread_overwrites == 0
+    events = llm.stats.events
+    pos = {e: i for i, e in enumerate(events)}
+    assert all(pos[("commit", n)] < pos[("launch", n + 2)] for n in range(llm.stats.batches - 2))
 
 
 def test_length_lookahead_off_wastes_overshoot_steps(qwen3):
@@ -169,5 +206,5 @@ def test_prefill_sync_commits_consecutive_prefills(qwen3):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert on.stats.prefill_batches > 4
     # On: a prefill batch is committed before the next prefill batch is launched.
-    assert on.stats.early_syncs == on.stats.prefill_batches - 1
-    assert off.stats.early_syncs == 0
+    assert on.stats.early_commits == on.stats.prefill_batches - 1
+    assert off.stats.early_commits == 0

@@ -97,7 +97,6 @@ def test_request_metrics_hand_computed():
     assert m["ttft_p50_s"] == pytest.approx(2.5)
     assert m["ttft_p90_s"] == pytest.approx(3.7)  # 3 + 0.7 * (4 - 3)
     assert m["tpot_mean_s"] == pytest.approx(4 / 3)  # only requests with >= 2 tokens have a TPOT
-    assert m["itl_mean_s"] == m["tpot_mean_s"]
     assert m["e2e_mean_s"] == pytest.approx(5.5)
     assert request_metrics([])["output_tokens"] == 0
 

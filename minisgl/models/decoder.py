@@ -16,7 +16,6 @@ know which tokens belong to which request (see attention.py).
 
 from __future__ import annotations
 
-import json
 import math
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,16 +23,14 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from ..gpu import fused_ops
 from .attention import AttentionBackend, AttentionMetadata, KVCache
+from .checkpoint import FAMILY_OF_ARCHITECTURE, load_config, open_safetensors, read_tensor, safetensors_files
 
 Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # Our fused parameter -> the checkpoint tensors concatenated (along dim 0) to build it.
 FUSED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -169,7 +166,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.head_dim = head_dim
-        family = config.model_type  # "llama", "qwen2" or "qwen3"
+        family = FAMILY_OF_ARCHITECTURE[config.architectures[0]]  # "llama", "qwen2" or "qwen3"
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = family == "qwen2" or attention_bias  # Qwen2 always has q/k/v bias
         out_bias = family != "qwen2" and attention_bias
@@ -264,44 +261,38 @@ class CausalLM(nn.Module):
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, PretrainedConfig]:
-    """Build a CausalLM from a local Hugging Face checkpoint folder (config.json + *.safetensors)."""
+    """Build a CausalLM from a local Hugging Face checkpoint folder (config.json + *.safetensors).
+    Anything malformed is one ValueError that names the file, key or tensor."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ValueError(f"model directory {str(model_dir)!r} does not exist")
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"{str(model_dir)!r} has no config.json; expected a Hugging Face checkpoint folder")
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    arch = config.architectures[0] if config.architectures else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only silu is implemented")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is not implemented")
-    files = _safetensors_files(model_dir)
+    config, _ = load_config(model_dir)
+    files = safetensors_files(model_dir)
 
     # Build on the "meta" device: shapes only, no memory, no slow random init.
     # The real tensors are then swapped in straight from the checkpoint.
     with torch.device("meta"):
         model = CausalLM(config)
+    expected = model.state_dict()  # name -> meta tensor with the shape the config implies
+    tied = bool(getattr(config, "tie_word_embeddings", False))
     device = torch.device(device)
     with ExitStack() as stack:
         # safe_open maps the files lazily; a tensor is only read when asked for.
-        handles = [stack.enter_context(safe_open(str(f), framework="pt", device=str(device))) for f in files]
-        file_of = {name: h for h in handles for name in h.keys()}
-        tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in file_of
+        file_of = {name: (h, f) for f in files
+                   for h in [stack.enter_context(open_safetensors(f, device))] for name in h.keys()}
+        params = [name for name in expected if not (tied and name == "lm_head.weight")]
+        _check_tensor_names(params, file_of, tied, model_dir)
 
         def read(name: str) -> torch.Tensor:
-            if name not in file_of:
-                raise ValueError(f"checkpoint in {str(model_dir)!r} is missing weight {name!r}")
-            return file_of[name].get_tensor(name).to(dtype)
+            handle, path = file_of[name]
+            return read_tensor(handle, name, path).to(dtype)
 
         state: dict[str, torch.Tensor] = {}
-        for name in model.state_dict():
-            if tied and name == "lm_head.weight":
-                continue
-            parts = _checkpoint_names(name)
-            state[name] = torch.cat([read(p) for p in parts]) if len(parts) > 1 else read(parts[0])
+        for name in params:
+            parts = [read(p) for p in _checkpoint_names(name)]
+            state[name] = _fuse(name, parts, expected[name].shape, model_dir)
     if tied:  # the output projection reuses the input embedding matrix
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
@@ -312,22 +303,38 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     return model, config
 
 
+# Checkpoint tensors that are derived, not learned: some exporters store them, we recompute them.
+_DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _check_tensor_names(params: list[str], file_of: dict, tied: bool, model_dir: Path) -> None:
+    """Every tensor the model needs is present, and every tensor present is used: a stray one
+    means the config describes a different model than the weights (e.g. q/k norms left out)."""
+    needed = {part for name in params for part in _checkpoint_names(name)}
+    missing = sorted(needed - file_of.keys())
+    ignorable = {"lm_head.weight"} if tied else set()  # tied: some checkpoints still store the copy
+    unused = sorted(n for n in file_of.keys() - needed - ignorable if not n.endswith(_DERIVED_SUFFIXES))
+    if missing:
+        more = f" (and {len(missing) - 1} more: {missing[1:8]})" if len(missing) > 1 else ""
+        raise ValueError(f"checkpoint in {str(model_dir)!r} is missing weight {missing[0]!r}{more}")
+    if unused:
+        raise ValueError(f"checkpoint in {str(model_dir)!r} has {len(unused)} tensor(s) this model does not use "
+                         f"(does config.json describe these weights?): {unused[:8]}")
+
+
+def _fuse(name: str, parts: list[torch.Tensor], shape: torch.Size, model_dir: Path) -> torch.Tensor:
+    """One parameter from its checkpoint part(s), with the shape the config implies."""
+    shapes = [tuple(p.shape) for p in parts]
+    if not all(len(s) == len(shape) and s[1:] == tuple(shape[1:]) for s in shapes) or \
+            sum(s[0] for s in shapes) != shape[0]:
+        raise ValueError(f"checkpoint in {str(model_dir)!r}: {'+'.join(_checkpoint_names(name))} has shape(s) "
+                         f"{shapes}, the config implies {tuple(shape)} for {name}")
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def _checkpoint_names(param_name: str) -> list[str]:
     """Checkpoint tensor names that make up one of our parameters (several for fused ones)."""
     for fused, parts in FUSED_WEIGHTS.items():
         if f".{fused}." in param_name:
             return [param_name.replace(fused, part) for part in parts]
     return [param_name]
-
-
-def _safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():  # sharded: the index maps every tensor name to its shard file
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
-    if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
-    files = sorted(model_dir.glob("*.safetensors"))  # some other naming, e.g. a lone shard set
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {str(model_dir)!r} (other formats are not supported)")
-    return files

@@ -248,7 +248,6 @@ def request_metrics(outputs: list) -> dict:
         "ttft_p50_s": _percentile(ttft, 50),
         "ttft_p90_s": _percentile(ttft, 90),
         "tpot_mean_s": _mean(tpot),
-        "itl_mean_s": _mean(tpot),
         "e2e_mean_s": _mean(e2e),
     }
 

@@ -1,0 +1,73 @@
+"""Who owns the memory: the report (`LLM.memory_report()`) and an audit anyone can run
+(`LLM.check_invariants()`).
+
+The overlap pipeline moves KV slots and request rows between owners one step late, and each
+mechanism in `minisgl.MECHANISMS` protects one of those moves. This audit checks the result
+from scratch, at any moment between two steps (a batch may be in flight):
+
+- every KV slot is exactly one of: free, held by the radix cache, held by a live request
+  (its private slots beyond the cached prefix), or the reserved slot 0;
+- every request-pool row is exactly one of: free, owned by a live request, or deferred
+  (its request is gone, a batch still in flight may write it);
+- no request sits in two queues.
+
+Set `MINISGL_CHECK_INVARIANTS=1` to run it after every scheduler step (the tests do).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from .kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+class InvariantError(AssertionError):
+    """A KV slot, request row or request is not owned exactly once."""
+
+
+def memory_report(sched: Scheduler) -> dict[str, int]:
+    return {
+        "kv_total": sched.kv_pool.total,
+        "kv_free": sched.kv_pool.free_count,
+        "kv_cached": sched.cache.total_size,
+        "rows_total": sched.req_to_token.num_rows,
+        "rows_free": sched.req_to_token.free_count,
+    }
+
+
+def check_invariants(sched: Scheduler) -> None:
+    queues = {"waiting": list(sched.waiting), "prefilling": sched.prefilling, "running": sched.running.reqs,
+              "releasing": sched.releasing}
+    seen: dict[int, str] = {}
+    for name, reqs in queues.items():
+        for req in reqs:
+            if req.rid in seen:
+                raise InvariantError(f"request {req.rid} is in both {seen[req.rid]} and {name}")
+            seen[req.rid] = name
+    # Live: admitted and not yet released. (A finished request may still sit in `running`
+    # until the next schedule() filters it; its resources went back at its commit.)
+    live = {req.rid: req for reqs in queues.values() for req in reqs if req.row >= 0 and not req.released}
+
+    owners: Counter[int] = Counter(sched.kv_pool.free_slots())
+    owners.update(sched.cache.slots())
+    for req in live.values():
+        owners.update(req.slot_ids[req.cached_len:])
+    owners[KVPool.RESERVED_SLOT] += 1
+    wrong = {slot: n for slot in range(sched.kv_pool.num_slots) if (n := owners[slot]) != 1}
+    if wrong:
+        leaked = sorted(s for s, n in wrong.items() if n == 0)
+        doubled = sorted(s for s, n in wrong.items() if n > 1)
+        raise InvariantError(f"KV slots not owned exactly once: {len(leaked)} owned by nobody (leaked) "
+                             f"{leaked[:8]}, {len(doubled)} owned twice {doubled[:8]}")
+
+    rows: Counter[int] = Counter(sched.req_to_token.free_rows())
+    rows.update(req.row for req in live.values())
+    rows.update(sched.deferred_rows)
+    wrong_rows = {row: n for row in range(sched.req_to_token.num_rows) if (n := rows[row]) != 1}
+    if wrong_rows:
+        raise InvariantError(f"request rows not owned exactly once (row: owners): {dict(list(wrong_rows.items())[:8])}")
+    sched.cache.check_invariants()

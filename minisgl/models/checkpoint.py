@@ -1,0 +1,121 @@
+"""Reading a Hugging Face checkpoint folder, with one clear ValueError for each way it can be broken.
+
+A malformed checkpoint must never load as a *different* model (a missing key silently
+replaced by a transformers default, a Qwen3 loaded without its q/k norms because
+`model_type` says llama) nor fail later with a traceback from deep inside torch. So the
+raw config.json is checked before transformers fills in defaults, the architecture comes
+from `architectures` (the class the weights were trained for), and every weights file is
+opened and read under a guard that names the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from ..checks import is_int
+
+# The architecture names we implement, and the `model_type` each one must carry.
+FAMILY_OF_ARCHITECTURE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES = tuple(FAMILY_OF_ARCHITECTURE)
+
+# Sizes the model is built from: required, because a transformers default (e.g. Qwen3's
+# 151936-token vocabulary) would build a model that does not match the weights.
+REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {str(path)!r}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(path)!r} must hold a JSON object, not a {type(value).__name__}")
+    return value
+
+
+def load_config(model_dir: Path) -> tuple[PretrainedConfig, str]:
+    """The checked config of `model_dir` and its family ("llama", "qwen2" or "qwen3")."""
+    path = model_dir / "config.json"
+    raw = read_json_object(path)
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ValueError(f"{str(path)!r}: 'architectures' must be a list naming one of {SUPPORTED_ARCHITECTURES}")
+    arch = archs[0]
+    if arch not in FAMILY_OF_ARCHITECTURE:
+        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    family = FAMILY_OF_ARCHITECTURE[arch]
+    if raw.get("model_type") != family:
+        raise ValueError(f"{str(path)!r}: model_type {raw.get('model_type')!r} contradicts architecture {arch} "
+                         f"(which needs model_type {family!r})")
+    for key in REQUIRED_SIZES + OPTIONAL_SIZES:
+        if key in REQUIRED_SIZES and key not in raw:
+            raise ValueError(f"{str(path)!r} has no {key!r}")
+        value = raw.get(key)
+        if value is not None and not (is_int(value) and value > 0):
+            raise ValueError(f"{str(path)!r}: {key} must be a positive integer, got {value!r}")
+    heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads") or raw["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"{str(path)!r}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    if raw.get("head_dim") is None and raw["hidden_size"] % heads:
+        raise ValueError(f"{str(path)!r}: hidden_size {raw['hidden_size']} is not a multiple of "
+                         f"num_attention_heads {heads}, and there is no head_dim")
+    if head_dim % 2:
+        raise ValueError(f"{str(path)!r}: head_dim {head_dim} must be even (rotary embeddings rotate pairs)")
+    eps = raw.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"{str(path)!r}: rms_norm_eps must be a number in (0, 1), got {eps!r}")
+    if not isinstance(raw.get("tie_word_embeddings", False), bool):
+        raise ValueError(f"{str(path)!r}: tie_word_embeddings must be true or false")
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as exc:  # transformers' own checks raise many types
+        raise ValueError(f"cannot load {str(path)!r}: {exc}") from exc
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only silu is implemented")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not implemented")
+    return config, family
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weights files: those a sharded index names, else model.safetensors, else any *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index maps every tensor name to its shard file
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or \
+                not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{str(index)!r} has no 'weight_map' from tensor names to shard files")
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    if (model_dir / "model.safetensors").exists():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))  # some other naming, e.g. a lone shard set
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {str(model_dir)!r} (other formats are not supported)")
+    return files
+
+
+def open_safetensors(path: Path, device: torch.device):
+    """safe_open, with a missing, unreadable or corrupt file reported as a ValueError naming it."""
+    try:
+        with open(path, "rb"):  # the OS's reason (a directory, no permission...), not safetensors' guess
+            pass
+        return safe_open(str(path), framework="pt", device=str(device))
+    except OSError as exc:
+        raise ValueError(f"cannot read weights file {str(path)!r}: {exc.strerror or exc}") from exc
+    except SafetensorError as exc:
+        raise ValueError(f"{str(path)!r} is not a valid safetensors file: {exc}") from exc
+
+
+def read_tensor(handle, name: str, path: Path) -> torch.Tensor:
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise ValueError(f"cannot read tensor {name!r} from {str(path)!r}: {exc}") from exc
