@@ -139,7 +139,10 @@ class Engine:
         m = self.model
         self.kv = KVCache(m.num_layers, num_slots, m.num_kv_heads, m.head_dim, self.dtype, self.device)
         self.req_to_token = req_to_token
-        if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph"):
+        # Deterministic decode runs eagerly: FlashInfer's unsplit tensor-core decode inside the
+        # CUDA-graph wrappers crashed the warm-up of every engine after the first one in a process
+        # on the H200 ("illegal memory access"; benchmarks/RESULTS.md), so graphs are left out there.
+        if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph") and not self.deterministic:
             self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, self.num_rows, num_slots, self.device)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:

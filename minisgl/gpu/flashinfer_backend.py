@@ -64,6 +64,10 @@ class FlashInferBackend:
     def plan(self, meta: AttentionMetadata, parity: int = 0, decode_wrapper=None) -> None:
         """Once per batch. `decode_wrapper`: a CUDA-graph wrapper with its own fixed buffers."""
         num_qo, num_kv, head_dim = self.shape
+        # Keep-alive: these host tensors are pageable, so FlashInfer's non_blocking upload stages
+        # them before it returns and they may be dropped at once; kv_indices was made on the
+        # engine stream, which runs this plan's copies and kernels; the plan's own pinned buffer
+        # belongs to the wrapper, reused only by batch n+2 (the parity above).
         kv_indptr = host_indptr(meta.kv_lens)
         last_page_len = torch.ones(meta.num_requests, dtype=torch.int32)
         kv_indices = meta.kv_indices.to(torch.int32)
