@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench lessons clean
+.PHONY: install test demo bench lab lessons clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +22,11 @@ demo: install
 	$(PY) -m minisgl demo
 
 bench: install
-	$(PY) -m minisgl bench --compare-loops
+	$(PY) -m minisgl bench --compare-loops --repeat 3
+
+# the loop-comparison lab (lessons/lab_overlap.md): overlap/normal against the ideal, C/G 0.2..3.2
+lab: install
+	$(PY) -m minisgl lab $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

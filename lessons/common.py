@@ -29,7 +29,8 @@ from minisgl.batch import SchedulerStats  # noqa: E402
 from minisgl.observe.timeline import render_timeline  # noqa: E402
 from minisgl.observe.trace import pipeline_metrics, request_metrics  # noqa: E402
 
-console = Console(width=int(os.environ.get("LESSON_WIDTH", "104")), highlight=False)
+# The terminal's width (80 when output is not a terminal); LESSON_WIDTH overrides it.
+console = Console(width=int(os.environ["LESSON_WIDTH"]) if os.environ.get("LESSON_WIDTH") else None, highlight=False)
 OK, BAD = "✓", "✗"
 
 

@@ -5,6 +5,9 @@ device time, and shows the order of launches and commits, both timelines, and th
 token is the same.
 """
 
+from itertools import islice
+from typing import Iterable
+
 from common import (answers, best_of, console, demo_pairs, figure, header, ms, notice, parse_args, pct, run, section,
                     side_by_side, timeline)
 
@@ -12,9 +15,9 @@ from minisgl import SamplingParams
 from minisgl.scheduler import InFlight, Scheduler
 
 
-def event_string(events: list[tuple[str, int]], n: int = 14) -> str:
+def event_string(events: Iterable[tuple[str, int]], n: int = 14) -> str:
     """("launch", 7) -> L7, ("commit", 7) -> C7: the order the host did them in."""
-    return " ".join(f"{kind[0].upper()}{bid}" for kind, bid in list(events)[:n]) + " ..."
+    return " ".join(f"{kind[0].upper()}{bid}" for kind, bid in islice(events, n)) + " ..."
 
 
 def max_in_flight(events: list[tuple[str, int]]) -> int:

@@ -1,4 +1,4 @@
-"""Command line: `python -m minisgl generate|bench|trace|demo|make-tiny|train-demo ...`.
+"""Command line: `python -m minisgl generate|bench|lab|trace|demo|make-tiny|train-demo ...`.
 
 Bad input (missing model directory, bad sampling parameter, unknown mechanism...) prints one
 line `error: ...` on stderr and exits with code 2, without a traceback.
@@ -72,6 +72,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_lab(args: argparse.Namespace) -> int:
+    from .observe.lab import run_lab
+
+    return run_lab(args)
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from .observe.record import run_trace
 
@@ -110,11 +116,20 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--delays", default=None, help="comma-separated device_delay_ms values for --compare-loops")
     b.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same requests")
     b.add_argument("--hf-requests", type=positive_int, default=None, help="time HF on only the first N requests")
+    b.add_argument("--repeat", type=positive_int, default=1,
+                   help="run every configuration N times, interleaved (median, range)")
     b.add_argument("--json", default=None, help="also write the figures to this JSON file")
     b.add_argument("--rate", default="8", help="--workload online: arrival rate(s) in requests/s, comma-separated")
     b.add_argument("--breakdown", action="store_true",
                    help="attribute the run's device time to prefill, decode by batch size, padding, idle")
     b.set_defaults(func=cmd_bench)
+
+    from .observe.lab import add_lab_args
+
+    lab = sub.add_parser("lab", help="sweep host work C against device time G: overlap/normal vs the ideal")
+    add_engine_args(lab)
+    add_lab_args(lab)
+    lab.set_defaults(func=cmd_lab)
 
     t = sub.add_parser("trace", help="record a run and write a Chrome trace JSON (Perfetto, chrome://tracing)")
     add_engine_args(t)

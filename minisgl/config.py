@@ -8,6 +8,7 @@ given is checked (0 is an error, not "use the default").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -44,8 +45,7 @@ class EngineDefaults:
     def kv_tokens(self, device: torch.device, bytes_per_token: int) -> int:
         """KV slots that fit the memory budget of `device`, clamped to [kv_tokens_min, max]."""
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * self.kv_memory_fraction) - self.kv_headroom_bytes
+            budget = int(free_memory_bytes(device) * self.kv_memory_fraction) - self.kv_headroom_bytes
             cap = self.kv_tokens_max_cuda
         else:
             budget, cap = self.kv_host_bytes, self.kv_tokens_max_cpu
@@ -53,3 +53,17 @@ class EngineDefaults:
 
 
 DEFAULTS = EngineDefaults()
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory an engine on `device` may still allocate: free GPU memory, or the host's
+    MemAvailable on Linux; None where the host does not say."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .checks import INT64_MAX, check_bool, check_int, check_real, check_token_ids, is_int
-from .config import DEFAULTS
+from .config import DEFAULTS, free_memory_bytes
 from .engine import Engine
 from .invariants import check_invariants, memory_report
 from .mechanisms import MECHANISMS, Mechanisms
@@ -98,9 +98,12 @@ class LLM:
             # pool less the one slot an overshoot step may write. The same arithmetic as
             # Scheduler.check_fits(), so a prompt shorter than this with one new token always fits.
             self.max_context = min(self.model_context, kv_tokens - 1)
+            chunk_size = chunk_size or DEFAULTS.chunk_size(self.device)
+            _check_memory(self.device, kv_tokens, self.engine.bytes_per_token(), rows,
+                          min(self.model_context + 1, kv_tokens), chunk_size)
             self.scheduler = Scheduler(
                 self.engine, eos_ids=_eos_ids(config, self.tokenizer, self.model_path), max_running=rows,
-                chunk_size=chunk_size or DEFAULTS.chunk_size(self.device), kv_tokens=kv_tokens,
+                chunk_size=chunk_size, kv_tokens=kv_tokens,
                 # Request-table width: no request holds more positions than the pool has slots,
                 # nor more than its context plus the one overshoot position.
                 max_context=min(self.model_context + 1, kv_tokens), mechanisms=mechanisms, loop=loop,
@@ -114,7 +117,7 @@ class LLM:
     def _use(self) -> Iterator[None]:
         """Enter a call: refuse another thread, a closed engine and a failed one, each at once."""
         if not self._guard.acquire(blocking=False):
-            raise RuntimeError("this LLM is in use by another thread; one LLM serves one thread at a time")
+            raise RuntimeError(_IN_USE)
         try:
             if self._closed:
                 raise RuntimeError("this LLM is closed")
@@ -133,7 +136,7 @@ class LLM:
         if self._closed:
             return
         if not self._guard.acquire(blocking=False):
-            raise RuntimeError("this LLM is in use by another thread; one LLM serves one thread at a time")
+            raise RuntimeError(_IN_USE)
         self._closed = True
         try:
             self.scheduler.close()  # commits the batch in flight unless an error stopped the scheduler
@@ -323,8 +326,11 @@ class LLM:
                              metrics)
 
 
-# Upper bounds for the sizes: ids of rows, slots and tokens travel as int32 in device kernels.
-MAX_ROWS = MAX_TOKENS = (1 << 31) - 2
+_IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"
+# Upper bounds for the sizes: slot and token ids travel as int32 in device kernels, and no
+# device decodes a million requests at once (rows are allocated up front, before any memory check).
+MAX_TOKENS = (1 << 31) - 2
+MAX_ROWS = 1 << 20
 MAX_DELAY_MS = 3_600_000.0  # an hour per step: any more is a typo, not a teaching aid
 
 
@@ -345,6 +351,18 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s) present")
     return dev
+
+
+def _check_memory(device: torch.device, kv_tokens: int, bytes_per_token: int, rows: int, width: int,
+                  chunk_size: int) -> None:
+    """Refuse sizes the device cannot hold before allocating them: a KV cache larger than the
+    host's memory is not an error on Linux, it is the out-of-memory killer, later."""
+    free = free_memory_bytes(device)
+    # KV cache, the int64 request table, and two staging buffers of about 8 int64 columns.
+    need = (kv_tokens + 1) * bytes_per_token + rows * width * 8 + 2 * 8 * 8 * max(chunk_size, rows)
+    if free is not None and need > free:
+        raise ValueError(f"kv_tokens={kv_tokens}, max_running_requests={rows} and chunk_size={chunk_size} need "
+                         f"{need / 2**30:.1f} GiB on {device}, {free / 2**30:.1f} GiB is free; lower them")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -161,11 +161,15 @@ class Scheduler:
     def schedule(self) -> Planned | None:
         """Plan batch n from committed state plus what is in flight. Prefill first."""
         with self.tracer.host("schedule"):
-            if self.host_delay_s:  # emulated scheduler work: the lab's knob for C (a sleep, GIL released)
-                time.sleep(self.host_delay_s)
             self._handle_aborts()
             self.running.reqs[:] = [r for r in self.running.reqs if not r.finished]  # filter_batch
-            return self._schedule_prefill() or self._schedule_decode()
+            planned = self._schedule_prefill() or self._schedule_decode()
+            if self.host_delay_s:
+                # Emulated scheduler work: the lab's knob for C (a sleep, GIL released). After the
+                # planning, so that the planning's Python runs right after the commit, while the
+                # emulated device is still in its own sleep, and the two do not queue for the GIL.
+                time.sleep(self.host_delay_s)
+            return planned
 
     def _schedule_prefill(self) -> Planned | None:
         budget = self.chunk_size

@@ -10,19 +10,21 @@ import argparse
 import json
 import math
 import random
+import statistics
 import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ..request import SamplingParams
 from .breakdown import ModelCost, breakdown, measure_ceilings
-from .trace import pipeline_metrics, request_metrics
+from .trace import ideal_ratio, pipeline_metrics, realised_share, request_metrics
 
 console = Console()
 
@@ -147,23 +149,24 @@ def run_bench(args: argparse.Namespace) -> int:
         args.ceilings = measure_ceilings(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     if args.workload == "online":
         return run_online_bench(args, workload)
-    console.print(f"[bold]minisgl bench[/] model={model} workload={workload.name}: {len(workload.prompts)} requests, "
+    console.print(f"[bold]minisgl bench[/] {model.name}, workload {workload.name}: {len(workload.prompts)} requests, "
                   f"{workload.input_tokens} input / {workload.output_tokens} output tokens")
-    results = []
     if args.compare_loops:
         delays = [float(d) for d in args.delays.split(",")] if args.delays else None
         if delays is None:
             probe = measure(args, workload, "normal", 0.0)
-            results.append(probe)
-            c_ms = probe["pipe_exposed_host_time_per_step_s"] * 1000
-            # a delay at least the measured host time per step, so that G >= C
+            c_ms = probe["pipe_host_time_per_iteration_s"] * 1000
+            # a delay of at least 1.5 C, so that G > C: the regime the overlap loop is built for
             delays = [0.0, float(max(2, math.ceil(1.5 * c_ms)))]
-            loops = [("overlap", 0.0), ("normal", delays[1]), ("overlap", delays[1])]
-        else:
-            loops = [(loop, d) for d in delays for loop in ("normal", "overlap")]
-        results += [measure(args, workload, loop, d) for loop, d in loops]
+        configs = [(loop, d) for d in delays for loop in ("normal", "overlap")]
     else:
-        results.append(measure(args, workload, args.loop, args.device_delay_ms))
+        configs = [(args.loop, args.device_delay_ms)]
+    results = []
+    for rep in range(args.repeat):
+        # Interleaved, and every other round in reverse (ABBA), so that a slow phase of a
+        # shared machine lands on every configuration alike.
+        for loop, delay in configs if rep % 2 == 0 else configs[::-1]:
+            results.append({**measure(args, workload, loop, delay), "repeat": rep})
     if args.hf:
         results.append(measure_hf(model, workload, args))
     print_results(results)
@@ -189,23 +192,50 @@ def _public(result: dict) -> dict:
     return {k: v for k, v in result.items() if not k.startswith("_") and k != "token_ids"}
 
 
-def print_results(results: list[dict]) -> None:
-    table = Table(title="throughput and where the time goes")
-    for col in ("loop", "delay", "tok/s", "G ms", "host ms", "busy", "idle/step", "TTFT ms", "TPOT ms"):
-        table.add_column(col, justify="right")
+def _groups(results: list[dict]) -> dict[tuple[str, float], list[dict]]:
+    """Runs of the same configuration (loop, device delay), in run order."""
+    groups: dict[tuple[str, float], list[dict]] = {}
     for r in results:
-        ms = lambda k: f"{r.get(k, float('nan')) * 1000:.2f}"  # noqa: E731
-        table.add_row(r["loop"], f"{r['delay_ms']:g}", f"{r['output_tok_per_s']:.1f}",
-                      ms("pipe_device_time_per_forward_s"), ms("pipe_host_time_per_iteration_s"),
-                      f"{r.get('pipe_device_busy_fraction', float('nan')):.1%}",
-                      ms("pipe_exposed_host_time_per_step_s"), ms("req_ttft_mean_s"), ms("req_tpot_mean_s"))
+        groups.setdefault((r["loop"], r["delay_ms"]), []).append(r)
+    return groups
+
+
+def _median(runs: list[dict], key: str) -> float:
+    values = [r[key] for r in runs if key in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):.0f}–{max(values):.0f}" if len(values) > 1 else "–"
+
+
+def print_results(results: list[dict]) -> None:
+    """One row per configuration, medians over its repeats. Device busy and idle come first:
+    they show the bubble directly and barely move with the machine's load; throughput does."""
+    table = Table(title="where the time goes (medians over the repeats)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("loop", "delay\nms", "device\nbusy", "idle ms\n/step", "G\nms", "C\nms", "tok/s", "tok/s\nrange",
+                "TTFT\nms", "TPOT\nms"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for (loop, delay), runs in _groups(results).items():
+        ms = lambda key, digits=2: f"{_median(runs, key) * 1000:.{digits}f}"  # noqa: E731
+        busy = _median(runs, "pipe_device_busy_fraction")
+        table.add_row(loop, f"{delay:g}", "–" if math.isnan(busy) else f"{busy:.1%}",
+                      ms("pipe_exposed_host_time_per_step_s"), ms("pipe_device_time_per_forward_s"),
+                      ms("pipe_host_time_per_iteration_s"), f"{_median(runs, 'output_tok_per_s'):.0f}",
+                      _range([r["output_tok_per_s"] for r in runs]), ms("req_ttft_mean_s", 1), ms("req_tpot_mean_s", 1))
     console.print(table)
+    console.print("G: device time per forward.  C: host work per iteration (schedule, launch and\n"
+                  "commit spans; waiting excluded).  idle/step: device idle per forward (bubble).",
+                  style="dim",
+                  highlight=False)
 
 
 def print_breakdown(result: dict) -> None:
-    table = Table(title=f"where the device time went: {result['loop']} loop (observe/breakdown.py)")
-    for col in ("phase", "batches", "tokens / slots", "device s", "share", "floor s", "floor/device"):
-        table.add_column(col, justify="right")
+    table = Table(title=f"where the device time went: {result['loop']} loop (observe/breakdown.py)",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("phase", "batches", "tokens\nor slots", "device\ns", "share", "floor\ns", "floor/\ndevice"):
+        table.add_column(col, justify="right", no_wrap=True)
     for row in result["breakdown"]:
         ratio = f"{row['floor_s'] / row['device_s']:.0%}" if row["floor_s"] and row["device_s"] else ""
         table.add_row(row["phase"], str(row["batches"] or ""), str(row["tokens"]), f"{row['device_s']:.3f}",
@@ -227,9 +257,11 @@ def run_online_bench(args: argparse.Namespace, workload: Workload) -> int:
         for rate in rates:
             results.append({"loop": loop, **run_online(llm, workload.prompts, workload.params, rate, seed=0)})
         llm.close()
-    table = Table(title=f"online: {len(workload.prompts)} requests, Poisson arrivals (seed 0)")
-    for col in ("loop", "rate req/s", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "device busy"):
-        table.add_column(col, justify="right")
+    table = Table(title=f"online: {len(workload.prompts)} requests, Poisson arrivals (seed 0)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("loop", "rate\nreq/s", "tok/s", "TTFT p50\nms", "TTFT p99\nms", "ITL p50\nms", "ITL p99\nms",
+                "device\nbusy"):
+        table.add_column(col, justify="right", no_wrap=True)
     for r in results:
         table.add_row(r["loop"], f"{r['rate']:g}", f"{r['output_tok_per_s']:.0f}",
                       *(f"{r[k] * 1000:.1f}" for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")),
@@ -241,23 +273,30 @@ def run_online_bench(args: argparse.Namespace, workload: Workload) -> int:
 
 
 def print_ratios(results: list[dict]) -> None:
-    """overlap/normal next to the ideal (G+C)/max(G,C), with G and C measured in the normal run."""
-    table = Table(title="overlap vs normal: ideal = (G+C)/max(G,C), G and C from the normal run")
-    for col in ("delay ms", "G ms", "C ms", "overlap/normal", "ideal", "of ideal"):
-        table.add_column(col, justify="right")
-    by_key = {(r["loop"], r["delay_ms"]): r for r in results}
-    for (loop, delay), normal in sorted(by_key.items(), key=lambda kv: kv[0][1]):
-        if loop != "normal" or ("overlap", delay) not in by_key:
+    """overlap/normal per delay: median and range over paired repeats, next to the ideal
+    (G+C)/max(G,C) with G and C measured in the normal runs, and the share of the gain realised."""
+    table = Table(title="overlap vs normal (G and C from the normal runs)",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("delay\nms", "G\nms", "C\nms", "ideal", "overlap/\nnormal", "range", "share of\nthe gain"):
+        table.add_column(col, justify="right", no_wrap=True)
+    groups = _groups(results)
+    for (loop, delay), normal in groups.items():
+        overlap = groups.get(("overlap", delay))
+        if loop != "normal" or not overlap:
             continue
-        # C is what the serial loop makes the device wait per step: host spans plus everything
-        # between them (thread hand-off, the Python around the loop).
-        g = normal["pipe_device_time_per_forward_s"]
-        c = normal["pipe_exposed_host_time_per_step_s"]
-        ideal = (g + c) / max(g, c)
-        ratio = by_key[("overlap", delay)]["output_tok_per_s"] / normal["output_tok_per_s"]
-        table.add_row(f"{delay:g}", f"{g * 1000:.2f}", f"{c * 1000:.2f}", f"{ratio:.2f}x", f"{ideal:.2f}x",
-                      f"{ratio / ideal:.0%}")
+        g = _median(normal, "pipe_device_time_per_forward_s")
+        c = _median(normal, "pipe_host_time_per_iteration_s")
+        ideal = ideal_ratio(g, c)
+        ratios = [o["output_tok_per_s"] / n["output_tok_per_s"] for n, o in zip(normal, overlap)]
+        ratio = statistics.median(ratios)
+        share = realised_share(ratio, ideal)
+        span = f"{min(ratios):.2f}–{max(ratios):.2f}" if len(ratios) > 1 else "–"
+        table.add_row(f"{delay:g}", f"{g * 1000:.2f}", f"{c * 1000:.2f}", f"{ideal:.2f}x", f"{ratio:.2f}x", span,
+                      "–" if math.isnan(share) else f"{share:.0%}")
     console.print(table)
+    console.print("share of the gain: (overlap/normal - 1) / (ideal - 1); 100%: all the host work\n"
+                  "was hidden. Noise moves it most where the ideal is close to 1.", style="dim",
+                  highlight=False)
 
 
 def roofline(model: Path, workload: Workload, args: argparse.Namespace) -> dict:

@@ -51,12 +51,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
     pairs = demo_prompts(8, seed=0)
     delay = args.device_delay_ms or 4.0
-    timelines = []
+    timelines, tokens = [], {}
     for loop in ("normal", "overlap"):
         llm = build_llm(args, loop=loop, device_delay_ms=delay, trace=True)
         outs = llm.generate([p for p, _ in pairs], SamplingParams(max_new_tokens=48))
         spans = llm.engine.tracer.resolve()
         metrics = pipeline_metrics(spans)
+        tokens[loop] = [o.token_ids for o in outs]
         if loop == "normal":
             table = Table(title=f"demo model, {loop} loop")
             for col in ("prompt", "expected", "generated", "ok", "finish"):
@@ -70,6 +71,9 @@ def run_demo(args: argparse.Namespace) -> int:
         llm.close()
     for timeline in timelines:
         console.print(timeline)
+    same = sum(a == b for a, b in zip(tokens["normal"], tokens["overlap"]))
+    verdict = "[green]identical[/]" if same == len(pairs) else f"[red]different in {len(pairs) - same} of {len(pairs)}[/]"
+    console.print(f"Tokens of the two loops: {verdict} ({len(pairs)} prompts, token ids compared).")
     console.print("Notice: in the normal loop the device lane has a gap after every forward while the host "
                   "works; in the overlap loop the host's work sits under the device's forward.")
     return 0

@@ -1,8 +1,8 @@
 """A terminal timeline of a traced run: see the bubble, and see it go away.
 
-`render_timeline(spans, title)` draws one row per lane (the host, then each device stream)
-on a shared time axis in milliseconds, for a few steady-state iterations taken from the
-middle of the run. Read it column by column: whatever is stacked in one column happened at
+`render_timeline(spans, title)` draws, at the console's width, one row per lane (the host,
+then each device stream) on a shared time axis in milliseconds, for a few steady-state
+iterations taken from the middle of the run. Read it column by column: whatever is stacked in one column happened at
 the same time.
 
 - normal loop: after each forward the device row shows a red gap (the bubble) exactly
@@ -11,14 +11,15 @@ the same time.
   that batch n+1 was launched while the device was still running batch n.
 
 A column is one cell of time (its width is printed in the header). Spans shorter than a
-cell are still drawn, the way trace viewers draw a tiny slice as at least one pixel: any
-host work in a cell marks the cell, and a device gap covering at least a quarter of a cell
-is drawn as a gap. Gaps smaller than that (the stream's own per-forward overhead) are not.
+cell are still drawn, the way trace viewers draw a tiny slice as at least one pixel: every
+S, L and C gets a cell of its own (shifted right a column or two where several share one),
+and a device gap covering at least a quarter of a cell is drawn as a gap. Gaps smaller than
+that (the stream's own per-forward overhead) are not.
 """
 
 from __future__ import annotations
 
-from rich.console import Group
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.panel import Panel
 from rich.text import Text
 
@@ -69,15 +70,34 @@ def _largest(cover: list[tuple[Span, float]]) -> Span:
     return max(cover, key=lambda item: item[1])[0]
 
 
-def _host_row(spans: list[Span], edges: list[float]) -> Text:
+def _host_layout(spans: list[Span], edges: list[float]) -> list[Span | None]:
+    """Per cell, the host work span drawn there. Every S/L/C span keeps at least one cell of its
+    own, the way a trace viewer draws a tiny slice as at least one pixel: when several fall in
+    one cell, the later ones move right into the next free cells (a column or two at most)."""
+    width = len(edges) - 1
+    cells: list[Span | None] = [None] * width
+    next_free = 0
+    for sp in sorted((sp for sp in spans if sp.name in HOST_WORK), key=lambda sp: sp.start):
+        first, last = _column(max(sp.start, edges[0]), edges), _column(min(sp.end, edges[-1]) - 1e-12, edges)
+        if first is None or last is None or sp.end <= edges[0]:
+            continue
+        first = max(first, next_free)
+        if first >= width:
+            break
+        for c in range(first, max(first, last) + 1):
+            cells[c] = sp
+        next_free = max(first, last) + 1
+    return cells
+
+
+def _host_row(spans: list[Span], layout: list[Span | None], edges: list[float]) -> Text:
     row = Text()
-    for a, b in zip(edges, edges[1:]):
-        cover = _cover(spans, a, b)
-        work = [(sp, c) for sp, c in cover if sp.name in HOST_WORK]
-        if work:
-            sp = _largest(work)
-            row.append(GLYPHS[sp.name], STYLES[sp.name])
-        elif cover:
+    for cell, a, b in zip(layout, edges, edges[1:]):
+        if cell is not None:
+            row.append(GLYPHS[cell.name], STYLES[cell.name])
+            continue
+        cover = _cover(spans, a, b)  # no work drawn here: show waiting, if any
+        if cover:
             sp = _largest(cover)
             row.append(GLYPHS.get(sp.name, "▒"), STYLES.get(sp.name, "white"))
         else:
@@ -135,15 +155,13 @@ def _device_row(cells: list[Span | str | None]) -> Text:
     return row
 
 
-def _marker_row(spans: list[Span], edges: list[float], width: int) -> Text:
-    """Where each batch was launched, with its batch id: "▲b7"."""
+def _marker_row(layout: list[Span | None]) -> Text:
+    """Where each batch was launched (the first cell of its L), with its batch id: "▲b7"."""
+    width = len(layout)
     chars = [" "] * width
     last = -1
-    for sp in sorted(spans, key=lambda s: s.start):
-        if sp.name != "launch":
-            continue
-        col = _column(sp.start, edges)
-        if col is None or col <= last:
+    for col, sp in enumerate(layout):
+        if sp is None or sp.name != "launch" or (col > 0 and layout[col - 1] is sp) or col <= last:
             continue
         label = f"▲b{sp.batch_id}" if sp.batch_id >= 0 else "▲"
         if col + len(label) > width:
@@ -182,11 +200,12 @@ def _legend() -> Text:
     for name in ("schedule", "launch", "commit", "wait"):
         legend.append(GLYPHS[name], STYLES[name])
         legend.append(f" {name}  ")
+    legend.append("\n  ")
     legend.append("███", STYLES["forward"])
     legend.append("b7", STYLES["label"])
     legend.append(" forward of batch 7  ")
     legend.append("···", STYLES["idle"])
-    legend.append(" device idle (bubble)")
+    legend.append(" device idle (the bubble)")
     return legend
 
 
@@ -194,17 +213,33 @@ def _summary(spans: list[Span]) -> Text:
     m = pipeline_metrics(spans)
     text = Text("  whole run: ", style="dim")
     text.append(f"device busy {m['device_busy_fraction'] * 100:.1f}%", style="bold")
-    text.append(f"  ·  idle per forward {m['exposed_host_time_per_step_s'] * 1e3:.2f} ms"
-                f"  ·  G {m['device_time_per_forward_s'] * 1e3:.2f} ms"
-                f"  ·  host work {m['host_time_per_iteration_s'] * 1e3:.2f} ms")
-    text.append("\n  G: device time per forward; host work: S+L+C spans (no waiting) per iteration", style="dim")
-    text.append("\n  read down a column: ▲bN over a block of b(N-1) = launched while the device was busy;"
-                "\n  ▲bN over red ··· = the device sat idle until the host had committed and launched", style="dim")
+    text.append(f"  idle/forward {m['exposed_host_time_per_step_s'] * 1e3:.2f} ms"
+                f"  G {m['device_time_per_forward_s'] * 1e3:.2f} ms  C {m['host_time_per_iteration_s'] * 1e3:.2f} ms")
+    text.append("\n  G: device time per forward.  C: host work per iteration (S+L+C, no wait)."
+                "\n  ▲bN over a block of b(N-1): launched while the device was busy;"
+                "\n  ▲bN over red ···: the device sat idle until the host had launched it.", style="dim")
     return text
 
 
-def render_timeline(spans: list[Span], title: str, width: int = 100, max_iterations: int = 6) -> Panel:
-    """A Gantt-like rich renderable of `spans`, `width` columns wide (panel border included)."""
+class Timeline:
+    """The renderable `render_timeline` returns: laid out when printed, at the width given or
+    the console's, whichever is smaller, so that no row ever wraps."""
+
+    def __init__(self, spans: list[Span], title: str, width: int | None, max_iterations: int) -> None:
+        self.spans, self.title, self.width, self.max_iterations = spans, title, width, max_iterations
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = min(self.width or options.max_width, options.max_width)
+        yield _panel(self.spans, self.title, width, self.max_iterations)
+
+
+def render_timeline(spans: list[Span], title: str, width: int | None = None, max_iterations: int = 6) -> Timeline:
+    """A Gantt-like rich renderable of `spans`, at most `width` columns wide (panel border
+    included; default: the console's width)."""
+    return Timeline(spans, title, width, max_iterations)
+
+
+def _panel(spans: list[Span], title: str, width: int, max_iterations: int) -> Panel:
     if not spans:
         return Panel(Text("no spans recorded: run with LLM(..., trace=True)"), title=title, width=width)
     lanes = lanes_of(spans)
@@ -221,9 +256,9 @@ def render_timeline(spans: list[Span], title: str, width: int = 100, max_iterati
     for lane in lanes:
         lane_spans = [sp for sp in visible if sp.lane == lane]
         if lane == HOST_LANE:
-            row = _host_row(lane_spans, edges)
-            rows.append(Text(lane.ljust(pad), style="bold") + row)
-            rows.append(Text("launch".ljust(pad), style="dim") + _marker_row(lane_spans, edges, bar))
+            layout = _host_layout(lane_spans, edges)
+            rows.append(Text(lane.ljust(pad), style="bold") + _host_row(lane_spans, layout, edges))
+            rows.append(Text("launch".ljust(pad), style="dim") + _marker_row(layout))
         else:
             every = [sp for sp in spans if sp.lane == lane]
             cells = _device_cells(lane_spans, edges, min(sp.start for sp in every), max(sp.end for sp in every))

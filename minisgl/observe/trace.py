@@ -8,8 +8,10 @@ pair of CUDA events resolved after the run (so recording never syncs the device)
 Reading a finished trace (below the Tracer):
 - `to_chrome_trace` / `write_chrome_trace`: open the run in Perfetto or chrome://tracing.
 - `pipeline_metrics`: device busy fraction, the idle gaps between forwards (the bubble),
-  G (device time per forward) and C (host work per iteration). The serial loop's step is
-  about G + C; the overlap loop's about max(G, C).
+  G (device time per forward) and C (host work per iteration: schedule + launch + commit
+  spans, waiting excluded). These are the only G and C in minisgl: bench, lab, lessons and
+  the timeline all read them here. The serial loop's step is about G + C; the overlap
+  loop's about max(G, C): `ideal_ratio`, and `realised_share` of a measured ratio.
 - `request_metrics`: TTFT, TPOT and end-to-end latency over finished requests.
 `minisgl.observe.timeline.render_timeline` draws the same spans in the terminal.
 """
@@ -229,6 +231,18 @@ def pipeline_metrics(spans: list[Span]) -> dict:
         out["host_time_per_iteration_s"] = sum(per_iteration.values()) / len(per_iteration)
     out["host_wait_fraction"] = wait / wall if wall > 0 else 0.0
     return out
+
+
+def ideal_ratio(g: float, c: float) -> float:
+    """The overlap loop's best throughput over the normal loop's: a serial step costs G + C,
+    an overlapped one max(G, C). 2 at C = G; above it the host caps the gain at (G+C)/C."""
+    return (g + c) / max(g, c)
+
+
+def realised_share(ratio: float, ideal: float) -> float:
+    """The part of the possible gain that was realised: (ratio - 1) / (ideal - 1). 1 = all of
+    it, 0 = none; noise can put it a little above 1. NaN when there was nothing to gain."""
+    return (ratio - 1) / (ideal - 1) if ideal > 1 else float("nan")
 
 
 def request_metrics(outputs: list) -> dict:

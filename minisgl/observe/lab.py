@@ -1,0 +1,371 @@
+"""`python -m minisgl lab`: predict the overlap loop's gain, then measure it, as host work grows.
+
+The model of lesson 8: a serial step costs G + C, an overlapped one max(G, C), so overlap
+gives (G+C)/max(G,C) times the throughput of the normal loop. The lab holds the device time
+per forward G fixed and sweeps the host work per iteration C (the `host_delay_ms` knob) so
+that C/G runs from 1/4 to 3: the gain rises to 2x at the crossover C = G, then falls as the
+host caps it at (G+C)/C.
+
+Each point runs the same decode-heavy workload through both loops, several times, in ABBA
+order (normal, overlap, overlap, normal, ...) so that a slow phase of a shared machine hits
+both loops alike; the point reports the median and range of the paired ratios. G and C are
+measured from the normal runs' trace spans (`pipeline_metrics`), never taken from the knobs.
+
+On the CPU the device is a worker thread; `device_delay_ms` (a sleep on that thread, 20 ms by
+default) makes G large and steady next to the Python of the tiny forward. On CUDA the same
+command runs the real forward with no delay (`--model DIR --device cuda`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich import box
+from rich.columns import Columns
+from rich.table import Table
+from rich.text import Text
+
+from ..options import build_llm, positive_int
+from ..request import SamplingParams
+from .bench import Workload, console, default_model
+from .trace import ideal_ratio, pipeline_metrics, realised_share
+
+DEFAULT_POINTS = (0.2, 0.5, 1.0, 1.5, 2.0, 3.2)  # ends with a margin: G drifts
+CPU_DEVICE_DELAY_MS = 20.0
+
+
+@dataclass
+class LabRun:
+    """One generate() of the workload: throughput and the trace figures of the lab."""
+
+    tok_per_s: float
+    g_s: float  # device time per forward
+    c_s: float  # host work per iteration (S+L+C spans, waiting excluded)
+    busy: float  # device busy fraction
+    idle_s: float  # device idle per forward (the bubble)
+
+
+@dataclass
+class Point:
+    """One C/G point: the paired runs of both loops."""
+
+    host_delay_ms: float
+    steps: int
+    normal: list[LabRun] = field(default_factory=list)
+    overlap: list[LabRun] = field(default_factory=list)
+
+    @property
+    def g_s(self) -> float:
+        """G as the normal loop sees it (no host work runs beside the forward there)."""
+        return statistics.median(r.g_s for r in self.normal)
+
+    @property
+    def c_s(self) -> float:
+        return statistics.median(r.c_s for r in self.normal)
+
+    @property
+    def c_over_g(self) -> float:
+        return self.c_s / self.g_s
+
+    @property
+    def ideal(self) -> float:
+        return ideal_ratio(self.g_s, self.c_s)
+
+    @property
+    def ratios(self) -> list[float]:
+        """overlap/normal throughput of each repeat, paired run by run."""
+        return [o.tok_per_s / n.tok_per_s for n, o in zip(self.normal, self.overlap)]
+
+    @property
+    def ratio_median(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def share(self) -> float:
+        return realised_share(self.ratio_median, self.ideal)
+
+    def to_json(self) -> dict:
+        med = lambda runs, key: statistics.median(getattr(r, key) for r in runs)  # noqa: E731
+        return {"c_over_g": self.c_over_g, "ideal": self.ideal, "ratio_median": self.ratio_median,
+                "ratio_min": min(self.ratios), "ratio_max": max(self.ratios),
+                "busy_normal": med(self.normal, "busy"), "busy_overlap": med(self.overlap, "busy"),
+                "idle_normal_ms": med(self.normal, "idle_s") * 1e3, "idle_overlap_ms": med(self.overlap, "idle_s") * 1e3,
+                "g_ms": self.g_s * 1e3, "c_ms": self.c_s * 1e3, "g_overlap_ms": med(self.overlap, "g_s") * 1e3,
+                "share": self.share, "ratios": self.ratios, "host_delay_ms": self.host_delay_ms, "steps": self.steps}
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+def decode_workload(vocab: int, requests: int, steps: int, prompt_len: int = 8) -> Workload:
+    """Decode-heavy: a few short prompts, `steps` new tokens each (ignore_eos), so that one
+    prefill is followed by `steps` decode steps of the same batch: every step has the same G."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
+    return Workload("decode", prompts, [SamplingParams(max_new_tokens=steps, ignore_eos=True)] * requests)
+
+
+def prefill_workload(vocab: int, requests: int, prompt_len: int = 120) -> Workload:
+    """Prefill-heavy: many long prompts and 2 new tokens each: most forwards are prefills,
+    and with prefill_sync on the first of two prefills in a row is committed before the
+    second is launched (the device waits for that commit and launch)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
+    return Workload("prefill", prompts, [SamplingParams(max_new_tokens=2, ignore_eos=True)] * requests)
+
+
+def make_workload(kind: str, vocab: int, requests: int, steps: int) -> Workload:
+    return prefill_workload(vocab, requests * 32) if kind == "prefill" else decode_workload(vocab, requests, steps)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+class Runner:
+    """Builds engines for the lab from the parsed options and runs the workload on them."""
+
+    def __init__(self, args: argparse.Namespace, device_delay_ms: float) -> None:
+        self.args = args
+        self.device_delay_ms = device_delay_ms
+
+    def engine(self, loop: str, host_delay_ms: float, kv_tokens: int):
+        llm = build_llm(self.args, loop=loop, device_delay_ms=self.device_delay_ms, host_delay_ms=host_delay_ms,
+                        trace=True, kv_tokens=self.args.kv_tokens or kv_tokens)
+        llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))  # warm-up (and JIT, graphs on GPU)
+        return llm
+
+    @staticmethod
+    def run(llm, workload: Workload) -> LabRun:
+        llm.flush_cache()  # every repeat prefills the same way (no radix hits from the last one)
+        llm.reset_stats()
+        start = time.perf_counter()
+        outs = llm.generate(workload.prompts, workload.params)
+        if llm.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        m = pipeline_metrics(llm.engine.tracer.resolve())
+        return LabRun(sum(len(o.token_ids) for o in outs) / wall, m["device_time_per_forward_s"],
+                      m["host_time_per_iteration_s"], m["device_busy_fraction"], m["exposed_host_time_per_step_s"])
+
+
+def kv_tokens_for(workload: Workload) -> int:
+    need = sum(len(p) + sp.max_new_tokens + 2 for p, sp in zip(workload.prompts, workload.params))
+    return max(1024, 2 * need)
+
+
+def measure_point(runner: Runner, workload: Workload, host_delay_ms: float, repeats: int) -> Point:
+    """Both loops on the same workload, `repeats` pairs in ABBA order."""
+    point = Point(host_delay_ms, max(sp.max_new_tokens for sp in workload.params))
+    kv = kv_tokens_for(workload)
+    llms = {loop: runner.engine(loop, host_delay_ms, kv) for loop in ("normal", "overlap")}
+    try:
+        for rep in range(repeats):
+            order = ("normal", "overlap") if rep % 2 == 0 else ("overlap", "normal")
+            for loop in order:
+                getattr(point, loop).append(runner.run(llms[loop], workload))
+    finally:
+        for llm in llms.values():
+            llm.close()
+    return point
+
+
+def host_delay_for(g_s: float, c0_s: float, target: float) -> float:
+    """The host_delay_ms that brings C = c0 + delay to the target C/G (0 where c0 alone is more)."""
+    return max(0.0, target * g_s - c0_s) * 1e3
+
+
+def steps_for(g_s: float, c_s: float, run_s: float, min_steps: int, max_steps: int) -> int:
+    """Decode steps so that one normal run lasts about run_s: short steps get more of them."""
+    return max(min_steps, min(max_steps, round(run_s / (g_s + c_s))))
+
+
+# --------------------------------------------------------------------------- the chart
+
+
+def render_chart(points: list[dict], width: int = 40) -> list[str]:
+    """Measured median (●) with its range (│) against the ideal curve (·), ratio over C/G.
+
+    `points` are dicts with c_over_g, ratio_median, ratio_min, ratio_max (the JSON points).
+    The ideal is drawn as a function of C/G: (G+C)/max(G,C) = (1+x)/max(1,x). Whole C/G
+    values fall on columns and every row is 0.1 (0.2 for a wide spread) of ratio, so the
+    peak 2.0 at C/G = 1 is drawn exactly. Ranges beyond the axis stop at its edge. Returns plain lines: the plot, the axis, its labels.
+    """
+    label_w = 5
+    plot_w = max(10, width - label_w - 6)  # room for the axis name after the last tick
+    x_need = max([3.0] + [p["c_over_g"] for p in points]) * 1.05
+    per_unit = max(1, int((plot_w - 1) // x_need))  # columns per unit of C/G
+    # The axis spans the ideal (1 to 2) and the medians; a stray repeat's range is cut at the edge.
+    medians = [p["ratio_median"] for p in points]
+    y_lo = math.floor(min([1.0] + medians) * 10) / 10 - 0.1
+    y_hi = math.ceil(max([2.0] + medians) * 10) / 10 + 0.1
+    step = 0.1 if y_hi - y_lo <= 1.5 else 0.2
+    height = round((y_hi - y_lo) / step) + 1
+    grid = [[" "] * plot_w for _ in range(height)]
+
+    def col(x: float) -> int:
+        return min(plot_w - 1, max(0, round(x * per_unit)))
+
+    def row(y: float) -> int:
+        return min(height - 1, max(0, round((y_hi - y) / step)))
+
+    for c in range(plot_w):
+        grid[row(ideal_ratio(1.0, c / per_unit))][c] = "·"
+    for p in points:
+        c = col(p["c_over_g"])
+        for r in range(row(p["ratio_max"]), row(p["ratio_min"]) + 1):
+            grid[r][c] = "│"
+        grid[row(p["ratio_median"])][c] = "●"
+    ticks = {row(y): f"{y:.1f}" for y in (1.0, 1.5, 2.0) if y_lo <= y <= y_hi}
+    lines = [f"{ticks.get(r, ''):>{label_w - 1}} {'┤' if r in ticks else '│'}" + "".join(grid[r])
+             for r in range(height)]
+    axis, labels = ["─"] * plot_w, [" "] * plot_w
+    for x in range((plot_w - 1) // per_unit + 1):
+        axis[col(x)] = "┬"
+        labels[col(x)] = str(x)[-1]
+    lines.append(" " * (label_w - 1) + " └" + "".join(axis))
+    lines.append(" " * (label_w + 1) + "".join(labels).rstrip() + "  C/G")
+    return lines
+
+
+def chart_text(points: list[dict], width: int = 40) -> Text:
+    text = Text("overlap/normal vs C/G\n", style="bold")
+    text.append("● measured median  │ range  · ideal\n", style="dim")
+    body = Text("\n".join(render_chart(points, width)))
+    body.highlight_regex("●", "bold green")
+    body.highlight_regex("·", "cyan")
+    return text + body
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def lab_table(points: list[dict]) -> Table:
+    """One row per point; fits 80 columns (two-line headers, no vertical rules)."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+                  title="overlap vs normal (G, C from the normal runs)", title_justify="left")
+    for col in ("C/G", "G\nms", "C\nms", "busy\nnorm/ovl", "idle ms\nnorm/ovl", "ideal", "ovl/\nnorm",
+                "range", "share"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for p in points:
+        share = "–" if math.isnan(p["share"]) else f"{p['share']:.0%}"
+        table.add_row(f"{p['c_over_g']:.2f}", f"{p['g_ms']:.1f}", f"{p['c_ms']:.1f}",
+                      f"{p['busy_normal']:.0%}/{p['busy_overlap']:.0%}",
+                      f"{p['idle_normal_ms']:.1f}/{p['idle_overlap_ms']:.1f}",
+                      f"{p['ideal']:.2f}", f"{p['ratio_median']:.2f}",
+                      f"{p['ratio_min']:.2f}–{p['ratio_max']:.2f}", share)
+    return table
+
+
+LEGEND = """\
+C/G: host work per iteration C (S+L+C spans) over device time per forward G.
+busy, idle: device busy fraction and device idle per forward, normal/overlap.
+ideal: (G+C)/max(G,C).  ovl/norm, range: overlap/normal throughput, median and
+range over the repeats.  share: (median-1)/(ideal-1), the part of the possible
+gain that the overlap loop realised."""
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def run_lab(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    targets = parse_numbers(args.points, "--points", allow_zero=False)
+    fixed = parse_numbers(args.host_delays, "--host-delays", allow_zero=True) if args.host_delays else None
+    model = default_model(args)
+    args.model = str(model)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    cuda = _device_type(args) == "cuda"
+    delay = args.device_delay_ms if args.device_delay_ms is not None else (0.0 if cuda else CPU_DEVICE_DELAY_MS)
+    requests = args.requests or (64 if cuda else 2)
+    runner = Runner(args, delay)
+    console.print(f"[bold]minisgl lab[/] {model.name}, {'cuda' if cuda else 'cpu'}, device_delay_ms={delay:g}, "
+                  f"{args.workload} workload, {requests} requests, {args.repeats} repeats")
+    _warn_if_loaded()
+    # Probe: G and the host's own work C0 (no knob), from one short normal run.
+    probe = measure_point(runner, make_workload(args.workload, vocab, requests, 40), 0.0, 1).normal[0]
+    console.print(f"probe, normal loop, no host delay: G {probe.g_s * 1e3:.2f} ms, C {probe.c_s * 1e3:.2f} ms "
+                  f"(lowest C/G: {probe.c_s / probe.g_s:.2f})")
+    g_seen = [probe.g_s]  # G drifts with the machine's load: each point aims with the median so far
+    points = []
+    for i in range(len(fixed) if fixed else len(targets)):
+        g_est = statistics.median(g_seen)
+        host_delay = fixed[i] if fixed else host_delay_for(g_est, probe.c_s, targets[i])
+        steps = steps_for(g_est, probe.c_s + host_delay / 1e3, args.run_s, args.min_steps, 400)
+        measured = measure_point(runner, make_workload(args.workload, vocab, requests, steps), host_delay,
+                                 args.repeats)
+        g_seen += [r.g_s for r in measured.normal]
+        points.append(measured.to_json())
+        console.print(f"  host_delay_ms {host_delay:6.2f}, {steps:3d} steps: C/G {points[-1]['c_over_g']:.2f}, "
+                      f"ovl/norm {points[-1]['ratio_median']:.2f} (ideal {points[-1]['ideal']:.2f})")
+    runtime = time.perf_counter() - started
+    report(points, runtime)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "config": {"model": str(model), "device": "cuda" if cuda else "cpu", "device_delay_ms": delay,
+                       "workload": args.workload, "requests": requests, "repeats": args.repeats,
+                       "probe_g_ms": probe.g_s * 1e3, "probe_c_ms": probe.c_s * 1e3},
+            "points": points, "runtime_s": runtime}, indent=2))
+    return 0
+
+
+def report(points: list[dict], runtime_s: float) -> None:
+    """The table and the chart: side by side where the console is wide enough, else stacked."""
+    if console.width >= 125:
+        console.print(Columns([lab_table(points), chart_text(points, 44)], padding=(0, 3)))
+    else:
+        console.print(lab_table(points))
+        console.print(chart_text(points, min(72, console.width - 2)))
+    console.print(LEGEND, style="dim", highlight=False)
+    worst = max(abs(p["ratio_median"] / p["ideal"] - 1) for p in points)
+    console.print(f"largest distance of a median from its ideal: {worst:.1%}; runtime {runtime_s:.0f} s")
+
+
+def _warn_if_loaded() -> None:
+    """Other processes on the CPU stretch the forward and the hand-offs unevenly: say so."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:
+        console.print(f"[yellow]load average {load:.1f} on {cores} cores: other processes compete for the CPU, "
+                      f"expect noisy ratios (best run on an idle machine)[/]")
+
+
+def parse_numbers(text: str, option: str, allow_zero: bool) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{option} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 or (v == 0 and not allow_zero) for v in values):
+        raise ValueError(f"{option} must be {'non-negative' if allow_zero else 'positive'} numbers, got {text!r}")
+    return values
+
+
+def _device_type(args: argparse.Namespace) -> str:
+    import torch
+
+    return "cuda" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "cpu"
+
+
+def add_lab_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--points", default=",".join(f"{x:g}" for x in DEFAULT_POINTS),
+                   help="target C/G values, comma-separated (default: %(default)s)")
+    p.add_argument("--host-delays", default=None, metavar="MS,...",
+                   help="sweep these host_delay_ms values instead of aiming at --points (e.g. one C for two workloads)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="paired runs per point (default: %(default)s)")
+    p.add_argument("--workload", default="decode", choices=["decode", "prefill"],
+                   help="decode: a few requests, many steps; prefill: many long prompts, 2 tokens each")
+    p.add_argument("--requests", type=positive_int, default=None, help="requests in the decode batch (default 2; 64 on CUDA)")
+    p.add_argument("--run-s", type=float, default=2.0, help="about how long one normal run lasts (sets the steps)")
+    p.add_argument("--min-steps", type=positive_int, default=60, help="fewest decode steps per run")
+    p.add_argument("--json", default=None, help="also write the points to this JSON file")
+    p.set_defaults(device_delay_ms=None)  # unset: 8 ms on the CPU, 0 on CUDA
