@@ -234,7 +234,7 @@ def print_results(results: list[dict]) -> None:
 def print_breakdown(result: dict) -> None:
     table = Table(title=f"where the device time went: {result['loop']} loop (observe/breakdown.py)",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for col in ("phase", "batches", "tokens\nor slots", "device\ns", "share", "floor\ns", "floor/\ndevice"):
+    for col in ("phase", "batches", "tokens\nor slots", "device\ns", "share", "floor\ns", "floor\n/dev"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in result["breakdown"]:
         ratio = f"{row['floor_s'] / row['device_s']:.0%}" if row["floor_s"] and row["device_s"] else ""
