@@ -16,6 +16,7 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+import random
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,31 @@ WATCH = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize
          "cudaMemcpy", "cudaStreamWaitEvent", "cudaEventQuery", "cudaHostAlloc", "cudaMalloc", "cudaFree",
          "aten::_local_scalar_dense", "aten::item", "aten::to", "aten::copy_", "aten::pin_memory",
          "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def steady_decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, warm_steps: int) -> None:
+    """Add the requests, run until every prompt is prefilled, then warm_steps decode steps."""
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    while llm.scheduler.waiting or llm.scheduler.prefilling:
+        llm.step()
+    for _ in range(warm_steps):
+        llm.step()
+    torch.cuda.synchronize()
+
+
+def timed_steps(llm: LLM, steps: int) -> float:
+    """Seconds per scheduler step over `steps` steps, device work included."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def long_prompts(num: int = 256, length: int = 800) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randint(0, 10000) for _ in range(length)] for _ in range(num)]
 
 
 def batch1(model: str) -> None:
@@ -66,21 +92,11 @@ def eager(model: str, out_dir: Path) -> None:
               f"busy {m['device_busy_fraction']:.1%}")
         host_spans(llm, f"eager {loop}")
         llm.engine.tracer.enabled = False
-        for p in prompts:
-            llm.add_request(p, params)
-        while llm.scheduler.waiting or llm.scheduler.prefilling:
-            llm.step()
-        for _ in range(3):
-            llm.step()
-        torch.cuda.synchronize()
+        steady_decode(llm, prompts, params, warm_steps=3)
         steps = 10
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            for _ in range(steps):
-                llm.step()
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - start
-        print(f"  profiled {steps} decode steps of 64 requests: {wall / steps * 1000:.2f} ms per step")
+            per_step = timed_steps(llm, steps)
+        print(f"  profiled {steps} decode steps of 64 requests: {per_step * 1000:.2f} ms per step")
         rows = {e.key: e for e in prof.key_averages()}
         for key in WATCH:
             if key in rows:
@@ -107,22 +123,11 @@ def host(model: str) -> None:
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     for loop in ("normal", "overlap"):
         llm = LLM(model, device="cuda", loop=loop, trace=True)
-        rng = __import__("random").Random(0)
-        for _ in range(256):
-            llm.add_request([rng.randint(0, 10000) for _ in range(800)], params)
-        while llm.scheduler.waiting or llm.scheduler.prefilling:
-            llm.step()
-        for _ in range(5):
-            llm.step()
-        torch.cuda.synchronize()
+        steady_decode(llm, long_prompts(), params, warm_steps=5)
         llm.engine.tracer.clear()
         steps = 20
-        start = time.perf_counter()
-        for _ in range(steps):
-            llm.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-        print(f"host, {loop}, 256 requests at steady decode (graphs on): {wall / steps * 1000:.2f} ms per step")
+        per_step = timed_steps(llm, steps)
+        print(f"host, {loop}, 256 requests at steady decode (graphs on): {per_step * 1000:.2f} ms per step")
         host_spans(llm, f"host {loop}")
         llm.engine.tracer.enabled = False
         prof = cProfile.Profile()
