@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,8 +195,13 @@ class Engine:
         if self.closed:
             return
         self.closed = True
-        if self.device.type == "cuda":
-            self.stream.synchronize()
+        cuda_ok = self.device.type == "cuda"
+        if cuda_ok:
+            try:
+                self.stream.synchronize()
+            except RuntimeError as exc:  # a failed kernel: the context is lost, free what we can
+                warnings.warn(f"Engine.close(): queued device work failed: {exc}", RuntimeWarning, stacklevel=2)
+                cuda_ok = False
         self.stream.close()  # CPU: the worker drains its queue, then exits
         if self.graphs is not None:
             self.graphs.close()
@@ -208,7 +214,7 @@ class Engine:
         # Reference cycles (FlashInfer wrappers, closures) would otherwise keep tensors alive
         # until some later collection, possibly in the middle of the next engine's graph capture.
         gc.collect()
-        if self.device.type == "cuda":
+        if cuda_ok:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
