@@ -37,7 +37,10 @@ clean:
 # make exercises               one line per exercise
 # make exercise-1 [PYTEST_ARGS=-x]  make lessons/exercises/work/ex1 if missing, run its tests against it
 # make exercise-ref-1          the same tests against the reference code
+# make hint-1 [LEVEL=2]        a hint for exercise 1: 1 a question and the reading, 2 the idea, 3 near code
+# make exercise-wrong-1 [NAME=...]  the known-wrong solutions of exercise 1, or what the tests say to one
 .PHONY: exercises
+LEVEL ?= 1
 
 lessons:
 	@for f in $$(ls lessons/lesson_*.py | sort -t_ -k2 -n); do sed -n '1s/^"""//p' $$f; done
@@ -52,6 +55,13 @@ exercises: install
 
 exercise-ref-%: install
 	$(PY) lessons/exercises/make_exercise.py check $* --reference -- $(PYTEST_ARGS)
+
+hint-%: install
+	@$(PY) lessons/exercises/make_exercise.py hint $* --level $(LEVEL)
+
+exercise-wrong-%: install
+	@if [ -z "$(NAME)" ]; then $(PY) lessons/exercises/make_exercise.py wrong $*; \
+	else $(PY) lessons/exercises/make_exercise.py check $* --wrong $(NAME) -- -x $(PYTEST_ARGS); fi
 
 exercise-%: install
 	$(PY) lessons/exercises/make_exercise.py check $* -- $(PYTEST_ARGS)

@@ -1,6 +1,6 @@
 """Keep the lesson texts' code references exact: `minisgl/scheduler.py:185 Scheduler.overlap_loop`.
 
-Every such reference in lessons/*.md must name a function or class defined on that line of
+Every such reference in lessons/**/*.md (texts, the reading guide) must name a function or class defined on that line of
 today's code. Other people edit minisgl/, so lines move: `--fix` rewrites the numbers.
 
     python lessons/check_refs.py          # list stale references (exit 1 if any)
@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "lessons" / "exercises" / "work"
+SPLIT = re.compile(r"`minisgl/[\w/]+\.py:\d+\s*\n")
 REF = re.compile(r"`(?P<path>minisgl/[\w/]+\.py):(?P<line>\d+) (?P<name>[A-Za-z_][\w.]*)`")
 
 
@@ -35,7 +37,9 @@ def definitions(path: Path) -> dict[str, int]:
 
 def scan(fix: bool = False) -> list[str]:
     problems, cache = [], {}
-    for md in sorted((ROOT / "lessons").glob("*.md")):
+    for md in sorted((ROOT / "lessons").rglob("*.md")):
+        if WORK in md.parents:
+            continue  # learners' exercise copies are not lesson texts
         text = md.read_text()
 
         def check(m: re.Match) -> str:
@@ -44,12 +48,14 @@ def scan(fix: bool = False) -> list[str]:
                 cache[path] = definitions(path) if path.exists() else {}
             line = cache[path].get(m["name"])
             if line is None:
-                problems.append(f"{md.name}: {m[0]} names nothing defined in {m['path']}")
+                problems.append(f"{md.relative_to(ROOT / 'lessons')}: {m[0]} names nothing defined in {m['path']}")
             elif line != int(m["line"]):
-                problems.append(f"{md.name}: {m[0]} is now at line {line}")
+                problems.append(f"{md.relative_to(ROOT / 'lessons')}: {m[0]} is now at line {line}")
                 return f"`{m['path']}:{line} {m['name']}`" if fix else m[0]
             return m[0]
 
+        problems += [f"{md.relative_to(ROOT / 'lessons')}: {m[0].strip()} is split across lines (keep a reference on one)"
+                     for m in SPLIT.finditer(text)]
         new = REF.sub(check, text)
         if fix and new != text:
             md.write_text(new)

@@ -15,7 +15,7 @@ def main() -> None:
     args = parse_args(__doc__, delay_ms=3.0)
     header(1, "the serial loop and its bubble",
            [Scheduler.normal_loop, Scheduler.schedule, Scheduler.launch, Scheduler.commit,
-            "article 000 「串行调度为什么会让 GPU 等 CPU」"])
+            "lessons/readings §2 (article 000 「串行调度为什么会让 GPU 等 CPU」)"])
     pairs = demo_pairs(8 if args.quick else 16)
     prompts, params = [p for p, _ in pairs], SamplingParams(max_new_tokens=40)
 

@@ -87,7 +87,7 @@ def main() -> None:
     args = parse_args(__doc__, delay_ms=20.0)
     header(2, "streams and events: what \"launch returned\" means",
            [CpuStream, CpuStream.launch, CpuStream.record_event, Engine.launch, Scheduler.commit,
-            "article 000 「Overlap Scheduler 的执行时间线」; article 001 「同步点分析」"])
+            "lessons/readings §3, §12 (000 「Overlap Scheduler 的执行时间线」; 001 「同步点分析」)"])
     bare_stream(50.0)
     engine_batches(args.delay_ms, 3 if args.quick else 6)
     notice("launch() returns in a fraction of a millisecond, long before the batch has run: only "

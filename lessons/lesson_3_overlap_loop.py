@@ -33,8 +33,8 @@ def main() -> None:
     args = parse_args(__doc__, delay_ms=3.0)
     header(3, "the overlap loop: deferred processing, result queue, last batch",
            [Scheduler.normal_loop, Scheduler.overlap_loop, Scheduler.step, InFlight,
-            "article 000 「Overlap Scheduler 的执行时间线」, 「在途批次：last_batch 与 result_queue」; "
-            "article 001 「关键设计：延迟处理」"])
+            "lessons/readings §3, §5, §11 (000 「Overlap Scheduler 的执行时间线」, 「在途批次：last_batch 与 "
+            "result_queue」; 001 「关键设计：延迟处理」)"])
     pairs = demo_pairs(8 if args.quick else 16)
     prompts, params = [p for p, _ in pairs], SamplingParams(max_new_tokens=40)
     runs = best_of(1 if args.quick else 2, {loop: (f"{loop} loop", dict(loop=loop, delay_ms=args.delay_ms))

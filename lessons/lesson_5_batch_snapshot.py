@@ -47,7 +47,7 @@ def main() -> None:
     args = parse_args(__doc__, delay_ms=2.0)
     header(5, "batch snapshots: results must land on the requests that were in the batch",
            [RunningBatch, RunningBatch.snapshot, BatchView, Scheduler.overlap_loop, Scheduler._commit_results,
-            "article 000 「在途批次：last_batch 与 result_queue」 (why batch.copy())"])
+            "lessons/readings §5 (000 「在途批次：last_batch 与 result_queue」: why batch.copy())"])
     pairs = demo_pairs(6 if args.quick else 12)
     prompts, params = [p for p, _ in pairs], SamplingParams(max_new_tokens=30)
     reference = run("normal loop", prompts, params, loop="normal").tokens

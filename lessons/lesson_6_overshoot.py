@@ -32,6 +32,8 @@ def lookahead_and_release(pairs, delay_ms: float) -> None:
     side_by_side(f"{len(prompts)} requests: {len(prompts) // 2} cut at 3 tokens, the rest stop on EOS", runs, {
         "finished by length / by stop": lambda r: "{} / {}".format(
             sum(o.finish_reason == "length" for o in r.outs), sum(o.finish_reason == "stop" for o in r.outs)),
+        "stopped on EOS at their last allowed token": lambda r: str(sum(
+            o.finish_reason == "stop" and len(o.token_ids) == p.max_new_tokens for o, p in zip(r.outs, params))),
         "overshoot steps (planned past max_new_tokens)": lambda r: str(r.stats.overshoot_steps),
         "late results dropped (overshoot tokens)": lambda r: str(r.stats.overshoot_tokens),
         "decode batches": lambda r: str(r.stats.decode_batches),
@@ -42,7 +44,8 @@ def lookahead_and_release(pairs, delay_ms: float) -> None:
     figure("overshoot steps (length_lookahead on)", on.stats.overshoot_steps, "{:d}")
     figure("overshoot steps (length_lookahead off)", no_lookahead.stats.overshoot_steps, "{:d}")
     figure("overshoot tokens (all on)", on.stats.overshoot_tokens, "{:d}",
-           "EOS cannot be foreseen: one late result per request that stopped while its next step was in flight")
+           "EOS cannot be foreseen: one late result per request that stopped while its next step was in flight "
+           "(not those that hit EOS at their cap: the lookahead had left them out already)")
     figure("leaked KV slots (release_allocated on)", leaked(on), "{:d}")
     figure("leaked KV slots (release_allocated off)", leaked(no_release), "{:d}",
            "one per overshoot token: the slot the extra step wrote")
@@ -75,7 +78,7 @@ def main() -> None:
     args = parse_args(__doc__, delay_ms=2.0)
     header(6, "overshoot: skip it, avoid it when you can, and free what it used",
            [Scheduler._commit_results, Scheduler._schedule_decode, Req.will_finish_by_length, Scheduler._release,
-            "article 000 「Overshoot：多跑一步为什么不能直接忽略」"])
+            "lessons/readings §8 (000 「Overshoot：多跑一步为什么不能直接忽略」)"])
     pairs = demo_pairs(8 if args.quick else 16)
     lookahead_and_release(pairs, args.delay_ms)
     token_after_stop(pairs[0][0], args.delay_ms)

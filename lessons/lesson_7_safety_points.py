@@ -62,11 +62,13 @@ def main() -> None:
     args = parse_args(__doc__, delay_ms=2.0)
     header(7, "safety points: release only after the last device use",
            [Scheduler._release, Scheduler._free_row, Scheduler._free_deferred_rows, Scheduler._commit_results,
-            StagingRing.acquire, "article 000 「缓存 checkpoint 与资源回收的安全点」, 「延迟提交：何时才能修改请求真值」"])
+            StagingRing.acquire,
+            "lessons/readings §9, §7, §4 (000 「缓存 checkpoint 与资源回收的安全点」, 「延迟提交：何时才能修改请求真值」)"])
     commit_point_and_staging(demo_pairs(8 if args.quick else 16), args.delay_ms)
     row_reuse(30.0)  # a wide race window: the host re-admits long before the device reaches the overshoot
-    notice("a slot, a row or a staging buffer may be reused only after the last batch that reads or writes it "
-           "has passed copy_done; one step too early and another request's tokens change.")
+    notice("a row may be reused only after the last batch that uses it has passed copy_done, a staging buffer "
+           "only after the device has copied it, and a finished prefix is cached only at the commit point; one step "
+           "too early and another request's tokens change.")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def main() -> None:
     args = parse_args(__doc__, delay_ms=2.0)
     header(8, "measuring the two loops",
            [pipeline_metrics, request_metrics, ideal_ratio, "minisgl/observe/lab.py (the lab: sweep C/G, `make lab`)",
-            "article 000 「性能数字应该怎样读」, 「串行调度为什么会让 GPU 等 CPU」 (the formulas)"])
+            "lessons/readings §10, §2 (000 「性能数字应该怎样读」, 「串行调度为什么会让 GPU 等 CPU」: the formulas)"])
     pairs = demo_pairs(32 if args.quick else 64)
     prompts = [p for p, _ in pairs]
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)  # every request decodes the same number of steps
@@ -104,7 +104,8 @@ def main() -> None:
                   "The TTFT gain is the host time of scheduling one prefill: tiny here, next to the noise of a "
                   "shared machine; with long prompts and radix matching it is not.")
     notice("read busy fraction and idle per forward first: they show the bubble directly; throughput follows "
-           "only as far as (G+C)/max(G,C) allows, and on this CPU the emulated device shares the GIL.")
+           "about as far as (G+C)/max(G,C), an estimate from the normal run (the overlap run's own G differs, so "
+           "it can be exceeded), and on this CPU the emulated device shares the GIL.")
 
 
 if __name__ == "__main__":

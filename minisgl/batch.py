@@ -2,8 +2,8 @@
 
 The result queue pairs each launched batch with a *view* of it: which requests sat in which
 row. `RunningBatch` is the live decode batch that schedule() filters and merges in place;
-`BatchView` is a snapshot of one batch, frozen at launch (article 000, 「在途批次：last_batch 与
-result_queue」: why the queue must hold batch.copy(), not the batch).
+`BatchView` is a snapshot of one batch, frozen at launch (lessons/readings §5: why the
+queue must hold batch.copy(), not the batch).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Planned:
 
 @dataclass
 class InFlight:
-    """An entry of the result queue: (batch snapshot, result handle) (article 000, "在途批次")."""
+    """An entry of the result queue: (batch snapshot, result handle) (lessons/readings §5)."""
 
     view: BatchView | RunningBatch
     result: ForwardResult

@@ -1,7 +1,7 @@
 """The engine: model forward and sampling, queued on a dedicated stream.
 
-`Engine.launch(batch)` returns at once (article 001: `_forward()` inside
-`engine_stream_ctx`). What it returns is a *handle*: the sampled tokens on the device
+`Engine.launch(batch)` returns at once (lessons/readings §11: mini-SGLang's `_forward()`
+inside `engine_stream_ctx`). What it returns is a *handle*: the sampled tokens on the device
 (already published into the FutureMap for the next batch), a host tensor that the
 device-to-host copy will fill, and `copy_done`, the event after that copy. Only after
 `copy_done.synchronize()` may the host read the tokens.
@@ -165,8 +165,10 @@ class Engine:
                                               padded))
         # The engine first waits for the scheduler's stream, so that everything the scheduler
         # wrote for this batch (request-table rows of new requests) is visible
-        # (article 000: run_batch() makes forward_stream wait on schedule_stream).
+        # (lessons/readings §3, §12: SGLang's forward stream waits on its schedule stream).
+        # >>> exercise 8: the engine stream waits for the scheduler stream
         self.stream.wait_stream(after)
+        # <<< exercise 8
 
         def copy_in() -> None:
             span.append(self.tracer.device_begin(self.stream.name, self.device))

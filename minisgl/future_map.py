@@ -1,7 +1,7 @@
 """FutureMap: the next token of every running request, relayed on the device.
 
 Batch n+1's input ids are batch n's sampled tokens. Waiting for them on the host would
-bring the bubble back, so (article 000, "future token"):
+bring the bubble back, so (lessons/readings §6, future tokens):
 
 - batch n *publishes* its sampled tokens into `tokens[row]` on the engine stream;
 - the scheduler, still ignorant of the values, writes the placeholder `-(row + 1)` as the

@@ -1,6 +1,6 @@
 """KV memory: a pool of token slots and the request-to-token table (request-pool rows).
 
-Ownership is exact (article 000 continues the series' "KV 所有权闭环"): every usable slot is
+Ownership is exact (the ownership that lessons/readings §1 starts from): every usable slot is
 in exactly one place at any time: the free list, a request's row (private), or the radix
 cache. `memory_report()` must therefore always satisfy, once no batch is in flight,
 `kv_free + kv_cached + held_by_requests == kv_total`.
@@ -33,7 +33,7 @@ class KVPool:
         self.num_slots = num_slots
         # A stack: the most recently freed slot is handed out first. Reuse is therefore
         # immediate and deterministic, which is what makes the reuse hazards of the overlap
-        # pipeline (article 000, "缓存 checkpoint 与资源回收的安全点") show up every time
+        # pipeline (lessons/readings §9) show up every time
         # a safety mechanism is switched off, rather than once in a while.
         self._free: list[int] = list(range(num_slots - 1, 0, -1))
         # One byte per slot (1 = free), for double-free detection. A bytearray, not a tensor:
@@ -79,7 +79,7 @@ class ReqToTokenPool:
     """Request-pool rows: row r of `table` lists the KV slot of every position of one request.
 
     A row is a request's stable address for its whole life: the KV page table, and the
-    FutureMap mailbox key (article 000, "future token"). Each reuse bumps the row's
+    FutureMap mailbox key (lessons/readings §6). Each reuse bumps the row's
     generation so that a late reader can detect ABA reuse.
     """
 

@@ -1,7 +1,7 @@
 """The named overlap mechanisms: every one can be switched off to watch what breaks.
 
 Each name is checked at the line that implements it (`mechanisms.on("name")`), next to a
-comment saying what breaks without it and which section of the articles explains it. One
+comment saying what breaks without it and which section of lessons/readings explains it. One
 `Mechanisms` object answers for the whole engine (scheduler, engine, staging), and it refuses
 a name it does not know, so a typo can never silently read as "on".
 """

@@ -1,6 +1,6 @@
 """Requests and their sampling parameters: what the scheduler tracks for one generation.
 
-The overlap scheduler keeps four moments of a token apart (article 000, "延迟提交"):
+The overlap scheduler keeps four moments of a token apart (lessons/readings §1 and §7):
 
 - planned      the scheduler allocated a KV slot for it and built metadata (not launched)
 - in flight    its batch is queued on the engine stream; the host cannot read the result

@@ -4,9 +4,9 @@ Read `normal_loop` and `overlap_loop` first (right below `step`, near the top of
 they share every other method and differ only in *when* a batch's results are committed.
 Batch numbers everywhere in minisgl: n is the batch being launched, n-1 the one being committed.
 
-- normal_loop  (article 000 "串行调度", SGLang's event_loop_normal): schedule batch n, launch
+- normal_loop  (lessons/readings §2, SGLang's event_loop_normal): schedule batch n, launch
   it, wait for it, commit it. The device idles while the host commits and schedules: the bubble.
-- overlap_loop (article 000 "Overlap Scheduler 的执行时间线", mini-SGLang's overlap_loop):
+- overlap_loop (lessons/readings §3 and §11, mini-SGLang's overlap_loop):
   schedule batch n and launch it while batch n-1 still runs, then commit n-1. The host work
   hides behind device work; results are committed one step late.
 
@@ -116,7 +116,7 @@ class Scheduler:
             result = self.launch(planned)
             # The queue keeps a snapshot: the live running batch will be filtered and merged by
             # the next schedule() before this result is committed. Holding the live batch would
-            # zip batch n's tokens with batch n+1's requests (article 000, "batch.copy()").
+            # zip batch n's tokens with batch n+1's requests (lessons/readings §5, "batch.copy()").
             inflight = InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
         if last is not None:
             self.commit(last)  # batch n-1's results, while batch n runs on the device
@@ -127,15 +127,18 @@ class Scheduler:
         """The sync boundaries: batch n-1 must be committed before batch n launches when
 
         - before planning (`planned` is None), the FutureMap is off: batch n's input ids must
-          then be committed host tokens, so the bubble is back (article 000, "future token");
+          then be committed host tokens, so the bubble is back (lessons/readings §6);
         - after planning, n-1 and n are both prefills and prefill_sync is on: commit the first
-          so its first tokens are out one batch sooner (article 000, 「Overlap Scheduler 的执行时间线」).
+          so its first tokens are out one batch sooner (lessons/readings §3; SGLang's default
+          differs: §14).
         """
+        # >>> exercise 1: the sync boundaries
         if last is None:
             return False
         if planned is None:
             return not self.on("future_map")
         return planned.forward.is_prefill and last.view.is_prefill and self.on("prefill_sync")
+        # <<< exercise 1
 
     # ------------------------------------------------------------------ requests in and out
     def check_fits(self, req: Req) -> None:
@@ -207,8 +210,8 @@ class Scheduler:
         # >>> exercise 4: length lookahead
         if self.on("length_lookahead"):
             # Leave out requests whose launched samples already reach max_new_tokens: their last
-            # token is in flight, another step would be wasted overshoot (article 000,
-            # "Overshoot": _reqs_finishing_inflight()).
+            # token is in flight, another step would be wasted overshoot (lessons/readings §8:
+            # SGLang's _reqs_finishing_inflight()).
             self.running.reqs[:] = [r for r in self.running.reqs if not r.will_finish_by_length()]
         # <<< exercise 4
         if not self.running.reqs:
@@ -225,8 +228,8 @@ class Scheduler:
             if release_when_planned and req.will_finish_by_length():
                 # WRONG on purpose: hand the prefix to the cache and free the request's slots now,
                 # when its final step is only planned. Requests later in this same batch are then
-                # given the slots this step still reads and writes (article 000,
-                # "缓存 checkpoint 与资源回收的安全点": release only after the last device use).
+                # given the slots this step still reads and writes (lessons/readings §9: release
+                # only after the last device use).
                 self._release(req)
         self.stats.decode_batches += 1
         return self._plan(reqs, tokens, [1] * len(reqs), [r.launched_len for r in reqs], [True] * len(reqs),
@@ -292,7 +295,7 @@ class Scheduler:
             # Keep-alive: the device copy of the slots is made inside the launched work, so it is
             # allocated on the scheduler stream that reads it; made here, on the default stream,
             # the caching allocator could hand its memory to someone else before the queued copy
-            # ran (article 000, "跨 stream 保活").
+            # ran (lessons/readings §4, keeping memory alive across streams).
             self.stream.launch(lambda: self.req_to_token.table[row, :len(matched)].copy_(
                 matched.to(self.device, non_blocking=True)))
         return True
@@ -324,7 +327,9 @@ class Scheduler:
         view, result = inflight.view, inflight.result
         self.stats.early_commits += early
         with self.tracer.host("wait", result.batch_id):
+            # >>> exercise 8: the host waits for copy_done
             result.copy_done.synchronize()  # the host may read the tokens, and the batch's device work is done
+            # <<< exercise 8
         with self.tracer.host("commit", result.batch_id):
             self._commit_results(view, result)
 
@@ -336,7 +341,7 @@ class Scheduler:
                                                                 view.samples, view.qo_lens, tokens):
             if self.req_to_token.generation[row] != generation:
                 # The row was recycled while this batch was in flight: a late reader (ABA). Only
-                # reachable with deferred_row_free off (article 000, "请求行的释放也比普通循环敏感").
+                # reachable with deferred_row_free off (lessons/readings §9, row reuse).
                 if self.on("row_generation_check"):
                     self.stats.stale_row_results += 1
                     continue
@@ -346,7 +351,7 @@ class Scheduler:
             # >>> exercise 4: skip_finished
             if req.finished and self.on("skip_finished"):
                 # Overshoot: the request finished (EOS at batch n-1, or aborted) while this batch
-                # was already in flight. Its positions are not outputs (article 000, "Overshoot").
+                # was already in flight. Its positions are not outputs (lessons/readings §8).
                 self.stats.overshoot_tokens += qo_len
                 continue
             # <<< exercise 4
@@ -374,7 +379,7 @@ class Scheduler:
     #   [written, allocated) the tail: planned or overshoot positions no committed batch wrote:
     #                        freed (release_allocated; off, these slots leak)
     def _release(self, req: Req) -> None:
-        """Give back everything a finished request holds, in the order of article 000's safe point:
+        """Give back everything a finished request holds, in the order of the safe point (readings §9):
         checkpoint committed KV into the radix cache, unlock the old path, free the private tail
         (overshoot included), then the row."""
         if req.released:
@@ -401,8 +406,7 @@ class Scheduler:
     def _free_row(self, row: int) -> None:
         # A batch still in flight may write this row (an overshoot step records its new slot in
         # the request table on the device). Reusing the row before that batch is done would let
-        # the old request's late write land in the new request's row (ABA; article 000,
-        # "请求行的释放也比普通循环敏感").
+        # the old request's late write land in the new request's row (ABA; lessons/readings §9).
         # >>> exercise 6: deferred row free
         if self.on("deferred_row_free") and self._row_last_launch[row] > self._device_done_id:
             self.deferred_rows.append(row)
@@ -424,7 +428,7 @@ class Scheduler:
     def _handle_aborts(self) -> None:
         """An aborted request stops being scheduled at once. Its resources go back like a
         finish's, at the commit point of its last batch in flight: until then the device may
-        still write its slots and row (article 000, "缓存 checkpoint 与资源回收的安全点")."""
+        still write its slots and row (lessons/readings §9)."""
         for req in [r for r in self.waiting if r.abort_requested]:
             self.waiting.remove(req)
             req.finish_reason = "abort"

@@ -3,7 +3,8 @@
 The scheduler writes a batch's metadata (input ids, positions, KV slots, sampling
 parameters) into host buffers; the engine stream copies them to the device when it reaches
 the batch. In the overlap loop the host is already writing batch n+1 while batch n may
-not have been copied yet. The article names two protections, and each is a switch here:
+not have been copied yet. Two protections, each a switch here (lessons/readings §4 says how
+they differ from the article's stream-side WAR barrier and its keep-alive buffer):
 
 - `staging_double_buffer`: two buffers alternate, so batch n+1 never lands in batch n's;
 - `staging_war_wait`: before a buffer is rewritten, the host waits for the event recorded
@@ -12,7 +13,7 @@ not have been copied yet. The article names two protections, and each is a switc
 Either one alone keeps the tokens right in this scheduler: the wait alone by waiting, the
 second buffer alone because batch n is committed (so read) before batch n+2 is planned.
 `unread_overwrites` counts the rewrites of a buffer the device had not read yet: the hazard
-itself, whether or not it happened to change a token (readings: the WAR barrier section).
+itself, whether or not it happened to change a token (lessons/readings §4).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class StagingRing:
     def acquire(self) -> StagingBuffer:
         buf = self.buffers[self._next]
         self._next = (self._next + 1) % len(self.buffers)
+        # >>> exercise 7: staging write-after-read wait
         if buf.consumed is not None and not buf.consumed.query():
             # The device has not copied what this buffer holds for an earlier batch yet.
             # Write-after-read barrier: wait for it. Without the wait, the rewrite below
@@ -112,4 +114,5 @@ class StagingRing:
                 buf.consumed.synchronize()
             else:
                 self.unread_overwrites += 1
+        # <<< exercise 7
         return buf

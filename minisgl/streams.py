@@ -1,8 +1,8 @@
 """Streams and events: the device model of the articles, on CUDA and on a laptop CPU.
 
 A *stream* is an ordered queue of device work that the host does not wait for; an *event*
-marks a point in it. "launch returned" therefore only means "queued" (article 000,
-"Overlap Scheduler 的执行时间线": run_batch() returning is not batch n finishing).
+marks a point in it. "launch returned" therefore only means "queued" (lessons/readings §3: run_batch()
+returning is not batch n finishing).
 
 - On CUDA we wrap `torch.cuda.Stream` / `torch.cuda.Event`: launching runs the Python code
   at once, under the stream context, and the kernels it issues queue on the stream.

@@ -1,14 +1,16 @@
 """Exercises (lessons/exercises/): skeletons are generated from the marked reference code, so they
 are up to date by construction. Here: every marker is well formed and comment-only, each
-skeleton has every region replaced and still imports, its test selection fails cleanly on
-NotImplementedError (pytest exit code 1, not a collection error), and the reference passes
-every selection.
+skeleton has every region replaced, still imports and fails its tests cleanly on
+NotImplementedError naming the part only; hints exist in three levels; the reference passes
+every selection; and every known-wrong solution is caught, with a first failure that names the
+rule it breaks (or, for a solution that waits forever, a report with every thread's stack).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "lessons" / "exercises" / "make_exercise.py"
+WRONG_LIMIT_S = 60  # a wrong solution must be reported within a minute, a hang included
 
 
 def _load_tool():
@@ -30,15 +33,30 @@ def _load_tool():
 tool = _load_tool()
 
 
-def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOL), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def first_failure(output: str) -> str:
+    """The `E ...` lines of the first failure in pytest's output, or the hang report."""
+    if "\nHANG: " in output:
+        return output[output.index("\nHANG: "):]
+    block = output[output.index("= FAILURES ="):] if "= FAILURES =" in output else output
+    lines = block.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("E ")), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("E ")), len(lines))
+    return " ".join(line[1:].strip() for line in lines[start:end])
 
 
 def test_markers_are_well_formed_and_cover_every_exercise():
     files = tool.marked_files()
     numbers = {n for ns in files.values() for n in ns}
     assert numbers == set(tool.EXERCISES), (numbers, sorted(tool.EXERCISES))
-    assert set(map(str, files)) <= {"scheduler.py", "batch.py", "future_map.py"}  # the only files lessons may mark
+    # the files the lessons may mark: the core the lessons read
+    assert set(map(str, files)) <= {"scheduler.py", "batch.py", "future_map.py", "staging.py", "engine.py"}
 
 
 def test_markers_are_comments_only():
@@ -46,7 +64,7 @@ def test_markers_are_comments_only():
     for rel in tool.marked_files():
         source = (tool.PACKAGE / rel).read_text()
         lines = source.splitlines(keepends=True)
-        markers = [line for line in lines if tool.START.match(line) or tool.MORE.match(line) or tool.END.match(line)]
+        markers = [line for line in lines if tool.START.match(line) or tool.END.match(line)]
         assert all(line.lstrip().startswith("#") for line in markers)
         bare = "".join(line for line in lines if line not in markers)
         assert ast.dump(ast.parse(source)) == ast.dump(ast.parse(bare))
@@ -59,6 +77,16 @@ def test_region_parser_rejects_broken_markers():
         tool.regions(["pass", "# <<< exercise 1"])
     with pytest.raises(ValueError, match="nest"):
         tool.regions(["# >>> exercise 1: x", "# >>> exercise 2: y", "# <<< exercise 2", "# <<< exercise 1"])
+
+
+def test_every_exercise_has_three_hint_levels_that_grow_towards_the_code():
+    for number, exercise in tool.EXERCISES.items():
+        assert len(exercise.hints) == 3 and all(h.strip() for h in exercise.hints), number
+        assert "§" in exercise.hints[0], f"exercise {number}: level 1 points at the reading guide"
+        assert exercise.tests[0].startswith(f"tests/test_ex{number}_"), "the teaching tests run first"
+        for level in (1, 2, 3):
+            done = cli("hint", str(number), "--level", str(level))
+            assert done.returncode == 0 and f"hint {level} of 3" in done.stdout, done.stderr
 
 
 def test_generate_never_overwrites_a_learners_copy(tmp_path):
@@ -75,22 +103,51 @@ def test_generate_never_overwrites_a_learners_copy(tmp_path):
 @pytest.mark.parametrize("number", sorted(tool.EXERCISES))
 def test_skeleton_fails_cleanly_with_not_implemented(tmp_path, number):
     assert cli("generate", str(number), "--dest", str(tmp_path)).returncode == 0
+    names = tool.region_names(number)
     for rel in tool.marked_files():
         skeleton = (tmp_path / "minisgl" / rel).read_text()
         ast.parse(skeleton)
-        left = [r for r in tool.regions(skeleton.splitlines()) if r[0] == number]
+        left = [r for r in tool.regions(skeleton.splitlines()) if r.number == number]
         assert not left, f"{rel}: exercise {number} regions left in the skeleton"
-        expected = sum(r[0] == number for r in tool.regions((tool.PACKAGE / rel).read_text().splitlines()))
-        assert skeleton.count(f'"exercise {number}: ') == expected  # one raise per region
+        expected = sum(r.number == number for r in tool.regions((tool.PACKAGE / rel).read_text().splitlines()))
+        raises = re.findall(rf"NotImplementedError\('exercise {number}: (.+?) \(make hint-{number} for hints\)'\)",
+                            skeleton)
+        assert len(raises) == expected and set(raises) <= names  # one raise per region, naming the part only
     done = cli("check", str(number), "--dest", str(tmp_path), "--", "-x")
     out = done.stdout + done.stderr
     assert f"minisgl under test: {tmp_path.resolve()}" in out  # the copy, not the reference, was imported
     assert done.returncode == 1, out[-3000:]  # 1: tests failed; 2+: collection or usage error
     assert "NotImplementedError" in out and f"exercise {number}:" in out
-    assert "error" not in out.splitlines()[-1].lower(), out[-2000:]
 
 
 def test_reference_passes_every_selection():
     done = cli("check", "all", "--reference")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+def test_every_exercise_keeps_at_least_four_wrong_solutions():
+    counts = {n: sum(w.exercise == n for w in tool.WRONG) for n in tool.EXERCISES}
+    assert all(c >= 4 for c in counts.values()), counts
+    assert len({(w.exercise, w.name) for w in tool.WRONG}) == len(tool.WRONG)
+
+
+@pytest.mark.parametrize("wrong", tool.WRONG, ids=lambda w: f"ex{w.exercise}-{w.name}")
+def test_known_wrong_solution_is_caught_with_a_message_that_names_the_rule(tmp_path, wrong):
+    """Put the wrong solution into a copy of the reference and run the exercise's teaching tests
+    (the first file of its selection) until the first failure."""
+    teaching = tool.EXERCISES[wrong.exercise].tests[0]
+    done = cli("check", str(wrong.exercise), "--wrong", wrong.name, "--dest", str(tmp_path), "--", "-x",
+               "-k", Path(teaching).stem, timeout=WRONG_LIMIT_S + 60)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    said = first_failure(out)
+    assert wrong.expect in said, f"expected the first failure to say {wrong.expect!r}; it said: {said[:1500]}"
+    if "HANG" in said:
+        assert "most recent call first" in said  # every thread's stack, in the normal output
+
+
+def test_teachers_guide_lists_every_wrong_solution_and_what_it_is_told():
+    guide = (ROOT / "lessons" / "TEACHER.md").read_text()
+    missing = [w.name for w in tool.WRONG if f"| {w.exercise} | `{w.name}` |" not in guide or w.expect not in guide]
+    assert not missing, f"lessons/TEACHER.md does not list these known-wrong solutions: {missing}"

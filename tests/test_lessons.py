@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
 FIGURE = re.compile(r"^» (?P<name>.+?) = (?P<value>-?[\d.]+)", re.MULTILINE)
 SCRIPTS = {int(p.name.split("_")[1]): p for p in LESSONS.glob("lesson_*.py")}
+OUTSIDE = re.compile("|".join(re.escape(part) for part in ("shared" + "/", "DESIGN" + ".md")))  # paths a clone lacks
+READING_SECTIONS = {int(n) for n in re.findall(r"^## §(\d+) ", (LESSONS / "readings" / "README.md").read_text(),
+                                                 re.MULTILINE)}
 sys.path.insert(0, str(LESSONS))
 import check_refs  # noqa: E402
 
@@ -61,8 +64,9 @@ def test_lesson_4_future_map_off_brings_the_bubble_back():
     _, f = run_lesson(4)
     assert f["placeholders in that batch (future_map on)"] > 0
     assert f["placeholders in that batch (future_map off)"] == 0
-    assert f["device busy (future_map off)"] < f["device busy (future_map on)"]
-    assert f["early commits (future_map off)"] > 0
+    # The bubble itself is a timing (device busy, printed by the lesson; noisy on a loaded
+    # machine). Its cause is structural: off, every batch is committed before the next launch.
+    assert f["early commits (future_map off)"] >= f["batches (future_map off)"] - 1 > 0
     assert f["outputs identical"] == 1
 
 
@@ -123,6 +127,18 @@ def test_every_lesson_has_its_text_and_index_entry():
         body = text.read_text()
         assert f"make lesson-{number}" in body and "## Questions" in body and "「" in body
         assert text.name in index
+        cited = {int(n) for n in re.findall(r"§(\d+)", body)}
+        assert cited and cited <= READING_SECTIONS, (text.name, sorted(cited - READING_SECTIONS))
+
+
+def test_nothing_cites_a_path_outside_the_repository():
+    """A clone has none of the notes kept outside the repository: lessons, readings, benchmarks and
+    the README must stand alone (no path into the workspace's shared folder, no design notes file)."""
+    work = LESSONS / "exercises" / "work"  # learners' copies, not part of the repository
+    files = [ROOT / "README.md", *(p for d in (LESSONS, ROOT / "benchmarks") for p in d.rglob("*")
+                                   if p.suffix in (".md", ".py", ".sh") and work not in p.parents)]
+    offenders = [str(p.relative_to(ROOT)) for p in files if OUTSIDE.search(p.read_text())]
+    assert not offenders, offenders
 
 
 def test_code_references_point_at_todays_lines():

@@ -168,7 +168,7 @@ def test_staging_both_protections_off_gives_wrong_tokens(qwen3, delay_ms):
 
 def test_staging_one_buffer_with_the_wait_is_correct_but_waits(qwen3):
     expected = reference(qwen3, PROMPTS, GREEDY)
-    llm = overlap(qwen3, "staging_double_buffer", device_delay_ms=5)
+    llm = overlap(qwen3, "staging_double_buffer", device_delay_ms=30)  # a wide window: no flake under load
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert llm.scheduler.staging.unread_overwrites == 0
     assert llm.scheduler.staging.waits > 0  # the host stalled on the device's read: idle it adds

@@ -2,92 +2,60 @@
 
 The reference code carries comment-only markers around each part (so it runs unchanged):
 
-    # >>> exercise N: what to write, in one or more lines
-    # >>> (continuation of the hint)
+    # >>> exercise N: <name of the part>
     ...the code the learner writes...
     # <<< exercise N
 
 `generate N` copies the whole package to `lessons/exercises/work/exN/minisgl/` and replaces
-every marked region of exercise N by `raise NotImplementedError("exercise N: <hint>")`, at the
-region's indentation. Nothing is committed: a skeleton is always made from today's code, so it
-cannot drift from the reference. A learner's existing copy is never overwritten without --force.
+every marked region of exercise N by `raise NotImplementedError("exercise N: <name> ...")`,
+at the region's indentation. Nothing is committed: a skeleton is always made from today's
+code, so it cannot drift from the reference. A learner's existing copy is never overwritten
+without --force.
 
 `check N` makes the copy if it is missing, refreshes its tests (the repository's tests/ plus
 lessons/exercises/tests/), prints which minisgl Python imports there, and runs exercise N's
-test selection against the learner's copy: the same tests the reference passes.
+test selection against the learner's copy: the same tests the reference passes. A test that
+runs longer than HANG_S seconds is stopped, and every thread's stack is printed.
+
+`hint N --level K` prints hint level K (1: a question and the reading, 2: the idea, 3: near
+code). `wrong` lists the known-wrong solutions kept in wrong_solutions.py; `check N --wrong
+NAME` runs exercise N's tests against the reference with that wrong solution put in: what
+the tests say to a learner who wrote it.
 
     python lessons/exercises/make_exercise.py list
+    python lessons/exercises/make_exercise.py hint 1 [--level 2]
     python lessons/exercises/make_exercise.py generate 1 [--force] [--dest DIR]
     python lessons/exercises/make_exercise.py check 1 [--dest DIR] [-- extra pytest args]
     python lessons/exercises/make_exercise.py check 1 --reference   # the same tests, reference code
+    python lessons/exercises/make_exercise.py wrong [1]             # the known-wrong solutions
+    python lessons/exercises/make_exercise.py check 1 --wrong commit-before-launch
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from catalog import EXERCISES  # noqa: E402
+from wrong_solutions import WRONG, Wrong  # noqa: E402
+
 ROOT = HERE.parents[1]
 PACKAGE = ROOT / "minisgl"
 WORK = HERE / "work"
-START = re.compile(r"^(?P<indent>[ \t]*)# >>> exercise (?P<n>\d+): (?P<hint>.*)$")
-MORE = re.compile(r"^[ \t]*# >>> (?!exercise \d+:)(?P<hint>.*)$")
+START = re.compile(r"^(?P<indent>[ \t]*)# >>> exercise (?P<n>\d+): (?P<name>.+?)\s*$")
 END = re.compile(r"^[ \t]*# <<< exercise (?P<n>\d+)\s*$")
-
-
-@dataclass(frozen=True)
-class Exercise:
-    number: int
-    title: str
-    lesson: int
-    tests: tuple[str, ...]  # pytest node ids inside the work dir (its tests/ is refreshed at every check)
-
-
-EXERCISES = {e.number: e for e in (
-    Exercise(1, "write overlap_loop from normal_loop (scheduler.py)", 3, (
-        "tests/test_overlap.py::test_overlap_pipelines_launches_ahead_of_commits",
-        "tests/test_overlap.py::test_overlap_equals_normal[3.0-0]",
-        "tests/test_mechanisms.py::test_future_map_off_brings_the_bubble_back",
-        "tests/test_mechanisms.py::test_prefill_sync_commits_consecutive_prefills",
-    )),
-    Exercise(2, "FutureMap publish and resolve (future_map.py)", 4, (
-        "tests/test_ex2_future_map.py",
-        "tests/test_overlap.py::test_overlap_equals_normal[0.0-0]",
-    )),
-    Exercise(3, "snapshot the running batch for the result queue (batch.py)", 5, (
-        "tests/test_ex3_snapshot.py",
-        "tests/test_mechanisms.py::test_batch_snapshot_off_results_land_on_wrong_requests",
-        "tests/test_overlap.py::test_overlap_equals_normal[3.0-1]",
-    )),
-    Exercise(4, "overshoot: skip late results, look ahead by length, release by allocated length "
-                "(scheduler.py)", 6, (
-        "tests/test_mechanisms.py::test_length_lookahead_off_wastes_overshoot_steps",
-        "tests/test_mechanisms.py::test_skip_finished_off_leaks_token_after_stop_and_double_frees",
-        "tests/test_mechanisms.py::test_release_allocated_off_leaks_kv_slots",
-        "tests/test_abort.py::test_abort_while_final_token_in_flight",
-    )),
-    Exercise(5, "the radix-cache checkpoint at the safe point: the commit (scheduler.py)", 7, (
-        "tests/test_ex5_checkpoint.py",
-        "tests/test_engine.py::test_radix_cache_hits_give_same_tokens[overlap]",
-        "tests/test_engine.py::test_prompt_sharing_prefix_reads_cached_kv",
-        "tests/test_abort.py::test_abort_while_decoding[overlap]",
-    )),
-    Exercise(6, "reuse a request row only after its last in-flight batch (scheduler.py)", 7, (
-        "tests/test_ex6_rows.py",
-        "tests/test_abort.py::test_abort_while_final_token_in_flight",
-        "tests/test_overlap.py::test_overlap_equals_normal[3.0-1]",
-    )),
-)}
+HANG_S = 40  # a half-written loop can wait forever: stop it well inside a minute, with the stacks
 
 PYTEST_INI = """\
 [pytest]
@@ -97,10 +65,13 @@ markers =
 addopts = -p no:cacheprovider
 """
 
-# conftest.py at the work dir's root: says which minisgl is under test, and refuses another one.
+# conftest.py at the work dir's root: says which minisgl is under test, refuses another one,
+# and arms the hang guard. The guard writes the stacks to a file the checker prints: pytest
+# captures the test's own stderr, which would swallow them.
 CONFTEST = '''\
 """Written by lessons/exercises/make_exercise.py: the tests here must test THIS copy of minisgl."""
 import faulthandler
+import os
 from pathlib import Path
 
 import pytest
@@ -109,31 +80,47 @@ import minisgl
 
 HERE = Path(__file__).resolve().parent
 UNDER_TEST = Path(minisgl.__file__).resolve()
-HANG_S = 120  # a half-written scheduler can wait forever: stop the run, with every thread's stack
+HANG_S = {hang_s}
+HANG_FILE = open(os.environ["MINISGL_HANG_FILE"], "w") if os.environ.get("MINISGL_HANG_FILE") else None
 
 
 def pytest_runtest_setup(item):
-    faulthandler.dump_traceback_later(HANG_S, exit=True)
+    if HANG_FILE is not None:
+        HANG_FILE.write(f"{{item.nodeid}} ran longer than {{HANG_S}} s and was stopped. Every thread's stack:\\n")
+        HANG_FILE.flush()
+        faulthandler.dump_traceback_later(HANG_S, exit=True, file=HANG_FILE)
 
 
 def pytest_runtest_teardown(item):
-    faulthandler.cancel_dump_traceback_later()
+    if HANG_FILE is not None:
+        faulthandler.cancel_dump_traceback_later()
+        HANG_FILE.seek(0)
+        HANG_FILE.truncate()
 
 
 def pytest_report_header(config):
-    return f"minisgl under test: {UNDER_TEST}"
+    return f"minisgl under test: {{UNDER_TEST}}"
 
 
 def pytest_configure(config):
     if HERE not in UNDER_TEST.parents:
-        raise pytest.UsageError(f"minisgl resolves to {UNDER_TEST}, not to the copy in {HERE}")
-'''
+        raise pytest.UsageError(f"minisgl resolves to {{UNDER_TEST}}, not to the copy in {{HERE}}")
+'''.format(hang_s=HANG_S)
 
 
 # --------------------------------------------------------------------------- skeletons
 
-def regions(lines: list[str]) -> list[tuple[int, int, int, str, list[str]]]:
-    """Every marked region as (exercise, first line, last line, indent, hint lines); 0-based, inclusive."""
+@dataclass(frozen=True)
+class Region:
+    number: int
+    name: str
+    first: int  # line of the start marker, 0-based
+    last: int  # line of the end marker
+    indent: str
+
+
+def regions(lines: list[str]) -> list[Region]:
+    """Every marked region, in file order."""
     found, i = [], 0
     while i < len(lines):
         m = START.match(lines[i])
@@ -142,58 +129,62 @@ def regions(lines: list[str]) -> list[tuple[int, int, int, str, list[str]]]:
                 raise ValueError(f"line {i + 1}: '# <<< exercise' without a start marker")
             i += 1
             continue
-        n, hint, j = int(m["n"]), [m["hint"].strip()], i + 1
-        while j < len(lines) and MORE.match(lines[j]):
-            hint.append(MORE.match(lines[j])["hint"].strip())
-            j += 1
+        n, j = int(m["n"]), i + 1
         while j < len(lines) and not END.match(lines[j]):
             if START.match(lines[j]):
                 raise ValueError(f"line {j + 1}: exercise regions cannot nest")
             j += 1
         if j == len(lines) or int(END.match(lines[j])["n"]) != n:
             raise ValueError(f"line {i + 1}: exercise {n} region is not closed by '# <<< exercise {n}'")
-        found.append((n, i, j, m["indent"], hint))
+        found.append(Region(n, m["name"], i, j, m["indent"]))
         i = j + 1
     return found
 
 
-def strip_exercise(source: str, number: int) -> tuple[str, int]:
-    """Replace each region of exercise `number` by a raise; returns (new source, regions replaced)."""
+def skeleton_raise(region: Region) -> list[str]:
+    """What replaces a region in a skeleton: the part's name and where the hints are, no more."""
+    message = f"exercise {region.number}: {region.name} (make hint-{region.number} for hints)"
+    return [f"{region.indent}raise NotImplementedError({message!r})\n"]
+
+
+def replace_regions(source: str, number: int, wrong: Wrong | None = None) -> tuple[str, int]:
+    """Replace the regions of exercise `number`: by a raise, or by `wrong`'s code for the regions it
+    names (the others keep the reference). Returns (new source, regions replaced)."""
     lines = source.splitlines(keepends=True)
     out, pos, count = [], 0, 0
-    for n, first, last, indent, hint in regions(lines):
-        if n != number:
+    for region in regions(lines):
+        if region.number != number or (wrong is not None and region.name not in wrong.regions):
             continue
-        out += lines[pos:first]
-        out += raise_statement(indent, [f"exercise {n}: {hint[0]}", *hint[1:]])
-        pos, count = last + 1, count + 1
+        out += lines[pos:region.first]
+        if wrong is None:
+            out += skeleton_raise(region)
+        else:
+            code = textwrap.dedent(wrong.regions[region.name]).strip("\n") + "\n"
+            out += textwrap.indent(code, region.indent).splitlines(keepends=True)
+        pos, count = region.last + 1, count + 1
     out += lines[pos:]
     return "".join(out), count
-
-
-def raise_statement(indent: str, hint: list[str]) -> list[str]:
-    """`raise NotImplementedError("exercise N: ...")`, the hint's lines as adjacent string literals."""
-    parts = [json.dumps(line + (" " if i < len(hint) - 1 else ""), ensure_ascii=False) for i, line in enumerate(hint)]
-    if len(parts) == 1:
-        return [f"{indent}raise NotImplementedError({parts[0]})\n"]
-    body = [f"{indent}    {p}\n" for p in parts]
-    body[-1] = body[-1].rstrip("\n") + ")\n"
-    return [f"{indent}raise NotImplementedError(\n", *body]
 
 
 def marked_files(package: Path = PACKAGE) -> dict[Path, list[int]]:
     """Package file -> exercise numbers it has regions of."""
     found = {}
     for path in sorted(package.rglob("*.py")):
-        numbers = sorted({r[0] for r in regions(path.read_text().splitlines())})
+        numbers = sorted({r.number for r in regions(path.read_text().splitlines())})
         if numbers:
             found[path.relative_to(package)] = numbers
     return found
 
 
-def generate(number: int | None, dest: Path, force: bool = False) -> bool:
-    """Write the package to dest/minisgl, with exercise `number` removed (None: the reference).
-    Returns False (and changes nothing) if dest/minisgl exists and not force."""
+def region_names(number: int) -> set[str]:
+    return {r.name for path in PACKAGE.rglob("*.py") for r in regions(path.read_text().splitlines())
+            if r.number == number}
+
+
+def generate(number: int | None, dest: Path, force: bool = False, wrong: Wrong | None = None) -> bool:
+    """Write the package to dest/minisgl with exercise `number` removed (None: the reference; with
+    `wrong`: the reference with that wrong solution put in). Returns False, changing nothing, if
+    dest/minisgl exists and not force."""
     target = dest / "minisgl"
     if target.exists() and not force:
         return False
@@ -201,12 +192,15 @@ def generate(number: int | None, dest: Path, force: bool = False) -> bool:
         shutil.rmtree(target)
     shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     if number is not None:
+        if wrong is not None and not set(wrong.regions) <= region_names(number):
+            raise SystemExit(f"wrong solution {wrong.name!r} names regions {sorted(wrong.regions)}; exercise "
+                             f"{number} has {sorted(region_names(number))}")
         replaced = 0
         for rel, numbers in marked_files(target).items():
             if number in numbers:
                 path = target / rel
-                source, count = strip_exercise(path.read_text(), number)
-                ast.parse(source, str(path))  # the skeleton must stay valid Python
+                source, count = replace_regions(path.read_text(), number, wrong)
+                ast.parse(source, str(path))  # the result must stay valid Python
                 path.write_text(source)
                 replaced += count
         if replaced == 0:
@@ -221,7 +215,7 @@ def refresh_tests(dest: Path) -> None:
     if tests.exists():
         shutil.rmtree(tests)
     shutil.copytree(ROOT / "tests", tests, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for path in sorted((HERE / "tests").glob("test_*.py")):
+    for path in sorted((HERE / "tests").glob("*.py")):
         shutil.copy(path, tests / path.name)
     (dest / "pytest.ini").write_text(PYTEST_INI)
     (dest / "conftest.py").write_text(CONFTEST)
@@ -229,8 +223,8 @@ def refresh_tests(dest: Path) -> None:
 
 # --------------------------------------------------------------------------- running the tests
 
-def env_for(dest: Path) -> dict[str, str]:
-    env = dict(os.environ)
+def env_for(dest: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, **extra)
     env["PYTHONPATH"] = str(dest) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -244,15 +238,53 @@ def which_minisgl(dest: Path) -> str:
     return done.stdout.strip()
 
 
-def run_tests(tests: list[str], dest: Path, extra: list[str]) -> int:
+def run_tests(tests: list[str], dest: Path, extra: list[str], learner: bool = True) -> int:
+    """Run `tests` in dest. For a learner's copy, first say which minisgl the tests will import
+    (the conftest refuses any other copy in every case)."""
     refresh_tests(dest)
-    where = which_minisgl(dest)
-    print(f"minisgl under test: {where}", flush=True)
-    if not Path(where).resolve().is_relative_to(dest.resolve()):
-        raise SystemExit(f"expected the copy in {dest}, got {where}")
-    cmd = [sys.executable, "-m", "pytest", "-q", *extra, *tests]
+    if learner:
+        where = which_minisgl(dest)
+        print(f"minisgl under test: {where}", flush=True)
+        if not Path(where).resolve().is_relative_to(dest.resolve()):
+            raise SystemExit(f"expected the copy in {dest}, got {where}")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", *extra, *tests]
     print("$ cd", dest, "&& PYTHONPATH=" + str(dest), "python", " ".join(cmd[1:]), flush=True)
-    return subprocess.run(cmd, cwd=dest, env=env_for(dest)).returncode
+    with tempfile.TemporaryDirectory(prefix="minisgl-hang-") as tmp:
+        hang_file = Path(tmp) / "stacks.txt"
+        code = subprocess.run(cmd, cwd=dest, env=env_for(dest, MINISGL_HANG_FILE=str(hang_file))).returncode
+        stacks = hang_file.read_text() if hang_file.exists() else ""
+    if stacks.strip():
+        print(f"\nHANG: {stacks}", flush=True)
+        print("The test above never finished. Find the thread whose stack runs through the test file and read it "
+              "from the bottom up: it shows where that thread was when it was stopped. A stack inside "
+              "LLM.generate/step means the scheduler kept stepping without progress: some request is waiting for "
+              "something (a row, KV slots) that is never given back. A stack in synchronize() means a wait for an "
+              "event that never comes.", flush=True)
+        return 1
+    return code
+
+
+def print_hint(number: int, level: int) -> None:
+    exercise = EXERCISES[number]
+    print(f"exercise {number}: {exercise.title} — hint {level} of 3")
+    print(textwrap.fill(exercise.hints[level - 1], width=100))
+    if level < 3:
+        print(f"(more: make hint-{number} LEVEL={level + 1})")
+
+
+def print_wrong(number: int | None) -> None:
+    for w in WRONG:
+        if number is None or w.exercise == number:
+            print(f"exercise {w.exercise}  {w.name:32} {w.story}")
+            print(f"{'':44}first failure says: {w.expect!r}")
+
+
+def find_wrong(number: int, name: str) -> Wrong:
+    for w in WRONG:
+        if w.exercise == number and w.name == name:
+            return w
+    raise SystemExit(f"no wrong solution {name!r} for exercise {number}: "
+                     f"{[w.name for w in WRONG if w.exercise == number]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,22 +292,30 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="one line per exercise")
+    h = sub.add_parser("hint", help="a hint: level 1 (question), 2 (idea), 3 (near code)")
+    h.add_argument("number", type=int)
+    h.add_argument("--level", type=int, default=1, choices=(1, 2, 3))
     g = sub.add_parser("generate", help="write the learner's copy (never overwrites one without --force)")
     g.add_argument("number", type=int)
     g.add_argument("--force", action="store_true", help="replace an existing copy: your work there is lost")
     g.add_argument("--dest", type=Path, default=None, help="default lessons/exercises/work/exN")
+    w = sub.add_parser("wrong", help="list the known-wrong solutions and what the tests say to each")
+    w.add_argument("number", type=int, nargs="?")
     c = sub.add_parser("check", help="run the exercise's tests against the learner's copy (made if missing)")
     c.add_argument("number", help="an exercise number, or 'all' with --reference (every selection, one run)")
     c.add_argument("--dest", type=Path, default=None)
     c.add_argument("--reference", action="store_true", help="run the same tests against the reference code")
+    c.add_argument("--wrong", metavar="NAME", help="run them against the reference with a known-wrong solution")
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []  # after --: extra pytest arguments (-x, -k ...)
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    args.pytest_args = extra
 
     if args.command == "list":
         for e in EXERCISES.values():
             print(f"exercise-{e.number}  {e.title}  [lesson {e.lesson}]")
+        return 0
+    if args.command == "wrong":
+        print_wrong(args.number)
         return 0
     if args.command == "check" and args.number == "all":
         if not args.reference:
@@ -286,20 +326,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.number not in EXERCISES:
             raise SystemExit(f"no exercise {args.number}; there are {sorted(EXERCISES)}")
         tests = list(EXERCISES[args.number].tests)
+    if args.command == "hint":
+        print_hint(args.number, args.level)
+        return 0
     if args.command == "generate":
         dest = args.dest or WORK / f"ex{args.number}"
         made = generate(args.number, dest, args.force)
         print(f"{'wrote' if made else 'kept your existing copy'}: {dest / 'minisgl'}"
               + ("" if made else "  (use --force to start over)"))
         return 0
-    if args.reference:
+    if args.reference or args.wrong:
+        wrong = find_wrong(args.number, args.wrong) if args.wrong else None
         with tempfile.TemporaryDirectory(prefix="minisgl-reference-") as tmp:
-            generate(None, Path(tmp))
-            return run_tests(tests, Path(tmp), args.pytest_args)
+            dest = args.dest or Path(tmp)
+            generate(args.number if wrong else None, dest, force=True, wrong=wrong)
+            return run_tests(tests, dest, extra, learner=False)
     dest = args.dest or WORK / f"ex{args.number}"
     if generate(args.number, dest):
         print(f"wrote the skeleton: {dest / 'minisgl'} (edit the regions that raise NotImplementedError)")
-    return run_tests(tests, dest, args.pytest_args)
+    return run_tests(tests, dest, extra)
 
 
 if __name__ == "__main__":

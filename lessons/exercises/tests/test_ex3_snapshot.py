@@ -1,7 +1,8 @@
-"""Exercise 3: RunningBatch.snapshot must freeze who was in batch n, whatever happens to the live batch."""
+"""Exercise 3: RunningBatch.snapshot must freeze who was in batch n, whatever happens to the live
+batch before batch n is committed (readings §5, lesson 5). Each assertion names its rule."""
 
-from minisgl.request import Req, SamplingParams
 from minisgl.batch import BatchView, RunningBatch
+from minisgl.request import Req, SamplingParams
 
 
 def make_req(rid: int, row: int, generation: int) -> Req:
@@ -10,20 +11,44 @@ def make_req(rid: int, row: int, generation: int) -> Req:
     return req
 
 
-def test_snapshot_is_a_frozen_copy_of_the_live_batch():
+def live_batch_and_snapshot():
     a, b, c, d = (make_req(i, row=10 + i, generation=i) for i in range(4))
     live = RunningBatch()
     live.batch_id = 7
     live.reqs[:] = [a, b, c]
     snap = live.snapshot()
-    # The next schedule() filters and merges the live batch in place...
+    # The next schedule() filters and merges the live batch in place, and plans batch 8...
     live.reqs[:] = [c, d]
     live.batch_id = 8
-    b.row = None
-    # ...but the snapshot still describes batch 7, row for row.
-    assert isinstance(snap, BatchView)
-    assert snap.batch_id == 7 and snap.is_prefill is False
-    assert snap.reqs == [a, b, c]
-    assert snap.rows == [10, 11, 12]
-    assert snap.generations == [0, 1, 2]
-    assert snap.samples == [True] * 3 and snap.qo_lens == [1] * 3
+    b.row, b.row_generation = 13, 5  # ...and b's row may be released and reused
+    return snap, (a, b, c)
+
+
+def test_the_snapshot_is_not_the_live_batch():
+    snap, _ = live_batch_and_snapshot()
+    assert isinstance(snap, BatchView) and not isinstance(snap, RunningBatch), (
+        f"snapshot() must return a BatchView frozen at launch, not the live batch itself (got {type(snap).__name__})")
+
+
+def test_the_request_list_is_copied():
+    snap, (a, b, c) = live_batch_and_snapshot()
+    assert [r.rid for r in snap.reqs] == [0, 1, 2], (
+        "the snapshot must hold its own copy of the request list: schedule() filters and merges the live "
+        f"list in place, and the snapshot then lists requests {[r.rid for r in snap.reqs]} instead of [0, 1, 2]")
+
+
+def test_the_requests_themselves_are_shared():
+    snap, (a, b, c) = live_batch_and_snapshot()
+    assert all(s is r for s, r in zip(snap.reqs, (a, b, c))), (
+        "copy the list, not the Req objects: the commit writes each token into the request itself, so the "
+        "snapshot must hold the very same Req objects")
+
+
+def test_per_row_fields_are_frozen_at_launch():
+    snap, _ = live_batch_and_snapshot()
+    got = dict(batch_id=snap.batch_id, is_prefill=snap.is_prefill, rows=snap.rows, generations=snap.generations,
+               samples=snap.samples, qo_lens=snap.qo_lens)
+    expected = dict(batch_id=7, is_prefill=False, rows=[10, 11, 12], generations=[0, 1, 2], samples=[True] * 3,
+                    qo_lens=[1] * 3)
+    assert got == expected, ("every field the commit reads must be the value at launch, not computed later from "
+                             f"the live batch or its requests: got {got}, expected {expected}")

@@ -1,0 +1,93 @@
+"""Exercise 8: the two sync points between the streams (readings §12 and §3, lesson 2):
+the engine stream waits for the scheduler stream before a forward (a device-side wait: launch()
+still returns at once), and the host waits for a batch's copy_done before reading its tokens
+(that event only, not the whole engine stream). Each assertion names its rule."""
+
+import threading
+import time
+
+from minisgl import LLM, SamplingParams
+from minisgl.batch import InFlight
+from minisgl.streams import CpuStream, DeviceError
+
+SIX = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+def copied_within(staging, seconds: float) -> bool:
+    """Whether the device copied the batch's metadata in (its `consumed` event passed) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if staging.consumed is not None and staging.consumed.query():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_the_forward_waits_for_the_scheduler_stream_without_blocking_the_host(qwen3):
+    llm = LLM(qwen3, loop="normal")
+    llm.add_request("hello there", SIX)
+    planned = llm.scheduler.schedule()
+    # A scheduler stream with work still queued: it finishes only when the test opens the gate.
+    gate, scheduler_stream = threading.Event(), CpuStream("scheduler (test)")
+    scheduler_stream.launch(lambda: gate.wait(10))
+    results: list = []
+    launcher = threading.Thread(target=lambda: results.append(llm.engine.launch(planned.forward, after=scheduler_stream)),
+                                daemon=True)
+    launcher.start()
+    launcher.join(2)
+    blocked = launcher.is_alive()
+    copied_early = not blocked and copied_within(planned.forward.staging, seconds=1.0)
+    gate.set()
+    launcher.join(10)
+    scheduler_stream.close()
+    assert not blocked, ("launch() blocked the host until the scheduler stream was done: the ENGINE stream must wait "
+                         "for it (a wait queued on the engine stream), so that launch() still returns at once")
+    assert not copied_early, (
+        "the forward started (its metadata was copied in) before the work queued on the scheduler stream was "
+        "done: the engine stream must wait for the scheduler stream (`after`) before anything else of the batch")
+    llm.scheduler.commit(InFlight(planned.view, results[0]))
+    llm.close()
+
+
+def run(model: str, loop: str, **kwargs) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(model, loop=loop, **kwargs)
+    try:
+        outs = llm.generate(["hello there", "the lazy dog"], SIX)
+    except (DeviceError, IndexError, OverflowError, RuntimeError) as exc:
+        if "exercise 8" in str(exc):
+            raise
+        raise AssertionError(
+            "the host read a batch's tokens before its copy_done event passed: next_tokens_host is made with "
+            "torch.empty and holds whatever was in that memory until the copy lands, and those ids were committed "
+            f"and fed to the next forward ({type(exc).__name__}: {exc})") from None
+    return llm, [o.token_ids for o in outs]
+
+
+def test_the_host_waits_for_copy_done_before_reading_the_tokens(qwen3):
+    _, expected = run(qwen3, "normal")
+    _, got = run(qwen3, "normal", device_delay_ms=20)
+    assert got == expected, (
+        "the host read a batch's tokens before its copy_done event passed: wait for copy_done in commit() first "
+        f"(got {got}, expected {expected})")
+
+
+def test_a_commit_waits_for_its_own_batch_only(qwen3):
+    llm = LLM(qwen3, loop="overlap", device_delay_ms=20)
+    results, next_busy = {}, []
+    launch, commit_results = llm.scheduler.launch, llm.scheduler._commit_results
+
+    def spy_launch(planned):
+        results[planned.forward.batch_id] = launch(planned)
+        return results[planned.forward.batch_id]
+
+    def spy_commit(view, result):
+        if result.batch_id + 1 in results:  # batch n was launched before batch n-1 is committed
+            next_busy.append(not results[result.batch_id + 1].copy_done.query())
+        return commit_results(view, result)
+
+    llm.scheduler.launch, llm.scheduler._commit_results = spy_launch, spy_commit
+    llm.generate(["hello there", "the lazy dog"], SIX)
+    assert next_busy and sum(next_busy) >= len(next_busy) - 1, (
+        "commit() must wait for the copy_done event of the batch it commits, not for the whole engine stream: "
+        "waiting for the stream also waits for the batch launched after it, and the overlap is gone; batch n was "
+        f"still running during the commit of batch n-1 in {sum(next_busy)} of {len(next_busy)} commits")

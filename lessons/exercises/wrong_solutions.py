@@ -1,0 +1,314 @@
+"""Known-wrong solutions: plausible mistakes, each of which the exercise's tests must catch.
+
+Each entry replaces one or more marked regions of an exercise (by the region's name, the text
+after `# >>> exercise N:`) with wrong code; the other regions keep the reference. The
+repository's test (tests/test_exercises.py) puts each one into a copy of the package, runs the
+exercise's tests, and checks that they fail within a minute and that the first failure says
+`expect`: the concept the learner has to think about. `make_exercise.py check N --wrong NAME`
+shows a teacher what a learner with that mistake sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Wrong:
+    exercise: int
+    name: str
+    story: str  # the mistake, in one line
+    expect: str  # a phrase the first failure (or the hang report) must contain
+    regions: dict[str, str] = field(default_factory=dict)  # region name -> code put there (any indent)
+
+
+OVERLAP_LOOP = """
+if self._must_commit_first(last, planned=None):
+    self.commit(last, early=True)
+    last = None
+planned = self.schedule()
+{before_launch}
+inflight = None
+if planned is not None:
+    result = self.launch(planned)
+    inflight = InFlight({view}, result)
+{after_launch}
+if last is not None:
+    self.commit(last)
+return inflight
+"""
+EARLY = """
+if self._must_commit_first(last, planned):
+    self.commit(last, early=True)
+    last = None
+"""
+SNAPSHOT = 'planned.view.snapshot() if self.on("batch_snapshot") else planned.view'
+
+
+def overlap_loop(before_launch: str = EARLY, after_launch: str = "", view: str = SNAPSHOT) -> str:
+    return OVERLAP_LOOP.format(before_launch=before_launch.strip(), after_launch=after_launch.strip(), view=view)
+
+
+WRONG: list[Wrong] = [
+    # ---------------------------------------------------------------- exercise 1: overlap_loop
+    Wrong(1, "commit-before-launch", "commits batch n-1 before launching batch n: the serial loop again",
+          "must launch batch n before it commits batch n-1", {"overlap_loop": """
+planned = self.schedule()
+if last is not None:
+    self.commit(last)
+if planned is None:
+    return None
+result = self.launch(planned)
+return InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
+"""}),
+    Wrong(1, "prefill-sync-after-launch", "the prefill_sync commit is placed after launch()",
+          "must be committed BEFORE batch n is launched",
+          {"overlap_loop": overlap_loop(before_launch="", after_launch=EARLY)}),
+    Wrong(1, "sync-any-prefill", "syncs on every prefill, also one that follows a decode",
+          "applies only to two prefills in a row", {"the sync boundaries": """
+if last is None:
+    return False
+if planned is None:
+    return not self.on("future_map")
+return planned.forward.is_prefill and self.on("prefill_sync")
+"""}),
+    Wrong(1, "ignore-batch-snapshot", "always snapshots, ignoring the batch_snapshot switch",
+          "the live RunningBatch itself when it is switched off",
+          {"overlap_loop": overlap_loop(view="planned.view.snapshot()")}),
+    Wrong(1, "drop-last-when-idle", "returns as soon as nothing new is planned, dropping the batch in flight",
+          "must still be committed when schedule() plans nothing", {"overlap_loop": """
+planned = self.schedule()
+if planned is None:
+    return None
+if self._must_commit_first(last, planned):
+    self.commit(last, early=True)
+    last = None
+result = self.launch(planned)
+inflight = InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
+if last is not None:
+    self.commit(last)
+return inflight
+"""}),
+    Wrong(1, "no-future-map-boundary", "never commits early when future_map is off",
+          "future_map off", {"the sync boundaries": """
+if last is None or planned is None:
+    return False
+return planned.forward.is_prefill and last.view.is_prefill and self.on("prefill_sync")
+"""}),
+]
+WRONG += [
+    # ---------------------------------------------------------------- exercise 2: FutureMap
+    Wrong(2, "no-publish", "publish does nothing (only resolve written)", "publish wrote nothing",
+          {"publish": "pass"}),
+    Wrong(2, "key-by-position", "publishes by position in the batch instead of by row",
+          "keyed by request-pool row, not by position", {"publish": "self.tokens[: len(next_tokens)] = next_tokens"}),
+    Wrong(2, "placeholder-off-by-one", "reads row -id instead of -id - 1",
+          "placeholder(row) is -(row+1)", {"resolve": """
+is_future = input_ids < 0
+return torch.where(is_future, self.tokens[(-input_ids).clamp(min=0)], input_ids)
+"""}),
+    Wrong(2, "real-ids-replaced", "treats every id as a placeholder", "real token ids (>= 0, including 0)",
+          {"resolve": "return self.tokens[(-input_ids - 1).clamp(min=0)]"}),
+    Wrong(2, "resolve-in-place", "overwrites the placeholders in the input tensor and returns it",
+          "resolve must not modify its input", {"resolve": """
+is_future = input_ids < 0
+input_ids[is_future] = self.tokens[-input_ids[is_future] - 1]
+return input_ids
+"""}),
+    Wrong(2, "host-loop", "resolves with a Python loop over .tolist() values", "stay on the device", {"resolve": """
+ids = [int(self.tokens[-t - 1]) if t < 0 else t for t in input_ids.tolist()]
+return torch.tensor(ids, dtype=torch.int64, device=input_ids.device)
+"""}),
+]
+WRONG += [
+    # ---------------------------------------------------------------- exercise 3: batch snapshot
+    Wrong(3, "return-self", "returns the live batch", "not the live batch itself", {"snapshot": "return self"}),
+    Wrong(3, "shared-list", "builds a BatchView around the live request list",
+          "its own copy of the request list", {"snapshot": """
+return BatchView(self.batch_id, False, self.reqs, self.rows, self.generations, self.samples, self.qo_lens)
+"""}),
+    Wrong(3, "deep-copied-requests", "deep-copies the requests as well", "the very same Req objects", {"snapshot": """
+import copy
+reqs = copy.deepcopy(self.reqs)
+return BatchView(self.batch_id, False, reqs, self.rows, self.generations, self.samples, self.qo_lens)
+"""}),
+    Wrong(3, "wrong-batch-id", "gives the snapshot the next batch id", "must be the value at launch", {"snapshot": """
+return BatchView(self.batch_id + 1, False, list(self.reqs), self.rows, self.generations, self.samples,
+                 self.qo_lens)
+"""}),
+]
+WRONG += [
+    # ---------------------------------------------------------------- exercise 4: overshoot
+    Wrong(4, "lookahead-by-committed-length", "looks ahead by committed outputs instead of launched samples",
+          "LAUNCHED samples already reach max_new_tokens", {"length lookahead": """
+if self.on("length_lookahead"):
+    self.running.reqs[:] = [r for r in self.running.reqs if len(r.output_ids) < r.max_new_tokens]
+"""}),
+    Wrong(4, "no-lookahead", "plans every running request, finished by length or not",
+          "must be left out of the next decode batch", {"length lookahead": "pass"}),
+    Wrong(4, "lookahead-ignores-switch", "looks ahead even with length_lookahead off",
+          "with length_lookahead off every capped request", {"length lookahead": """
+self.running.reqs[:] = [r for r in self.running.reqs if not r.will_finish_by_length()]
+"""}),
+    Wrong(4, "skip-without-counting", "drops the late result but does not count it",
+          "count each dropped late result", {"skip_finished": """
+if req.finished and self.on("skip_finished"):
+    continue
+"""}),
+    Wrong(4, "no-skip", "commits late results of finished requests", "is not an output: skip it",
+          {"skip_finished": "pass"}),
+    Wrong(4, "skip-ignores-switch", "skips late results even with skip_finished off", "with skip_finished off",
+          {"skip_finished": """
+if req.finished:
+    self.stats.overshoot_tokens += qo_len
+    continue
+"""}),
+    Wrong(4, "release-committed-only", "frees the tail only up to the KV-committed length",
+          "release by allocated length", {"release by allocated length": """
+self.kv_pool.free(req.slot_ids[written:req.kv_committed_len])
+"""}),
+    Wrong(4, "release-ignores-switch", "frees up to the allocated length even with release_allocated off",
+          "with release_allocated off", {"release by allocated length": """
+self.kv_pool.free(req.slot_ids[written:req.allocated_len])
+"""}),
+]
+CHECKPOINT = """
+written = {written}
+slots = req.slot_ids[:written]
+present = self.cache.insert(req.committed_ids()[:written], torch.tensor(slots, dtype=torch.int64))
+{free_copies}
+{unlock}
+"""
+
+
+def checkpoint(written: str = "min(req.kv_committed_len, req.committed_len)",
+               free_copies: str = "self.kv_pool.free(slots[req.cached_len:present])",
+               unlock: str = "self.cache.unlock(req.prefix_node)") -> str:
+    return CHECKPOINT.format(written=written, free_copies=free_copies, unlock=unlock)
+
+
+WRONG += [
+    # ---------------------------------------------------------------- exercise 5: checkpoint at the commit
+    Wrong(5, "not-reported", "releases the finished request but never reports it", "must be reported",
+          {"the commit point": """
+if req.finished and (finished_before or not req.released):
+    self._release(req)
+"""}),
+    Wrong(5, "checkpoint-committed-len", "checkpoints every committed position, including the last token's",
+          "checkpoint only the positions whose KV committed batches wrote",
+          {"checkpoint": checkpoint(written="req.committed_len")}),
+    Wrong(5, "no-unlock", "never unlocks the prefix locked at admission", "unlock the prefix node",
+          {"checkpoint": checkpoint(unlock="")}),
+    Wrong(5, "copies-not-freed", "does not free its copies of positions the tree already held",
+          "free your own copies", {"checkpoint": checkpoint(free_copies="")}),
+    Wrong(5, "release-every-finish", "releases at every finish, even a request released already",
+          "only if it was not released already", {"the commit point": """
+if req.finished:
+    self._release(req)
+    self.finished.append(req)
+"""}),
+    Wrong(5, "second-finish-silent", "skips the release on a second finish, hiding the double free",
+          "must still call _release", {"the commit point": """
+if req.finished and not finished_before:
+    if not req.released:
+        self._release(req)
+    self.finished.append(req)
+"""}),
+]
+FREE_ROW = """
+if self.on("deferred_row_free") and self._row_last_launch[row] {cmp} self._device_done_id{shift}:
+    self.deferred_rows.append(row)
+else:
+    self.req_to_token.free(row)
+"""
+FREE_DEFERRED = """
+still = []
+for row in self.deferred_rows:
+    if self._row_last_launch[row] {cmp} self._device_done_id{shift}:
+        still.append(row)
+    else:
+        self.req_to_token.free(row)
+self.deferred_rows = still
+"""
+
+
+def rows(cmp: str = ">", shift: str = "") -> dict[str, str]:
+    return {"deferred row free": FREE_ROW.format(cmp=cmp, shift=shift),
+            "free deferred rows": FREE_DEFERRED.format(cmp=cmp, shift=shift)}
+
+
+WRONG += [
+    # ---------------------------------------------------------------- exercise 6: row reuse
+    Wrong(6, "free-at-once", "frees the row at once, whatever is in flight", "may be reused only after every batch",
+          {"deferred row free": "self.req_to_token.free(row)"}),
+    Wrong(6, "one-batch-too-early", "frees the row while its last batch is still in flight",
+          "may be reused only after every batch", rows(shift=" + 1")),
+    Wrong(6, "one-batch-too-late", "keeps the row until one batch after its last one: the next owner waits forever",
+          "ran longer than", rows(cmp=">=")),
+    Wrong(6, "never-drained", "parks rows but never frees the parked ones", "ran longer than",
+          {"free deferred rows": "pass"}),
+    Wrong(6, "drain-all", "frees every parked row at the next commit", "may be reused only after every batch",
+          {"free deferred rows": """
+for row in self.deferred_rows:
+    self.req_to_token.free(row)
+self.deferred_rows = []
+"""}),
+    Wrong(6, "ignores-switch", "defers even with deferred_row_free off", "keep the switch", {"deferred row free": """
+if self._row_last_launch[row] > self._device_done_id:
+    self.deferred_rows.append(row)
+else:
+    self.req_to_token.free(row)
+"""}),
+]
+WRONG += [
+    # ---------------------------------------------------------------- exercise 7: staging write-after-read
+    Wrong(7, "no-wait", "counts the wait but never waits", "must wait for THAT buffer's consumed event",
+          {"staging write-after-read wait": """
+if buf.consumed is not None and not buf.consumed.query():
+    if self.war_wait:
+        self.waits += 1
+    else:
+        self.unread_overwrites += 1
+"""}),
+    Wrong(7, "inverted-query", "waits only when the device has already read the buffer",
+          "must wait for THAT buffer's consumed event", {"staging write-after-read wait": """
+if buf.consumed is not None and buf.consumed.query():
+    if self.war_wait:
+        self.waits += 1
+        buf.consumed.synchronize()
+    else:
+        self.unread_overwrites += 1
+"""}),
+    Wrong(7, "waits-for-the-other-buffer", "waits for the other buffer's read instead of this one's",
+          "must wait for THAT buffer's consumed event", {"staging write-after-read wait": """
+other = self.buffers[self._next]
+if other.consumed is not None and not other.consumed.query():
+    if self.war_wait:
+        self.waits += 1
+        other.consumed.synchronize()
+    else:
+        self.unread_overwrites += 1
+"""}),
+    Wrong(7, "ignores-switch", "waits even with staging_war_wait off", "keep the switch",
+          {"staging write-after-read wait": """
+if buf.consumed is not None and not buf.consumed.query():
+    self.waits += 1
+    buf.consumed.synchronize()
+"""}),
+]
+WRONG += [
+    # ---------------------------------------------------------------- exercise 8: the stream handoff
+    Wrong(8, "no-stream-wait", "queues the forward without waiting for the scheduler stream",
+          "must wait for the scheduler stream", {"the engine stream waits for the scheduler stream": "pass"}),
+    Wrong(8, "reversed-stream-wait", "makes the scheduler stream wait for the engine stream instead",
+          "must wait for the scheduler stream",
+          {"the engine stream waits for the scheduler stream": "after.wait_stream(self.stream)"}),
+    Wrong(8, "host-waits-for-scheduler-stream", "blocks the host until the scheduler stream is done",
+          "launch() blocked the host", {"the engine stream waits for the scheduler stream": "after.synchronize()"}),
+    Wrong(8, "no-copy-done-wait", "reads the tokens without waiting for copy_done",
+          "before its copy_done event passed", {"the host waits for copy_done": "pass"}),
+    Wrong(8, "query-instead-of-wait", "asks copy_done whether it passed, and reads anyway",
+          "before its copy_done event passed", {"the host waits for copy_done": "result.copy_done.query()"}),
+    Wrong(8, "waits-for-the-whole-stream", "waits for the whole engine stream instead of copy_done",
+          "not for the whole engine stream", {"the host waits for copy_done": "self.engine.stream.synchronize()"}),
+]
