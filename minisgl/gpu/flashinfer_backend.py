@@ -10,8 +10,9 @@ Page size is 1: a "page" is one token slot, so every last_page_len is 1.
 Planning writes the schedule into pinned host memory that the device copies when it reaches
 the batch: the same write-after-read hazard as our staging buffers (lessons/readings §4).
 In the overlap loop the host plans batch n+1 while batch n may not have copied its plan yet,
-so there are two sets of wrappers and batches alternate between them (`parity` = batch id % 2). A set is reused by batch n+2, which is planned only after
-batch n was committed, i.e. after its copy_done.
+so there are two sets of wrappers and batches alternate between them (`parity` = batch id
+% 2). A set is reused by batch n+2, which is planned only after batch n was committed, i.e.
+after its copy_done.
 """
 
 from __future__ import annotations
