@@ -2,6 +2,11 @@
 # GPU runs on the H200 (set-up: benchmarks/H200_SETUP.md; figures: benchmarks/RESULTS.md).
 #   bash benchmarks/h200.sh tests   # CUDA tests
 #   bash benchmarks/h200.sh bench   # offline benchmark: both loops, graphs on/off, HF, roofline
+#   bash benchmarks/h200.sh breakdown      # offline, both loops, graphs on, with the run-level breakdown
+#   bash benchmarks/h200.sh deterministic  # offline, overlap loop, deterministic=True (its cost)
+#   bash benchmarks/h200.sh online         # Poisson arrivals, both loops; overlap with prefill_sync off
+#   bash benchmarks/h200.sh checks         # batch-1 TPOT, eager overlap vs normal profile, host profile
+# Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online).
 # Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -13,7 +18,8 @@ git rev-parse --short HEAD 2>/dev/null || true
 for what in "$@"; do
 case "$what" in
   tests)
-    python3 -m pytest -q -rA -s tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | grep -E "identical|launch /|passed|failed|^E " ;;
+    python3 -m pytest -q -rA -s tests/test_cuda.py -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/tests.log" \
+      | grep -E "identical|launch /|engine holds|passed|failed|Error|^E " ;;
   bench)
     N=${N:-256}
     python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
@@ -26,6 +32,24 @@ case "$what" in
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
     python3 -m minisgl bench --workload offline --num-requests "$N" --model /tmp/qwen3-0.6b \
       --compare-loops --delays 0 --json "$OUT/graphs.json" 2>&1 | tee "$OUT/bench_graphs.log" ;;
+  breakdown|deterministic)
+    N=${N:-256}
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    if [ "$what" = breakdown ]; then flags="--compare-loops --delays 0"; else flags="--loop overlap --deterministic"; fi
+    python3 -m minisgl bench --workload offline --num-requests "$N" --model /tmp/qwen3-0.6b $flags --breakdown \
+      --json "$OUT/$what.json" 2>&1 | tee "$OUT/bench_$what.log" ;;
+  online)
+    N=${N:-128}
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    python3 -m minisgl bench --workload online --num-requests "$N" --rate "${RATES:-8,16,32}" --compare-loops \
+      --model /tmp/qwen3-0.6b --json "$OUT/online.json" 2>&1 | tee "$OUT/online.log"
+    python3 -m minisgl bench --workload online --num-requests "$N" --rate "${RATES:-8,16,32}" --loop overlap \
+      --disable prefill_sync --model /tmp/qwen3-0.6b --json "$OUT/online_nosync.json" 2>&1 | tee "$OUT/online_nosync.log" ;;
+  checks)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    for c in batch1 eager host; do
+      python3 benchmarks/gpu_checks.py /tmp/qwen3-0.6b $c "$OUT" 2>&1 | tee "$OUT/checks_$c.log"
+    done ;;
 esac
 done
 (cd ~/.cache && tar czf "$OUT/flashinfer-cache.tgz" flashinfer 2>/dev/null) || true

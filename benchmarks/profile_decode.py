@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 
 import torch
+from gpu_checks import long_prompts, steady_decode  # benchmarks/ is on sys.path when run as a script
 from torch.profiler import ProfilerActivity, profile
 
 from minisgl import LLM, SamplingParams
@@ -21,15 +21,7 @@ from minisgl import LLM, SamplingParams
 
 def profile_steps(model: str) -> None:
     llm = LLM(model, device="cuda")
-    rng = random.Random(0)
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    for _ in range(256):
-        llm.add_request([rng.randint(0, 10000) for _ in range(800)], params)
-    while llm.scheduler.waiting or llm.scheduler.prefilling:
-        llm.step()
-    for _ in range(5):
-        llm.step()
-    torch.cuda.synchronize()
+    steady_decode(llm, long_prompts(), SamplingParams(max_new_tokens=40, ignore_eos=True), warm_steps=5)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(10):

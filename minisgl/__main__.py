@@ -109,8 +109,9 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure throughput (and compare the two loops)")
     add_engine_args(b)
     b.add_argument("--compare-loops", action="store_true", help="run normal and overlap, with and without delay")
-    b.add_argument("--workload", default="small", choices=["small", "offline"],
-                   help="small: CPU-sized; offline: 256 requests, lengths uniform in 100..1024 (GPU)")
+    b.add_argument("--workload", default="small", choices=["small", "offline", "online"],
+                   help="small: CPU-sized; offline: 256 requests, lengths uniform in 100..1024 (GPU); "
+                        "online: the offline lengths arriving at --rate")
     b.add_argument("--num-requests", type=positive_int, default=None)
     b.add_argument("--delays", default=None, help="comma-separated device_delay_ms values for --compare-loops")
     b.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same requests")
@@ -118,6 +119,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=positive_int, default=1,
                    help="run every configuration N times, interleaved (median, range)")
     b.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    b.add_argument("--rate", default="8", help="--workload online: arrival rate(s) in requests/s, comma-separated")
+    b.add_argument("--breakdown", action="store_true",
+                   help="attribute the run's device time to prefill, decode by batch size, padding, idle")
     b.set_defaults(func=cmd_bench)
 
     from .observe.lab import add_lab_args

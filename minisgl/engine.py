@@ -6,6 +6,17 @@ inside `engine_stream_ctx`). What it returns is a *handle*: the sampled tokens o
 device-to-host copy will fill, and `copy_done`, the event after that copy. Only after
 `copy_done.synchronize()` may the host read the tokens.
 
+`Engine.close()` gives every device resource back (graphs and their memory pool, FlashInfer
+workspaces, the KV pool, the request table, the weights) and stops the stream's thread.
+
+Keep-alive (article 000): a tensor that one stream creates and another stream reads must
+stay allocated until the reader has run, or the caching allocator hands its memory to the
+next allocation while the read is still queued. Here every tensor the engine stream reads
+is either created on the engine stream itself (the staging copies, the sampled tokens, the
+attention metadata: allocated under `self.stream`, so the allocator orders reuse after
+them), or owned by a long-lived object (the staging buffers, the plans, the CUDA-graph
+buffers), whose reuse the write-after-read waits and the plan parity protect.
+
 On CPU the "device" is the stream's worker thread; `device_delay_ms` adds a sleep at the
 start of every forward there (GIL released) to emulate a slower device. That is a teaching
 aid: it makes device time large and predictable, so the overlap and its race windows are
@@ -14,7 +25,9 @@ visible and deterministic.
 
 from __future__ import annotations
 
+import gc
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +39,10 @@ from .gpu.flashinfer_backend import FlashInferBackend, flashinfer_available
 from .future_map import FutureMap
 from .kv_pool import ReqToTokenPool
 from .mechanisms import Mechanisms
-from .models.decoder import load_model
 from .models.sampler import sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
+from .models.decoder import DETERMINISTIC_ROWS, load_model, set_fixed_rows
 from .observe.trace import Tracer
 
 
@@ -61,15 +74,39 @@ class ForwardResult:
     copy_done: Event
 
 
+@dataclass
+class BatchRecord:
+    """One launched batch as the run-level breakdown needs it (recorded only while tracing)."""
+
+    batch_id: int
+    is_prefill: bool
+    num_reqs: int
+    num_tokens: int  # new tokens
+    kv_tokens: int  # positions attended over, all requests together
+    attention_pairs: int  # sum over requests of new tokens x positions: prefill attention work
+    padded_reqs: int  # rows actually computed: the CUDA-graph size a decode batch is padded to
+
+
 class Engine:
     def __init__(self, model_path: str | Path, device: torch.device, dtype: torch.dtype, num_rows: int,
                  device_delay_ms: float = 0.0, mechanisms: Mechanisms = Mechanisms(),
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", deterministic: bool = False) -> None:
+        self.closed = False
+        if device.type == "cuda":
+            # An earlier engine that was dropped without close() may still sit in reference
+            # cycles: collect it now, at a safe point, not during this engine's graph capture.
+            gc.collect()
+            torch.cuda.empty_cache()
         self.device = device
+        # Batch-invariant kernels (`LLM(..., deterministic=True)`): a request's tokens then do
+        # not depend on which other requests share its batches (see models/decoder.py Linear).
+        self.deterministic = deterministic
         self.dtype = dtype
         self.mechanisms = mechanisms
         self.num_rows = num_rows
         self.model, self.config = load_model(model_path, dtype, device)
+        if deterministic:
+            set_fixed_rows(self.model, DETERMINISTIC_ROWS)
         self.device_delay_s = device_delay_ms / 1000.0
         self.backend = self._make_backend(attention_backend)
         self.graphs: CudaGraphRunner | None = None
@@ -79,10 +116,7 @@ class Engine:
         self.kv: KVCache | None = None
         self.req_to_token: ReqToTokenPool | None = None
         self.tracer = Tracer(enabled=False)
-
-    def close(self) -> None:
-        """Stop the engine stream (on CPU: its worker thread). Idempotent."""
-        self.stream.close()
+        self.batch_log: list[BatchRecord] = []  # filled while tracing: what observe/breakdown.py attributes
 
     def bytes_per_token(self) -> int:
         m = self.model
@@ -97,26 +131,38 @@ class Engine:
             if self.device.type != "cuda":
                 raise ValueError("the flashinfer backend needs a CUDA device")
             m = self.model
-            return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device)
-        return TorchAttentionBackend()
+            return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
+                                     deterministic=self.deterministic)
+        return TorchAttentionBackend(deterministic=self.deterministic)
 
     def attach_memory(self, num_slots: int, req_to_token: ReqToTokenPool) -> None:
         """Allocate the KV cache (`num_slots` token slots in every layer) and adopt the request table."""
         m = self.model
         self.kv = KVCache(m.num_layers, num_slots, m.num_kv_heads, m.head_dim, self.dtype, self.device)
         self.req_to_token = req_to_token
-        if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph"):
+        # Deterministic decode runs eagerly: FlashInfer's unsplit tensor-core decode inside the
+        # CUDA-graph wrappers crashed the warm-up of every engine after the first one in a process
+        # on the H200 ("illegal memory access"; benchmarks/RESULTS.md), so graphs are left out there.
+        if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph") and not self.deterministic:
             self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, self.num_rows, num_slots, self.device)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
         """Queue batch's forward + sampling on the engine stream; return without waiting."""
         B = batch.num_reqs
+        # Allocated here, on the host's stream, written on the engine stream. Keep-alive by a
+        # kept reference: the ForwardResult holds both until commit, which waits for copy_done,
+        # the event after their last use (and close() synchronizes before anything is freed).
         next_tokens = torch.empty(B, dtype=torch.int64, device=self.device)
         pinned = self.device.type == "cuda" and self.mechanisms.on("pinned_copy")
         next_tokens_host = torch.empty(B, dtype=torch.int64, pin_memory=pinned)
         inputs: list[DeviceInputs] = []
         span: list[object] = []
         iteration = self.tracer.iteration
+        if self.tracer.enabled:
+            padded = self.graphs.padded_size(B) if self.graphs is not None and not batch.is_prefill else B
+            self.batch_log.append(BatchRecord(batch.batch_id, batch.is_prefill, B, batch.num_tokens,
+                                              sum(batch.kv_lens), sum(q * k for q, k in zip(batch.qo_lens, batch.kv_lens)),
+                                              padded))
         # The engine first waits for the scheduler's stream, so that everything the scheduler
         # wrote for this batch (request-table rows of new requests) is visible
         # (lessons/readings §3, §12: SGLang's forward stream waits on its schedule stream).
@@ -141,6 +187,38 @@ class Engine:
         self.stream.launch(forward)
         copy_done = self.stream.record_event()
         return ForwardResult(batch.batch_id, next_tokens, next_tokens_host, copy_done)
+
+    def close(self) -> None:
+        """Give back everything this engine holds on the device, and stop the stream's thread.
+
+        Idempotent. Waits for queued work first: nothing freed here may still be read by a
+        kernel. The request table is the scheduler's, but the engine frees its device memory
+        with the rest (a closed LLM is never used again)."""
+        if self.closed:
+            return
+        self.closed = True
+        cuda_ok = self.device.type == "cuda"
+        if cuda_ok:
+            try:
+                self.stream.synchronize()
+            except RuntimeError as exc:  # a failed kernel: the context is lost, free what we can
+                warnings.warn(f"Engine.close(): queued device work failed: {exc}", RuntimeWarning, stacklevel=2)
+                cuda_ok = False
+        self.stream.close()  # CPU: the worker drains its queue, then exits
+        if self.graphs is not None:
+            self.graphs.close()
+        if isinstance(self.backend, FlashInferBackend):
+            self.backend.close()
+        if self.req_to_token is not None:
+            self.req_to_token.table = self.req_to_token.table.new_empty(0)
+        self.graphs = self.kv = self.req_to_token = None
+        self.model = self.future_map = self.backend = None  # type: ignore[assignment]
+        # Reference cycles (FlashInfer wrappers, closures) would otherwise keep tensors alive
+        # until some later collection, possibly in the middle of the next engine's graph capture.
+        gc.collect()
+        if cuda_ok:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _emulated_delay(self) -> None:
         """Extra device time: a sleep on the CPU stream's thread, a spinning kernel on CUDA."""

@@ -53,7 +53,7 @@ class LLM:
                  loop: str = "overlap", disable: Sequence[str] | str = (), device_delay_ms: float = 0.0,
                  dtype: str | torch.dtype | None = None, max_running_requests: int | None = None,
                  chunk_size: int | None = None, kv_tokens: int | None = None, trace: bool = False,
-                 attention_backend: str = "auto", host_delay_ms: float = 0.0) -> None:
+                 attention_backend: str = "auto", host_delay_ms: float = 0.0, deterministic: bool = False) -> None:
         # Every argument is checked before anything is started, so a bad one leaves nothing behind.
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a path, got {type(model_path).__name__}")
@@ -84,7 +84,7 @@ class LLM:
         self._rng = random.Random(0)
         try:
             self.engine = Engine(model_path, self.device, dtype, num_rows=rows, device_delay_ms=device_delay_ms,
-                                 mechanisms=mechanisms, attention_backend=attention_backend)
+                                 mechanisms=mechanisms, attention_backend=attention_backend, deterministic=bool(deterministic))
         except OSError as exc:  # transformers reports an unreadable config.json as OSError
             raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
         # Stops the engine's worker thread if this LLM is dropped or the interpreter exits

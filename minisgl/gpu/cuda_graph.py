@@ -16,6 +16,8 @@ all with one launch. Graphs have fixed shapes and fixed addresses, so:
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from ..models.attention import AttentionMetadata, KVCache
@@ -61,20 +63,50 @@ class CudaGraphRunner:
     def _capture_all(self, device: torch.device) -> None:
         pool = None
         stream = torch.cuda.Stream(device=device)
-        for parity in range(2):
-            for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs fit in its pool
-                wrapper = self.wrappers[parity][bs]
-                meta = self._static_meta(bs, [1] * bs, torch.zeros(bs, dtype=torch.int64, device=device))
-                self.backend.plan(meta, decode_wrapper=wrapper)
-                with torch.cuda.stream(stream):
-                    self.model(self.input_ids[:bs], meta, self.kv, self.backend)  # warm-up outside the graph
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[parity][bs] = self.model(self.input_ids[:bs], meta, self.kv, self.backend)
-                pool = graph.pool()
-                self.graphs[parity][bs] = graph
+        # The side stream starts after everything queued so far (the KV pool's zeroing, the
+        # weights): a new stream does not wait for the default one by itself.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        # No garbage collection while capturing: collecting an earlier engine's leftovers here
+        # would free its graphs and their pool in the middle of this capture (it crashed the
+        # process: "illegal memory access"). Engine.__init__ collects before we start.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(stream):
+                for parity in range(2):
+                    for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs fit in its pool
+                        pool = self._capture(parity, bs, pool, stream, device)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         torch.cuda.synchronize(device)
+
+    def _capture(self, parity: int, bs: int, pool, stream: torch.cuda.Stream, device: torch.device):
+        """Plan, warm up and capture the graph for batch size bs; returns the memory pool to share."""
+        wrapper = self.wrappers[parity][bs]
+        meta = self._static_meta(bs, [1] * bs, torch.zeros(bs, dtype=torch.int64, device=device))
+        self.backend.plan(meta, decode_wrapper=wrapper)
+        self.model(self.input_ids[:bs], meta, self.kv, self.backend)  # warm-up outside the graph
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            self.logits[parity][bs] = self.model(self.input_ids[:bs], meta, self.kv, self.backend)
+        self.graphs[parity][bs] = graph
+        return graph.pool()
+
+    def padded_size(self, num_reqs: int) -> int:
+        """The captured batch size a decode batch of num_reqs requests runs at."""
+        return next((s for s in self.batch_sizes if s >= num_reqs), num_reqs)
+
+    def close(self) -> None:
+        """Free the graphs, their private memory pool, and the static buffers. Without it the
+        pool stays reserved until the garbage collector happens to run, which may be in the
+        middle of the next engine's capture."""
+        for graphs in self.graphs:
+            for graph in graphs.values():
+                graph.reset()
+        self.graphs, self.logits, self.wrappers = [{}, {}], [{}, {}], []
+        self.workspace = self.kv_indices_buf = self.kv_indptr_buf = None  # type: ignore[assignment]
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return meta.is_decode and meta.num_requests <= self.batch_sizes[-1]
@@ -82,7 +114,7 @@ class CudaGraphRunner:
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, parity: int) -> torch.Tensor:
         """Replay on the current (engine) stream; returns logits [B, vocab] (a view of a static buffer)."""
         B = meta.num_requests
-        bs = next(s for s in self.batch_sizes if s >= B)
+        bs = self.padded_size(B)
         pad = bs - B
         self.input_ids[:B].copy_(input_ids)
         self.positions[:B].copy_(meta.positions)

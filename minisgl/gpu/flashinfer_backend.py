@@ -8,17 +8,18 @@ never waits for the device (a device-to-host read here would stall the overlap p
 Page size is 1: a "page" is one token slot, so every last_page_len is 1.
 
 Planning writes the schedule into pinned host memory that the device copies when it reaches
-the batch: the same write-after-read hazard as our staging buffers (lessons/readings §4). In the overlap loop the host plans batch n+1 while batch n may not
-have copied its plan yet, so there are two sets of wrappers and batches alternate between
-them (`parity` = batch id % 2). A set is reused by batch n+2, which is planned only after
-batch n was committed, i.e. after its copy_done.
+the batch: the same write-after-read hazard as our staging buffers (lessons/readings §4).
+In the overlap loop the host plans batch n+1 while batch n may not have copied its plan yet,
+so there are two sets of wrappers and batches alternate between them (`parity` = batch id
+% 2). A set is reused by batch n+2, which is planned only after batch n was committed, i.e.
+after its copy_done.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..models.attention import AttentionMetadata, KVCache
+from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -40,7 +41,7 @@ def host_indptr(lengths: list[int]) -> torch.Tensor:
 
 class FlashInferBackend:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, deterministic: bool = False) -> None:
         import flashinfer
 
         if dtype not in (torch.float16, torch.bfloat16):
@@ -49,8 +50,11 @@ class FlashInferBackend:
         self.dtype = dtype
         # One float workspace: it is used only while kernels run, and batches run in order.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # Tensor cores pay off when several query heads share a KV head (GQA group >= 4).
-        self.use_tensor_cores = num_qo_heads // num_kv_heads >= 4
+        # Tensor cores pay off when several query heads share a KV head (GQA group >= 4); the
+        # deterministic mode needs them: only that kernel can switch the KV split off.
+        self.use_tensor_cores = num_qo_heads // num_kv_heads >= 4 or deterministic
+        self.deterministic = deterministic
+        self.prefill_reference = TorchAttentionBackend(deterministic=True) if deterministic else None
         self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
         self.decode = [flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                     use_tensor_cores=self.use_tensor_cores)
@@ -60,23 +64,34 @@ class FlashInferBackend:
     def plan(self, meta: AttentionMetadata, parity: int = 0, decode_wrapper=None) -> None:
         """Once per batch. `decode_wrapper`: a CUDA-graph wrapper with its own fixed buffers."""
         num_qo, num_kv, head_dim = self.shape
+        # Keep-alive: these host tensors are pageable, so FlashInfer's non_blocking upload stages
+        # them before it returns and they may be dropped at once; kv_indices was made on the
+        # engine stream, which runs this plan's copies and kernels; the plan's own pinned buffer
+        # belongs to the wrapper, reused only by batch n+2 (the parity above).
         kv_indptr = host_indptr(meta.kv_lens)
         last_page_len = torch.ones(meta.num_requests, dtype=torch.int32)
         kv_indices = meta.kv_indices.to(torch.int32)
         if meta.is_decode:
             self._active = decode_wrapper or self.decode[parity]
             self._active.plan(kv_indptr, kv_indices, last_page_len, num_qo, num_kv, head_dim, 1,
-                              q_data_type=self.dtype, kv_data_type=self.dtype)
-        else:
+                              q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=self.deterministic)
+        elif self.prefill_reference is None:
             self._active = self.prefill[parity]
             self._active.plan(host_indptr(meta.qo_lens), kv_indptr, kv_indices, last_page_len, num_qo, num_kv,
                               head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
+        if self.prefill_reference is not None and not meta.is_decode:
+            return self.prefill_reference.forward(q, k, v, layer_id, meta, kv)
         k_pool, v_pool = kv.k[layer_id], kv.v[layer_id]
         k_pool[meta.out_slots] = k.to(k_pool.dtype)
         v_pool[meta.out_slots] = v.to(v_pool.dtype)
         # [slots, heads, dim] viewed as [pages, page_size=1, heads, dim] (the "NHD" layout)
         paged = (k_pool.unsqueeze(1), v_pool.unsqueeze(1))
         return self._active.run(q.contiguous(), paged)
+
+    def close(self) -> None:
+        """Drop the wrappers (they hold the workspace and their plans' buffers)."""
+        self.prefill, self.decode, self._active = [], [], None
+        self.workspace = None

@@ -100,7 +100,12 @@ class TorchAttentionBackend:
     """Reference backend in plain torch: one small attention per request, in float32.
 
     Slow but easy to read and to trust; faster backends must produce the same numbers.
+    `deterministic`: decode one request at a time as well, like prefill: the batched decode
+    pads every request's K/V to the batch's longest, so its reductions depend on the batch.
     """
+
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
 
     def plan(self, meta: AttentionMetadata, parity: int = 0) -> None:
         pass  # nothing to prepare: every layer reads the metadata directly
@@ -119,7 +124,7 @@ class TorchAttentionBackend:
         k_pool[meta.out_slots] = k.to(k_pool.dtype)
         v_pool[meta.out_slots] = v.to(v_pool.dtype)
 
-        if meta.is_decode:
+        if meta.is_decode and not self.deterministic:
             return decode_attention(q, k_pool, v_pool, meta)
         out = torch.empty_like(q)
         q_start = kv_start = 0

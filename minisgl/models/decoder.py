@@ -36,6 +36,45 @@ Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 FUSED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+# Rows per GEMM in the deterministic mode: the CUDA-graph runner's largest batch by default.
+DETERMINISTIC_ROWS = 256
+
+
+class Linear(nn.Linear):
+    """`nn.Linear`, with an optional batch-invariant mode (`fixed_rows`).
+
+    A GEMM library picks its kernel (tiling, how the reduction is split) from the matrix
+    shape, so the same row can round differently in a batch of 9 rows than in one of 8. With
+    `fixed_rows = S` the rows go through GEMMs of exactly S rows each, the last one padded with
+    zeros: every row is then computed by the same kernel, whatever else shares its batch.
+    Off (0, the default) it is the plain `nn.Linear` below, which stays the reference.
+    """
+
+    fixed_rows = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fixed_rows:
+            return super().forward(x)
+        return fixed_rows_linear(x, self.weight, self.bias, self.fixed_rows)
+
+
+def fixed_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """F.linear(x, weight, bias) on x [T, in], computed in slabs of exactly `rows` rows."""
+    num = x.shape[0]
+    padded = max(1, -(-num // rows)) * rows
+    if padded != num:
+        x = F.pad(x, (0, 0, 0, padded - num))
+    out = torch.cat([F.linear(slab, weight, bias) for slab in x.split(rows)])
+    return out[:num]
+
+
+def set_fixed_rows(model: nn.Module, rows: int) -> None:
+    """Switch every Linear of `model` to batch-invariant slabs of `rows` rows (0: plain)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.fixed_rows = rows
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -122,8 +161,8 @@ class Attention(nn.Module):
 
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=out_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=out_bias)
         self.qk_norm = family == "qwen3"
         if self.qk_norm:  # one RMSNorm over head_dim, shared by all heads
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -146,8 +185,8 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -191,7 +230,7 @@ class CausalLM(nn.Module):
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.vocab_size: int = config.vocab_size
         self.model = Decoder(config, self.head_dim)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend

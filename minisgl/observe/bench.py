@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..request import SamplingParams
+from .breakdown import ModelCost, breakdown, measure_ceilings
 from .trace import ideal_ratio, pipeline_metrics, realised_share, request_metrics
 
 console = Console()
@@ -107,6 +108,10 @@ def measure(args: argparse.Namespace, workload: Workload, loop: str, delay_ms: f
               **{f"req_{k}": v for k, v in request_metrics(outs).items()}}
     result["token_ids"] = [o.token_ids for o in outs]
     result["_spans"] = spans
+    if getattr(args, "breakdown", False):
+        hbm, flops = args.ceilings
+        result["breakdown"] = breakdown(spans, llm.engine.batch_log, ModelCost.from_config(args.model), hbm, flops,
+                                        llm.scheduler.max_running)
     llm.close()
     del llm
     _free_device_memory()
@@ -137,7 +142,13 @@ def run_bench(args: argparse.Namespace) -> int:
 
     vocab = AutoConfig.from_pretrained(model).vocab_size
     n = args.num_requests
-    workload = offline_workload(n or 256, vocab) if args.workload == "offline" else small_workload(vocab, n or 16)
+    workload = small_workload(vocab, n or 16) if args.workload == "small" else offline_workload(n or 256, vocab)
+    if getattr(args, "breakdown", False):
+        import torch
+
+        args.ceilings = measure_ceilings(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    if args.workload == "online":
+        return run_online_bench(args, workload)
     console.print(f"[bold]minisgl bench[/] {model.name}, workload {workload.name}: {len(workload.prompts)} requests, "
                   f"{workload.input_tokens} input / {workload.output_tokens} output tokens")
     if args.compare_loops:
@@ -159,6 +170,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.hf:
         results.append(measure_hf(model, workload, args))
     print_results(results)
+    for r in results:
+        if "breakdown" in r:
+            print_breakdown(r)
     if args.workload == "offline":
         floor = roofline(model, workload, args)
         results.append({"loop": "roofline floor", "delay_ms": 0.0, **floor})
@@ -217,6 +231,47 @@ def print_results(results: list[dict]) -> None:
                   highlight=False)
 
 
+def print_breakdown(result: dict) -> None:
+    table = Table(title=f"where the device time went: {result['loop']} loop (observe/breakdown.py)",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("phase", "batches", "tokens\nor slots", "device\ns", "share", "floor\ns", "floor\n/dev"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for row in result["breakdown"]:
+        ratio = f"{row['floor_s'] / row['device_s']:.0%}" if row["floor_s"] and row["device_s"] else ""
+        table.add_row(row["phase"], str(row["batches"] or ""), str(row["tokens"]), f"{row['device_s']:.3f}",
+                      f"{row['share']:.1%}", f"{row['floor_s']:.3f}" if row["floor_s"] else "", ratio)
+    console.print(table)
+
+
+def run_online_bench(args: argparse.Namespace, workload: Workload) -> int:
+    """Poisson arrivals at each rate in --rate, for one loop or both (--compare-loops)."""
+    from ..options import build_llm
+    from .online import run_online
+
+    rates = [float(r) for r in str(args.rate).split(",")]
+    loops = ["normal", "overlap"] if args.compare_loops else [args.loop]
+    results = []
+    for loop in loops:
+        llm = build_llm(args, loop=loop, trace=True)
+        llm.generate([workload.prompts[0][:8]], SamplingParams(max_new_tokens=4))  # warm-up (and JIT, on GPU)
+        for rate in rates:
+            results.append({"loop": loop, **run_online(llm, workload.prompts, workload.params, rate, seed=0)})
+        llm.close()
+    table = Table(title=f"online: {len(workload.prompts)} requests, Poisson arrivals (seed 0)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("loop", "rate\nreq/s", "tok/s", "TTFT p50\nms", "TTFT p99\nms", "ITL p50\nms", "ITL p99\nms",
+                "device\nbusy"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in results:
+        table.add_row(r["loop"], f"{r['rate']:g}", f"{r['output_tok_per_s']:.0f}",
+                      *(f"{r[k] * 1000:.1f}" for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")),
+                      f"{r['device_busy']:.1%}")
+    console.print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
 def print_ratios(results: list[dict]) -> None:
     """overlap/normal per delay: median and range over paired repeats, next to the ideal
     (G+C)/max(G,C) with G and C measured in the normal runs, and the share of the gain realised."""
@@ -249,56 +304,22 @@ def roofline(model: Path, workload: Workload, args: argparse.Namespace) -> dict:
     and every active request's KV once at the measured HBM bandwidth; prefill does its FLOPs at
     the measured bf16 matmul rate. All requests decode together (they all fit in the pool)."""
     import torch
-    from transformers import AutoConfig
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg = AutoConfig.from_pretrained(model)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    layers, hidden, inter = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
-    q_size, kv_size = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-    layer_params = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
-    matmul_params = layers * layer_params + hidden * cfg.vocab_size  # + lm_head
-    weight_bytes = 2 * matmul_params
-    kv_bytes_per_token = 2 * layers * kv_size * 2
-
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    hbm = 2 * x.numel() / _timed(lambda: y.copy_(x), device)  # a copy reads and writes every byte
-    flops = 2 * 8192 ** 3 / _timed(lambda: a @ a, device)
-    del x, y, a
+    cost = ModelCost.from_config(model)
+    hbm, flops = getattr(args, "ceilings", None) or measure_ceilings(device)
 
     in_lens = [len(p) for p in workload.prompts]
     out_lens = [p.max_new_tokens for p in workload.params]
     decode_bytes = 0
     for step in range(1, max(out_lens) + 1):
         active_kv = sum(i + step for i, o in zip(in_lens, out_lens) if o >= step)
-        decode_bytes += weight_bytes + active_kv * kv_bytes_per_token
-    prefill_flops = sum(2 * matmul_params * n + 2 * layers * q_size * n * n for n in in_lens)
+        decode_bytes += cost.weight_bytes + active_kv * cost.kv_bytes_per_token
+    prefill_flops = sum(2 * cost.matmul_params * n + 2 * cost.layers * cost.q_size * n * n for n in in_lens)
     wall = decode_bytes / hbm + prefill_flops / flops
     return {"wall_s": wall, "output_tokens": sum(out_lens), "output_tok_per_s": sum(out_lens) / wall,
             "hbm_gb_per_s": hbm / 1e9, "matmul_tflops": flops / 1e12, "decode_bytes": decode_bytes,
             "prefill_flops": prefill_flops}
-
-
-def _timed(fn, device, repeat: int = 10, rounds: int = 5) -> float:
-    """Seconds per call: the best of several rounds (clocks ramp up, neighbours interfere)."""
-    import torch
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - start) / repeat)
-    return best
 
 
 def measure_hf(model: Path, workload: Workload, args: argparse.Namespace, batch_size: int = 64) -> dict:

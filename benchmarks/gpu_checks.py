@@ -1,0 +1,149 @@
+"""GPU measurements that are not the offline benchmark (H200; see benchmarks/RESULTS.md).
+
+    python benchmarks/gpu_checks.py MODEL_DIR batch1|eager|host [OUT_DIR]
+
+batch1: TPOT of one request (256 prompt + 256 new tokens) in both loops, CUDA graphs on and
+        off, against the weights-read floor (weight bytes / measured HBM bandwidth).
+eager:  lesson 9's workload (64 requests x 64 tokens, graphs off) in both loops: tok/s, G, C,
+        then torch.profiler over 10 decode steps: the host-side CUDA calls that can wait
+        (synchronizations, copies, allocations) and kernel launches per step.
+host:   256 requests with 800-token prompts at steady decode, graphs on: host ms per step by
+        span (schedule, launch, commit, wait), and cProfile's top functions, for both loops.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from minisgl import LLM, SamplingParams
+from minisgl.observe.breakdown import ModelCost, measure_ceilings
+from minisgl.observe.trace import pipeline_metrics
+
+WATCH = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
+         "cudaMemcpy", "cudaStreamWaitEvent", "cudaEventQuery", "cudaHostAlloc", "cudaMalloc", "cudaFree",
+         "aten::_local_scalar_dense", "aten::item", "aten::to", "aten::copy_", "aten::pin_memory",
+         "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def steady_decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, warm_steps: int) -> None:
+    """Add the requests, run until every prompt is prefilled, then warm_steps decode steps."""
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    while llm.scheduler.waiting or llm.scheduler.prefilling:
+        llm.step()
+    for _ in range(warm_steps):
+        llm.step()
+    torch.cuda.synchronize()
+
+
+def timed_steps(llm: LLM, steps: int) -> float:
+    """Seconds per scheduler step over `steps` steps, device work included."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def long_prompts(num: int = 256, length: int = 800) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randint(0, 10000) for _ in range(length)] for _ in range(num)]
+
+
+def batch1(model: str) -> None:
+    hbm, _ = measure_ceilings(torch.device("cuda"))
+    floor = ModelCost.from_config(model).weight_bytes / hbm
+    print(f"weights-read floor per token: {floor * 1000:.3f} ms (HBM {hbm / 1e9:.0f} GB/s)")
+    prompt = [(13 * j) % 9000 + 5 for j in range(256)]
+    for graphs in (True, False):
+        for loop in ("normal", "overlap"):
+            llm = LLM(model, device="cuda", loop=loop, disable=() if graphs else ("cuda_graph",))
+            llm.generate([prompt[:8]], SamplingParams(max_new_tokens=8, ignore_eos=True))
+            out = llm.generate([prompt], SamplingParams(max_new_tokens=256, ignore_eos=True))[0]
+            tpot = out.metrics["tpot"]
+            print(f"batch 1, graphs {'on ' if graphs else 'off'}, {loop:>7}: TPOT {tpot * 1000:.3f} ms "
+                  f"= {floor / tpot:.0%} of the floor; TTFT {out.metrics['ttft'] * 1000:.1f} ms")
+            llm.close()
+
+
+def eager(model: str, out_dir: Path) -> None:
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(16 + i % 32)] for i in range(64)]
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    for loop in ("normal", "overlap"):
+        llm = LLM(model, device="cuda", loop=loop, disable=("cuda_graph",), trace=True)
+        llm.generate(prompts[:4], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        llm.reset_stats()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        m = pipeline_metrics(llm.engine.tracer.resolve())
+        print(f"eager {loop:>7}: {sum(len(o.token_ids) for o in outs) / wall:.0f} tok/s, "
+              f"G {m['device_time_per_forward_s'] * 1000:.2f} ms, C {m['host_time_per_iteration_s'] * 1000:.2f} ms, "
+              f"busy {m['device_busy_fraction']:.1%}")
+        host_spans(llm, f"eager {loop}")
+        llm.engine.tracer.enabled = False
+        steady_decode(llm, prompts, params, warm_steps=3)
+        steps = 10
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            per_step = timed_steps(llm, steps)
+        print(f"  profiled {steps} decode steps of 64 requests: {per_step * 1000:.2f} ms per step")
+        rows = {e.key: e for e in prof.key_averages()}
+        for key in WATCH:
+            if key in rows:
+                e = rows[key]
+                print(f"  {key:<28} calls/step {e.count / steps:7.1f}  host ms/step {e.cpu_time_total / steps / 1000:7.3f}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+        prof.export_chrome_trace(str(out_dir / f"eager_{loop}.json"))
+        while llm.has_unfinished():
+            llm.step()
+        llm.close()
+
+
+def host_spans(llm: LLM, label: str) -> None:
+    spans = [s for s in llm.engine.tracer.resolve() if s.lane == "host"]
+    iterations = max(1, len({s.iteration for s in spans}))
+    by_name: dict[str, float] = {}
+    for s in spans:
+        by_name[s.name] = by_name.get(s.name, 0.0) + s.duration
+    parts = ", ".join(f"{k} {v / iterations * 1000:.2f}" for k, v in sorted(by_name.items()))
+    print(f"  {label}: host ms per iteration: {parts}")
+
+
+def host(model: str) -> None:
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    for loop in ("normal", "overlap"):
+        llm = LLM(model, device="cuda", loop=loop, trace=True)
+        steady_decode(llm, long_prompts(), params, warm_steps=5)
+        llm.engine.tracer.clear()
+        steps = 20
+        per_step = timed_steps(llm, steps)
+        print(f"host, {loop}, 256 requests at steady decode (graphs on): {per_step * 1000:.2f} ms per step")
+        host_spans(llm, f"host {loop}")
+        llm.engine.tracer.enabled = False
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            llm.step()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-3000:])
+        while llm.has_unfinished():
+            llm.step()
+        llm.close()
+
+
+if __name__ == "__main__":
+    model, what = sys.argv[1], sys.argv[2]
+    out = Path(sys.argv[3]) if len(sys.argv) > 3 else Path("/tmp")
+    {"batch1": lambda: batch1(model), "eager": lambda: eager(model, out), "host": lambda: host(model)}[what]()
