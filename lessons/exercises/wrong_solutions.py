@@ -89,6 +89,8 @@ if last is not None:
     self.commit(last)
 return inflight
 """}),
+    Wrong(1, "live-view-like-normal-loop", "keeps normal_loop's InFlight(planned.view, result): no snapshot",
+          "must hold a snapshot of the batch", {"overlap_loop": overlap_loop(view="planned.view")}),
     Wrong(1, "no-future-map-boundary", "never commits early when future_map is off",
           "future_map off", {"the sync boundaries": """
 if last is None or planned is None:
