@@ -255,6 +255,13 @@ for row in self.deferred_rows:
     self.req_to_token.free(row)
 self.deferred_rows = []
 """}),
+    Wrong(6, "remove-while-iterating", "removes freed rows from the list it is looping over, skipping the next one",
+          "also when several rows become free at the same commit", {"free deferred rows": """
+for row in self.deferred_rows:
+    if self._row_last_launch[row] <= self._device_done_id:
+        self.deferred_rows.remove(row)
+        self.req_to_token.free(row)
+"""}),
     Wrong(6, "ignores-switch", "defers even with deferred_row_free off", "keep the switch", {"deferred row free": """
 if self._row_last_launch[row] > self._device_done_id:
     self.deferred_rows.append(row)
