@@ -39,7 +39,9 @@ EXERCISES = {e.number: e for e in (
         "Commit `last` even when nothing new was planned. Two boundaries commit `last` early instead, "
         "with commit(last, early=True): before scheduling when future_map is off (the new input ids "
         "must be committed tokens), and before launching when prefill_sync is on and the new batch and "
-        "`last` are both prefills. With batch_snapshot off, keep the live view instead of a snapshot.",
+        "`last` are both prefills. Unlike normal_loop, the InFlight must hold a snapshot of the view "
+        "(planned.view.snapshot(): schedule() changes the live batch before the commit, lesson 5); "
+        "with batch_snapshot off, the live view.",
         "if self._must_commit_first(last, None): commit(last, early=True); last = None. "
         "planned = self.schedule(). if self._must_commit_first(last, planned): the same. "
         "inflight = None; if planned: result = self.launch(planned); inflight = InFlight(view, result) "

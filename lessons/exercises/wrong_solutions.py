@@ -89,6 +89,8 @@ if last is not None:
     self.commit(last)
 return inflight
 """}),
+    Wrong(1, "live-view-like-normal-loop", "keeps normal_loop's InFlight(planned.view, result): no snapshot",
+          "must hold a snapshot of the batch", {"overlap_loop": overlap_loop(view="planned.view")}),
     Wrong(1, "no-future-map-boundary", "never commits early when future_map is off",
           "future_map off", {"the sync boundaries": """
 if last is None or planned is None:
@@ -252,6 +254,13 @@ WRONG += [
 for row in self.deferred_rows:
     self.req_to_token.free(row)
 self.deferred_rows = []
+"""}),
+    Wrong(6, "remove-while-iterating", "removes freed rows from the list it is looping over, skipping the next one",
+          "also when several rows become free at the same commit", {"free deferred rows": """
+for row in self.deferred_rows:
+    if self._row_last_launch[row] <= self._device_done_id:
+        self.deferred_rows.remove(row)
+        self.req_to_token.free(row)
 """}),
     Wrong(6, "ignores-switch", "defers even with deferred_row_free off", "keep the switch", {"deferred row free": """
 if self._row_last_launch[row] > self._device_done_id:

@@ -46,9 +46,16 @@ def test_the_batch_in_flight_is_committed_even_when_nothing_new_is_planned(qwen3
     llm = LLM(qwen3, loop="overlap")
     llm.scheduler.check_each_step = False  # the ownership audit would report the symptom (leaked slots) first
     done = stepped(llm, ["hello there", "the lazy dog"], FOUR)
+    events = set(llm.stats.events)
+    uncommitted = [n for n in range(llm.stats.batches) if ("commit", n) not in events]
+    # Two mistakes lose results here; the events tell them apart, so that the message names the right one.
+    assert not uncommitted, ("the batch in flight must still be committed when schedule() plans nothing: "
+                             f"batches launched but never committed: {uncommitted}")
     assert len(done) == 2 and all(len(ids) == 4 for ids in done.values()), (
-        "the batch in flight must still be committed when schedule() plans nothing: "
-        f"finished {len(done)} of 2 requests, outputs {done}")
+        "every batch was committed, yet the results did not reach their requests: the in-flight entry must "
+        "hold a snapshot of the batch (planned.view.snapshot(), lesson 5), not the live RunningBatch that "
+        f"normal_loop passes, because schedule() changes it before the commit; finished {len(done)} of 2 "
+        f"requests, outputs {done}")
 
 
 def test_batch_n_is_launched_before_batch_n_minus_1_is_committed(qwen3):

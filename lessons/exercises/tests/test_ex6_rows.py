@@ -59,3 +59,17 @@ def test_rows_all_come_back(qwen3, loop):
     llm.generate([f"request {i}" for i in range(5)], SamplingParams(max_new_tokens=4, ignore_eos=True))
     mem = llm.memory_report()
     assert mem["rows_free"] == mem["rows_total"], f"rows not all free after the workload: {mem}"
+
+
+def test_rows_parked_together_all_come_back(qwen3):
+    """Four requests stop on the same step, so four rows are parked at once and their last batch
+    (the overshoot step) is the last commit of the run: every one must be freed at that commit."""
+    (ref,) = LLM(qwen3, loop="normal").generate(["abc"], GREEDY)
+    k = next(i for i, t in enumerate(ref.token_ids) if i >= 2 and t not in ref.token_ids[:i])
+    llm = LLM(qwen3, loop="overlap", max_running_requests=4)
+    outs = llm.generate(["abc"] * 4, SamplingParams(max_new_tokens=12, stop_token_ids=(ref.token_ids[k],)))
+    assert all(o.finish_reason == "stop" for o in outs) and llm.stats.overshoot_tokens == 4
+    mem = llm.memory_report()
+    assert mem["rows_free"] == mem["rows_total"], (
+        "every parked row must be freed at the first commit after its last batch, also when several rows "
+        f"become free at the same commit (removing from a list while looping over it skips one): {mem}")
