@@ -260,6 +260,7 @@ class LLM:
         """One scheduler iteration; the requests that finished go to self._results. An error
         (not a deferred Ctrl-C) stops the scheduler: it is raised here once, and every later
         call refuses (see _use)."""
+        nothing_in_flight, launched = self.scheduler.last is None, self.scheduler.stats.batches
         # Ctrl-C waits until the finished requests are stored in self._results: landing between
         # the scheduler handing them over and here, it would lose them for good.
         with interrupts_deferred():
@@ -269,6 +270,21 @@ class LLM:
                     self._abandoned.discard(req.rid)
                 else:
                     self._results[req.rid] = self._output(req)
+        if nothing_in_flight and self.scheduler.stats.batches == launched:
+            self._check_not_stuck()
+
+    def _check_not_stuck(self) -> None:
+        """After a step that had nothing in flight and launched nothing: if requests still wait
+        while nothing runs, no later step can admit them (nobody will free a slot or a row), and
+        generate() or a step() loop would spin forever. With every mechanism on this cannot
+        happen (admission promises, check_fits); it is a leak, e.g. release_allocated off."""
+        s = self.scheduler
+        if s.waiting and not (s.prefilling or s.running.reqs or s.releasing):
+            mem = memory_report(s)
+            raise RuntimeError(f"{len(s.waiting)} request(s) wait for KV slots or rows that nothing running will free "
+                               f"(kv_free {mem['kv_free']} + kv_cached {mem['kv_cached']} of {mem['kv_total']}, "
+                               f"rows_free {mem['rows_free']} of {mem['rows_total']}): leaked, see check_invariants() "
+                               f"(disabled: {sorted(s.mechanisms.disabled)})")
 
     def _take_results(self) -> list[RequestOutput]:
         results, self._results = list(self._results.values()), {}

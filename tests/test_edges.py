@@ -101,6 +101,30 @@ def test_with_on_a_closed_llm_raises(qwen3):
             pass
 
 
+# release_allocated off leaks a slot per request finished by a stop token; once the pool was
+# short, a step() loop (or generate()) spun forever at 100% CPU with nothing in flight.
+def test_requests_that_a_leak_starves_raise_instead_of_spinning(monkeypatch):
+    from minisgl import demo_model_path, demo_prompts
+
+    monkeypatch.delenv("MINISGL_CHECK_INVARIANTS")  # the leak is the point here
+    with LLM(demo_model_path(), disable=("release_allocated",), kv_tokens=60) as llm:
+        params = SamplingParams(max_new_tokens=16)
+        for prompt, _ in demo_prompts(20, seed=5):  # each stop-finished request leaks its overshoot slot
+            llm.generate([prompt], params)
+        llm.flush_cache()
+        leaked = 60 - llm.memory_report()["kv_free"]
+        assert leaked >= 15
+        big = [5] * (60 - 16 - 1 - leaked + 1)  # fits the pool (check_fits), not what is left of it
+        rid = llm.add_request(big, params)
+        with pytest.raises(RuntimeError, match="wait for KV slots"):
+            for _ in range(50):
+                llm.step()
+        llm.abort(rid)
+        assert [o.finish_reason for o in drain(llm).values()] == ["abort"]
+        with pytest.raises(RuntimeError, match="wait for KV slots"):  # generate() gets the same answer
+            llm.generate([big], params)
+
+
 # train-demo had its own parser outside the CLI's error handling: --steps 0 trained nothing and
 # wrote the untrained model (by default over the shipped demo checkpoint), --steps -1 never
 # ended, and --batch-size 0, --lr nan or --threads 0 were tracebacks (exit 1).
