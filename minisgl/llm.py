@@ -84,7 +84,8 @@ class LLM:
         self._rng = random.Random(0)
         try:
             self.engine = Engine(model_path, self.device, dtype, num_rows=rows, device_delay_ms=device_delay_ms,
-                                 mechanisms=mechanisms, attention_backend=attention_backend, deterministic=bool(deterministic))
+                                 mechanisms=mechanisms, attention_backend=attention_backend,
+                                 deterministic=check_bool("deterministic", deterministic))
         except OSError as exc:  # transformers reports an unreadable config.json as OSError
             raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
         # Stops the engine's worker thread if this LLM is dropped or the interpreter exits
