@@ -85,3 +85,20 @@ def build_llm(args: argparse.Namespace, **overrides):
                   deterministic=getattr(args, "deterministic", False))
     kwargs.update(overrides)
     return LLM(model_dir(args), **kwargs)
+
+
+def parse_numbers(text: str, option: str, allow_zero: bool) -> list[float]:
+    """A comma-separated list of finite numbers >= 0 (or > 0): one clear error otherwise."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{option} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero) for v in values):
+        raise ValueError(f"{option} must be {'non-negative' if allow_zero else 'positive'} numbers, got {text!r}")
+    return values
+
+
+def check_output_file(path: str | None, option: str) -> None:
+    """Refuse, before a long run, an output file whose directory does not exist."""
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise ValueError(f"{option}: the directory of {path!r} does not exist")
