@@ -166,7 +166,7 @@ def test_lab_mini_sweep_writes_the_json_schema(tmp_path, capsys):
                                    ["lab", "--host-delays", "-1"], ["lab", "--host-delays", "nan"],
                                    ["lab", "--repeats", "0"], ["lab", "--run-s", "0"], ["lab", "--run-s", "nan"],
                                    ["lab", "--json", "/no/such/dir/lab.json"],
-                                   ["bench", "--json", "/no/such/dir/b.json"], ["bench", "--delays", "abc"],
+                                   ["bench", "--json", "/no/such/dir/b.json"], ["bench", "--compare-loops", "--delays", "abc"],
                                    ["trace", "--out", "/no/such/dir/t.json"]])
 def test_lab_bad_options_exit_2(extra, capsys):
     """Refused at once, with one line: never after minutes of measuring."""
