@@ -14,8 +14,10 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .checks import INT64_MAX, check_bool, check_int, check_real, check_token_ids, is_int
-from .config import DEFAULTS, free_memory_bytes
+from .arguments import (Prompt, check_choice, check_memory, check_params, optional_size, params_list, prompt_list,
+                        resolve_device, resolve_dtype)
+from .checks import INT64_MAX, check_bool, check_int, check_real, check_token_ids
+from .config import DEFAULTS
 from .engine import Engine
 from .interrupts import interrupts_deferred
 from .invariants import check_invariants, memory_report
@@ -23,26 +25,6 @@ from .mechanisms import MECHANISMS, Mechanisms
 from .models.checkpoint import read_json_object
 from .request import Req, RequestOutput, SamplingParams
 from .scheduler import Scheduler
-
-Prompt = str | Sequence[int]
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
-        return dtype
-    if not isinstance(dtype, str):
-        raise TypeError(f"dtype must be a string or a torch.dtype, got {type(dtype).__name__}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
 
 class LLM:
     """An engine on one device. Not thread-safe by design: one LLM serves one thread at a time,
@@ -58,16 +40,16 @@ class LLM:
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a path, got {type(model_path).__name__}")
         mechanisms = Mechanisms(disable)
-        _check_choice("loop", loop, ("normal", "overlap"))
-        _check_choice("attention_backend", attention_backend, ("auto", "torch", "flashinfer"))
+        check_choice("loop", loop, ("normal", "overlap"))
+        check_choice("attention_backend", attention_backend, ("auto", "torch", "flashinfer"))
         device_delay_ms = check_real("device_delay_ms", device_delay_ms, 0.0, MAX_DELAY_MS)
         host_delay_ms = check_real("host_delay_ms", host_delay_ms, 0.0, MAX_DELAY_MS)
         check_bool("trace", trace)
         self.device = resolve_device(device)
         dtype = resolve_dtype(dtype, self.device)
-        rows = _optional_int("max_running_requests", max_running_requests, MAX_ROWS)
-        chunk_size = _optional_int("chunk_size", chunk_size, MAX_TOKENS)
-        kv_tokens = _optional_int("kv_tokens", kv_tokens, MAX_TOKENS)
+        rows = optional_size("max_running_requests", max_running_requests, MAX_ROWS)
+        chunk_size = optional_size("chunk_size", chunk_size, MAX_TOKENS)
+        kv_tokens = optional_size("kv_tokens", kv_tokens, MAX_TOKENS)
         rows = rows or DEFAULTS.rows(self.device)
         if self.device.type == "cpu":
             # One intra-op thread: the host thread and the stream thread each get a core
@@ -102,7 +84,7 @@ class LLM:
             # Scheduler.check_fits(), so a prompt shorter than this with one new token always fits.
             self.max_context = min(self.model_context, kv_tokens - 1)
             chunk_size = chunk_size or DEFAULTS.chunk_size(self.device)
-            _check_memory(self.device, kv_tokens, self.engine.bytes_per_token(), rows,
+            check_memory(self.device, kv_tokens, self.engine.bytes_per_token(), rows,
                           min(self.model_context + 1, kv_tokens), chunk_size)
             self.scheduler = Scheduler(
                 self.engine, eos_ids=_eos_ids(config, self.tokenizer, self.model_path), max_running=rows,
@@ -173,7 +155,7 @@ class LLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Bad input raises ValueError/TypeError and changes nothing."""
         with self._use():
-            req = self._new_req(prompt, _check_params(params), self._next_rid)
+            req = self._new_req(prompt, check_params(params), self._next_rid)
             self._queue(req)
             return req.rid
 
@@ -217,10 +199,10 @@ class LLM:
         with self._use(drives=True):
             if on_step is not None and not callable(on_step):
                 raise TypeError(f"on_step must be callable, got {type(on_step).__name__}")
-            prompts = _prompt_list(prompts)
-            params_list = _params_list(sampling_params, len(prompts))
+            prompts = prompt_list(prompts)
+            params = params_list(sampling_params, len(prompts))
             # Validate every request before queueing any, so bad input leaves nothing half-started.
-            reqs = [self._new_req(p, sp, self._next_rid + i) for i, (p, sp) in enumerate(zip(prompts, params_list))]
+            reqs = [self._new_req(p, sp, self._next_rid + i) for i, (p, sp) in enumerate(zip(prompts, params))]
             outputs: dict[int, RequestOutput] = {}
             try:
                 for req in reqs:
@@ -378,78 +360,6 @@ _REENTRANT = ("generate(), step() and close() cannot be called from inside gener
 MAX_TOKENS = (1 << 31) - 2
 MAX_ROWS = 1 << 20
 MAX_DELAY_MS = 3_600_000.0  # an hour per step: any more is a typo, not a teaching aid
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """cpu, cuda or cuda:N (an existing GPU); None picks cuda when available."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a string such as 'cpu' or 'cuda', got {type(device).__name__}")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
-    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if dev.type == "cpu":
-        return torch.device("cpu")  # 'cpu:0' is the same device, but safetensors refuses the spelling
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: no CUDA GPU is available")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s) present")
-    return dev
-
-
-def _check_memory(device: torch.device, kv_tokens: int, bytes_per_token: int, rows: int, width: int,
-                  chunk_size: int) -> None:
-    """Refuse sizes the device cannot hold before allocating them: a KV cache larger than the
-    host's memory is not an error on Linux, it is the out-of-memory killer, later."""
-    free = free_memory_bytes(device)
-    # KV cache, the int64 request table, and two staging buffers of about 8 int64 columns.
-    need = (kv_tokens + 1) * bytes_per_token + rows * width * 8 + 2 * 8 * 8 * max(chunk_size, rows)
-    if free is not None and need > free:
-        raise ValueError(f"kv_tokens={kv_tokens}, max_running_requests={rows} and chunk_size={chunk_size} need "
-                         f"{need / 2**30:.1f} GiB on {device}, {free / 2**30:.1f} GiB is free; lower them")
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def _optional_int(name: str, value: object, high: int) -> int | None:
-    """A size that is either left out (None: the default) or a positive integer."""
-    return None if value is None else check_int(name, value, 1, high)
-
-
-def _check_params(params: object, default_for_none: bool = True) -> SamplingParams:
-    if params is None and default_for_none:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-    return params
-
-
-def _prompt_list(prompts: object) -> list[Prompt]:
-    """One prompt (text or token ids) or a list of them -> a list of prompts."""
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and is_int(prompts[0])):
-        return [prompts]  # type: ignore[list-item]
-    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
-        raise TypeError(f"prompts must be a string, a list of token ids or a list of those, "
-                        f"got {type(prompts).__name__}")
-    return list(prompts)
-
-
-def _params_list(params: object, n: int) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [_check_params(params)] * n
-    if not isinstance(params, Sequence):
-        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
-    params_list = [_check_params(p, default_for_none=False) for p in params]  # a list spells each one out
-    if len(params_list) != n:
-        raise ValueError(f"{len(params_list)} SamplingParams for {n} prompts")
-    return params_list
 
 
 def _load_tokenizer(model_path: Path):

@@ -369,7 +369,7 @@ def test_context_check_agrees_with_kv_fit(qwen3):
 
 
 def test_sizes_larger_than_free_memory_refused_before_allocating(qwen3, monkeypatch):
-    monkeypatch.setattr("minisgl.llm.free_memory_bytes", lambda device: 1 << 20)  # a 1 MiB machine
+    monkeypatch.setattr("minisgl.arguments.free_memory_bytes", lambda device: 1 << 20)  # a 1 MiB machine
     threads = threading.active_count()
     with pytest.raises(ValueError, match="kv_tokens=50000.*GiB"):
         LLM(qwen3, kv_tokens=50000)

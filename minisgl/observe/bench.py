@@ -329,7 +329,7 @@ def measure_hf(model: Path, workload: Workload, args: argparse.Namespace, batch_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..llm import resolve_dtype
+    from ..arguments import resolve_dtype
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=resolve_dtype(args.dtype, device)).to(device).eval()
