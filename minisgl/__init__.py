@@ -4,11 +4,19 @@ It exists to make SGLang's overlap scheduler understandable: read `minisgl/sched
 (normal_loop and overlap_loop side by side), run the lessons, switch mechanisms off.
 """
 
-from .llm import LLM
-from .mechanisms import MECHANISMS
-from .request import RequestOutput, SamplingParams
+from importlib import import_module
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "MECHANISMS", "demo_model_path", "demo_prompts"]
+
+# Imported on first use: `python -m minisgl` runs this file before the command line can catch a
+# Ctrl-C, and importing torch and transformers takes seconds (a Ctrl-C then was a traceback).
+_LAZY = {"LLM": ".llm", "SamplingParams": ".request", "RequestOutput": ".request", "MECHANISMS": ".mechanisms"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'minisgl' has no attribute {name!r}")
+    return getattr(import_module(_LAZY[name], __name__), name)
 
 
 def demo_model_path():

@@ -154,10 +154,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "train-demo":
-        return cmd_train_demo(argv[1:])
-    args = parser().parse_args(argv)  # a bad flag exits with 2 here (OneLineParser)
     try:
+        if argv and argv[0] == "train-demo":  # its own parser (demo/train_demo.py), same error handling
+            return cmd_train_demo(argv[1:])
+        args = parser().parse_args(argv)  # a bad flag exits with 2 here (OneLineParser)
         return args.func(args)
     except (ValueError, TypeError, OSError) as exc:  # OSError: transformers on an unreadable model directory
         print(f"error: {exc}", file=sys.stderr)

@@ -21,25 +21,39 @@ class _Stoppable(Protocol):
     error: BaseException | None
 
 
-@contextmanager
-def atomic_step(owner: _Stoppable) -> Iterator[None]:
+class atomic_step:
     """Run one step with interrupts deferred. An exception that escapes it anyway (a second
     Ctrl-C, an error on the device) may leave state half moved: it is latched in
-    `owner.error`, and every later step refuses to run."""
-    if owner.error is not None:
-        raise RuntimeError(f"the scheduler stopped after an error ({owner.error!r}); close this LLM "
-                           "and create a new one") from owner.error
-    with interrupts_deferred():
-        try:
-            yield
-        except BaseException as exc:
-            owner.error = exc
-            raise
+    `owner.error`, and every later step refuses to run.
+
+    A class, not a generator: a generator-based context manager whose __exit__ is cut short
+    by a second Ctrl-C stays suspended, and closing it later latched a bogus GeneratorExit."""
+
+    def __init__(self, owner: _Stoppable) -> None:
+        self.owner = owner
+        self.deferred = interrupts_deferred()
+
+    def __enter__(self) -> None:
+        if self.owner.error is not None:
+            raise RuntimeError(f"the scheduler stopped after an error ({self.owner.error!r}); close this LLM "
+                               "and create a new one") from self.owner.error
+        self.deferred.__enter__()
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
+        if exc is not None:
+            self.owner.error = exc
+        return bool(self.deferred.__exit__(exc_type, exc, tb))
+
+
+_deferring = False  # an interrupts_deferred() block is active: a nested one leaves it in charge
 
 
 @contextmanager
 def interrupts_deferred() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
+    """Ctrl-C inside the block is raised when the block ends; a second one raises at once.
+    Nested blocks are one block: the outermost one defers (and counts) every Ctrl-C."""
+    global _deferring
+    if threading.current_thread() is not threading.main_thread() or _deferring:
         yield  # signals are only ever delivered to the main thread
         return
     previous = signal.getsignal(signal.SIGINT)
@@ -51,9 +65,11 @@ def interrupts_deferred() -> Iterator[None]:
         pending.append(signum)
 
     signal.signal(signal.SIGINT, defer)
+    _deferring = True
     try:
         yield
     finally:
+        _deferring = False
         signal.signal(signal.SIGINT, previous)
     if pending:
         if callable(previous):

@@ -17,6 +17,7 @@ import torch
 from .checks import INT64_MAX, check_bool, check_int, check_real, check_token_ids, is_int
 from .config import DEFAULTS, free_memory_bytes
 from .engine import Engine
+from .interrupts import interrupts_deferred
 from .invariants import check_invariants, memory_report
 from .mechanisms import MECHANISMS, Mechanisms
 from .models.checkpoint import read_json_object
@@ -75,6 +76,7 @@ class LLM:
         self.model_path = Path(model_path)
         self._closed = False
         self._guard = threading.RLock()  # held by the one thread inside a call (see the class doc)
+        self._driving = False  # inside generate() or step(): its on_step callback may not drive the engine too
         self._reqs: dict[int, Req] = {}  # queued or running
         self._results: dict[int, RequestOutput] = {}  # finished, not yet handed to the caller
         self._abandoned: set[int] = set()  # started by a generate() that raised: results dropped
@@ -82,7 +84,8 @@ class LLM:
         self._rng = random.Random(0)
         try:
             self.engine = Engine(model_path, self.device, dtype, num_rows=rows, device_delay_ms=device_delay_ms,
-                                 mechanisms=mechanisms, attention_backend=attention_backend, deterministic=bool(deterministic))
+                                 mechanisms=mechanisms, attention_backend=attention_backend,
+                                 deterministic=check_bool("deterministic", deterministic))
         except OSError as exc:  # transformers reports an unreadable config.json as OSError
             raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
         # Stops the engine's worker thread if this LLM is dropped or the interpreter exits
@@ -114,18 +117,27 @@ class LLM:
 
     # ---------------------------------------------------------------- lifecycle
     @contextmanager
-    def _use(self) -> Iterator[None]:
-        """Enter a call: refuse another thread, a closed engine and a failed one, each at once."""
+    def _use(self, drives: bool = False) -> Iterator[None]:
+        """Enter a call: refuse another thread, a closed engine and a failed one, each at once.
+
+        `drives`: the call runs the scheduler (generate, step). From inside a running one (an
+        on_step callback) it would hand the outer call's results to the inner one: refused."""
         if not self._guard.acquire(blocking=False):
             raise RuntimeError(_IN_USE)
         try:
             if self._closed:
                 raise RuntimeError("this LLM is closed")
+            if drives and self._driving:
+                raise RuntimeError(_REENTRANT)
             error = self.scheduler.error  # an exception escaped a step: the state may be half moved
             if error is not None:
                 raise RuntimeError(f"the engine failed earlier ({type(error).__name__}: {error}) and refuses "
                                    f"further work; close() it and build a new LLM") from error
-            yield
+            self._driving, outer = drives or self._driving, self._driving
+            try:
+                yield
+            finally:
+                self._driving = outer
         finally:
             self._guard.release()
 
@@ -137,6 +149,9 @@ class LLM:
             return
         if not self._guard.acquire(blocking=False):
             raise RuntimeError(_IN_USE)
+        if self._driving:  # from an on_step callback: the generate() around it would run on a closed engine
+            self._guard.release()
+            raise RuntimeError(_REENTRANT)
         self._closed = True
         try:
             self.scheduler.close()  # commits the batch in flight unless an error stopped the scheduler
@@ -147,6 +162,8 @@ class LLM:
             self._guard.release()
 
     def __enter__(self) -> "LLM":
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -163,9 +180,8 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; return the requests that finished in it, plus any
         finished earlier (during a generate()) and not collected yet."""
-        with self._use():
-            for out in self._step():
-                self._results[out.rid] = out
+        with self._use(drives=True):
+            self._step()
             return self._take_results()
 
     def collect(self) -> list[RequestOutput]:
@@ -195,8 +211,10 @@ class LLM:
 
         Requests queued with add_request() run alongside; their results stay collectable
         (step(), collect()). If anything escapes (KeyboardInterrupt included), the requests
-        this call started are aborted: the next drain gives back their rows and KV slots."""
-        with self._use():
+        this call started are aborted: the next drain gives back their rows and KV slots.
+        `on_step(n_done)` runs after every step; it may add_request(), abort(), read memory,
+        but not step(), generate() or close() (RuntimeError)."""
+        with self._use(drives=True):
             if on_step is not None and not callable(on_step):
                 raise TypeError(f"on_step must be callable, got {type(on_step).__name__}")
             prompts = _prompt_list(prompts)
@@ -210,7 +228,10 @@ class LLM:
                 self._run_until_done(reqs, outputs, on_step)
             except BaseException:
                 for req in reqs:
-                    if req.rid not in outputs:
+                    self._results.pop(req.rid, None)  # finished, not handed out: dropped with the rest
+                    # Only those queued: a Ctrl-C between two _queue() calls leaves the rest
+                    # unqueued, and their ids are handed out again by the next request.
+                    if req.rid in self._reqs:
                         self._abandoned.add(req.rid)
                         self.scheduler.abort(req)
                 raise
@@ -226,27 +247,45 @@ class LLM:
                 lost = sorted(mine - outputs.keys())
                 raise RuntimeError(f"requests {lost[:8]} can no longer be scheduled: the scheduler lost "
                                    f"track of them (disabled: {sorted(self.scheduler.mechanisms.disabled)})")
-            for out in self._step():
-                (outputs if out.rid in mine else self._results)[out.rid] = out
+            self._step()
+            for rid in mine & self._results.keys():
+                outputs[rid] = self._results.pop(rid)
             if on_step is not None:
                 on_step(len(outputs))
         # Every request is out, but an overshoot step may still be in flight: commit it, so that
         # memory_report() shows the pool whole, unless the caller has other requests queued.
         while self.scheduler.has_work() and not self._reqs:
-            for out in self._step():
-                self._results[out.rid] = out
+            self._step()
 
-    def _step(self) -> list[RequestOutput]:
-        """One scheduler iteration. An error (not a deferred Ctrl-C) stops the scheduler: it is
-        raised here once, and every later call refuses (see _use)."""
-        outs = []
-        for req in self.scheduler.step():
-            del self._reqs[req.rid]
-            if req.rid in self._abandoned:
-                self._abandoned.discard(req.rid)
-            else:
-                outs.append(self._output(req))
-        return outs
+    def _step(self) -> None:
+        """One scheduler iteration; the requests that finished go to self._results. An error
+        (not a deferred Ctrl-C) stops the scheduler: it is raised here once, and every later
+        call refuses (see _use)."""
+        nothing_in_flight, launched = self.scheduler.last is None, self.scheduler.stats.batches
+        # Ctrl-C waits until the finished requests are stored in self._results: landing between
+        # the scheduler handing them over and here, it would lose them for good.
+        with interrupts_deferred():
+            for req in self.scheduler.step():
+                del self._reqs[req.rid]
+                if req.rid in self._abandoned:
+                    self._abandoned.discard(req.rid)
+                else:
+                    self._results[req.rid] = self._output(req)
+        if nothing_in_flight and self.scheduler.stats.batches == launched:
+            self._check_not_stuck()
+
+    def _check_not_stuck(self) -> None:
+        """After a step that had nothing in flight and launched nothing: if requests still wait
+        while nothing runs, no later step can admit them (nobody will free a slot or a row), and
+        generate() or a step() loop would spin forever. With every mechanism on this cannot
+        happen (admission promises, check_fits); it is a leak, e.g. release_allocated off."""
+        s = self.scheduler
+        if s.waiting and not (s.prefilling or s.running.reqs or s.releasing):
+            mem = memory_report(s)
+            raise RuntimeError(f"{len(s.waiting)} request(s) wait for KV slots or rows that nothing running will free "
+                               f"(kv_free {mem['kv_free']} + kv_cached {mem['kv_cached']} of {mem['kv_total']}, "
+                               f"rows_free {mem['rows_free']} of {mem['rows_total']}): leaked, see check_invariants() "
+                               f"(disabled: {sorted(s.mechanisms.disabled)})")
 
     def _take_results(self) -> list[RequestOutput]:
         results, self._results = list(self._results.values()), {}
@@ -269,9 +308,10 @@ class LLM:
         return req
 
     def _queue(self, req: Req) -> None:
-        self.scheduler.add(req)
-        self._reqs[req.rid] = req
-        self._next_rid = req.rid + 1
+        with interrupts_deferred():  # queued and known by id, or neither
+            self.scheduler.add(req)
+            self._reqs[req.rid] = req
+            self._next_rid = req.rid + 1
 
     # ---------------------------------------------------------------- memory
     def memory_report(self) -> dict[str, int]:
@@ -307,6 +347,10 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_path} has no tokenizer: pass token ids instead of text")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # the tokenizer's own message does not say what is wrong
+                raise ValueError(f"prompt is not valid Unicode text ({exc.reason} at index {exc.start})") from None
             ids = self.tokenizer.encode(prompt)
         else:
             ids = check_token_ids("prompt", prompt, self.engine.model.vocab_size)
@@ -327,6 +371,8 @@ class LLM:
 
 
 _IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"
+_REENTRANT = ("generate(), step() and close() cannot be called from inside generate() (its on_step callback): "
+              "they would take over the running call's requests")
 # Upper bounds for the sizes: slot and token ids travel as int32 in device kernels, and no
 # device decodes a million requests at once (rows are allocated up front, before any memory check).
 MAX_TOKENS = (1 << 31) - 2
@@ -344,8 +390,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
-    if dev.type not in ("cpu", "cuda"):
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cpu":
+        return torch.device("cpu")  # 'cpu:0' is the same device, but safetensors refuses the spelling
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: no CUDA GPU is available")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():

@@ -48,6 +48,11 @@ def check_disable(names: Iterable[str]) -> frozenset[str]:
     """Validate a `disable=` argument: an unknown name is a ValueError that lists the valid ones."""
     if isinstance(names, str):
         names = [n for n in names.split(",") if n]
+    if isinstance(names, (bytes, bytearray)) or not isinstance(names, Iterable):
+        raise TypeError(f"disable must be a mechanism name or a list of names, got {type(names).__name__}")
+    names = list(names)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"disable must list mechanism names (strings), got {names!r}")
     disabled = frozenset(names)
     unknown = sorted(disabled - MECHANISMS.keys())
     if unknown:

@@ -7,20 +7,36 @@ engine from parsed arguments without importing the command line itself.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from .mechanisms import MECHANISMS
 
 
+def _number(text: str, convert, valid, expected: str):
+    """An argparse value: `text` converted, and `valid`, or one error saying what is `expected`."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+    if not valid(value):
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type for counts and sizes: 0 or a negative number is an error, not "the default"."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
+    return _number(text, int, lambda v: v >= 1, "an integer >= 1")
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type for counts where 0 means "none" (e.g. skip a step)."""
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """argparse type for rates: a finite number above 0 (nan, inf and 0 are errors)."""
+    return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -69,3 +85,20 @@ def build_llm(args: argparse.Namespace, **overrides):
                   deterministic=getattr(args, "deterministic", False))
     kwargs.update(overrides)
     return LLM(model_dir(args), **kwargs)
+
+
+def parse_numbers(text: str, option: str, allow_zero: bool) -> list[float]:
+    """A comma-separated list of finite numbers >= 0 (or > 0): one clear error otherwise."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{option} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero) for v in values):
+        raise ValueError(f"{option} must be {'non-negative' if allow_zero else 'positive'} numbers, got {text!r}")
+    return values
+
+
+def check_output_file(path: str | None, option: str) -> None:
+    """Refuse, before a long run, an output file whose directory does not exist."""
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise ValueError(f"{option}: the directory of {path!r} does not exist")

@@ -26,6 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .kv_pool import KVAccountingError
+
 
 class TreeNode:
     """One edge of the radix tree, named after the node it leads to."""
@@ -153,7 +155,7 @@ class RadixCache:
             return 0
         key = _as_key(token_ids)
         if len(key) != len(slots):
-            raise ValueError(f"{len(key)} tokens but {len(slots)} slots")
+            raise KVAccountingError(f"{len(key)} tokens but {len(slots)} slots")
         node, matched, _ = self._walk(key)
         if matched < len(key):
             # clone: the caller's tensor may be a view into a table it will overwrite
@@ -178,7 +180,7 @@ class RadixCache:
         # An ancestor's lock_ref is >= its descendants', so checking `node` suffices
         # to guarantee nothing on the path goes negative.
         if node is not self.root and node.lock_ref <= 0:
-            raise ValueError(f"unlock without matching lock: {node!r}")
+            raise KVAccountingError(f"unlock without matching lock: {node!r}")
         while node is not self.root:
             node.lock_ref -= 1
             if node.lock_ref == 0:  # crossing 1 -> 0 makes tokens evictable again

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .checks import INT64_MAX, INT64_MIN, check_bool, check_int, check_real, check_token_ids, is_int
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the staging buffers' dtype
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (kernels may flush subnormals to 0)
 TOP_K_MAX = (1 << 31) - 1  # int32 range: already far more than any vocabulary
 
 if TYPE_CHECKING:
@@ -43,8 +44,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        # A tuple before validating: a generator would be used up by the check and leave no stop
+        # ids. A tuple also keeps the frozen params hashable, and nobody edits them in flight.
+        stop = self.stop_token_ids
+        if hasattr(stop, "__iter__") and not isinstance(stop, (str, bytes, bytearray)):
+            object.__setattr__(self, "stop_token_ids", tuple(stop))
         self.validate()
-        # A tuple, so that the frozen params stay hashable and nobody edits them in flight.
         object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in self.stop_token_ids))
 
     def validate(self, vocab: int | None = None) -> None:
@@ -53,6 +58,10 @@ class SamplingParams:
         check_int("max_new_tokens", self.max_new_tokens, 1, INT64_MAX)
         check_real("temperature", self.temperature, 0.0, FLOAT32_MAX)  # staged as float32
         check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.top_p < FLOAT32_TINY:
+            # Staged as float32, a smaller top_p rounds (or is flushed) to 0: no token is kept,
+            # and the sampler then answers token 0 at every step.
+            raise ValueError(f"top_p must be at least {FLOAT32_TINY} (the smallest normal float32), got {self.top_p}")
         if not (is_int(self.top_k) and self.top_k == -1):
             check_int("top_k (-1 for off)", self.top_k, 1, TOP_K_MAX)
         if self.seed is not None:

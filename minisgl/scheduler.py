@@ -152,8 +152,7 @@ class Scheduler:
         self.check_fits(req)
         self.waiting.append(req)
 
-    def has_work(self) -> bool:
-        # `finished` too: a step ended by a deferred Ctrl-C has not handed out its finished requests yet.
+    def has_work(self) -> bool:  # `finished`: a step ended by Ctrl-C has not handed them out yet
         return bool(self.waiting or self.prefilling or self.running.reqs or self.releasing or self.last
                     or self.finished)
 
@@ -167,11 +166,8 @@ class Scheduler:
             self._handle_aborts()
             self.running.reqs[:] = [r for r in self.running.reqs if not r.finished]  # filter_batch
             planned = self._schedule_prefill() or self._schedule_decode()
-            if self.host_delay_s:
-                # Emulated scheduler work: the lab's knob for C (a sleep, GIL released). After the
-                # planning, so that the planning's Python runs right after the commit, while the
-                # emulated device is still in its own sleep, and the two do not queue for the GIL.
-                time.sleep(self.host_delay_s)
+            if self.host_delay_s:  # emulated scheduler work, the lab's knob for C: a sleep after the
+                time.sleep(self.host_delay_s)  # planning, so planning and device never queue for the GIL
             return planned
 
     def _schedule_prefill(self) -> Planned | None:
@@ -239,9 +235,8 @@ class Scheduler:
         """The input id of req's next decode step: a committed token, or a FutureMap placeholder."""
         if req.launched_len < req.committed_len:
             return req.token_at(req.launched_len)
-        # In flight: batch n gathers the value batch n-1 published in the FutureMap.
         assert self.on("future_map"), "without the FutureMap the input token must be committed"
-        return placeholder(req.row)
+        return placeholder(req.row)  # in flight: batch n gathers what batch n-1 published in the FutureMap
 
     def _plan(self, reqs: list[Req], tokens: TokenColumns, qo_lens: list[int], kv_lens: list[int],
               samples: list[bool], is_prefill: bool) -> Planned:
@@ -448,10 +443,8 @@ class Scheduler:
             self.finished.append(req)
 
     def close(self) -> None:
-        """Commit the batch in flight (unless an error stopped the scheduler), then stop the streams."""
-        try:
-            if self.last is not None and self.error is None:
-                last, self.last = self.last, None
-                self.commit(last)
-        finally:
-            self.engine.stream.close()
+        """Commit the batch in flight, unless an error stopped the scheduler (LLM.close() then
+        stops the engine and frees its memory)."""
+        if self.last is not None and self.error is None:
+            last, self.last = self.last, None
+            self.commit(last)

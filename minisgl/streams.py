@@ -59,7 +59,8 @@ class CpuEvent:
     def synchronize(self) -> None:
         self._done.wait()
         if self._stream is not None and self._stream.error is not None:
-            raise DeviceError(f"work on stream {self._stream.name!r} failed") from self._stream.error
+            error = self._stream.error  # its own traceback is chained below; its message goes in the line
+            raise DeviceError(f"work on stream {self._stream.name!r} failed: {type(error).__name__}: {error}") from error
 
     def query(self) -> bool:
         return self._done.is_set()

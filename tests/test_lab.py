@@ -162,11 +162,16 @@ def test_lab_mini_sweep_writes_the_json_schema(tmp_path, capsys):
     assert high["ratio_median"] > 1.15
 
 
-@pytest.mark.parametrize("extra", [["--points", "a,b"], ["--points", "0,1"], ["--host-delays", "-1"],
-                                   ["--repeats", "0"]])
+@pytest.mark.parametrize("extra", [["lab", "--points", "a,b"], ["lab", "--points", "0,1"],
+                                   ["lab", "--host-delays", "-1"], ["lab", "--host-delays", "nan"],
+                                   ["lab", "--repeats", "0"], ["lab", "--run-s", "0"], ["lab", "--run-s", "nan"],
+                                   ["lab", "--json", "/no/such/dir/lab.json"],
+                                   ["bench", "--json", "/no/such/dir/b.json"], ["bench", "--compare-loops", "--delays", "abc"],
+                                   ["trace", "--out", "/no/such/dir/t.json"]])
 def test_lab_bad_options_exit_2(extra, capsys):
+    """Refused at once, with one line: never after minutes of measuring."""
     try:
-        code = main(["lab", *extra])
+        code = main(extra)
     except SystemExit as exc:  # argparse rejects a bad flag type itself
         code = exc.code
     assert code == 2

@@ -4,6 +4,7 @@ from typing import List
 import pytest
 import torch
 
+from minisgl.kv_pool import KVAccountingError
 from minisgl.radix_cache import RadixCache, TreeNode
 
 
@@ -126,7 +127,7 @@ def test_insert_copies_slots():
 
 def test_insert_length_mismatch_raises():
     cache, _ = make()
-    with pytest.raises(ValueError):
+    with pytest.raises(KVAccountingError):
         cache.insert([1, 2, 3], t([1, 2]))
 
 

@@ -189,6 +189,18 @@ def _wrong_shape(folder):
     edit_tensors(folder, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
 
 
+def _stale_second_copy(folder):
+    """A stale shard next to model.safetensors: which copy loads would depend on file order."""
+    norm = load_file(folder / "model.safetensors")["model.norm.weight"]
+    save_file({"model.norm.weight": norm * 0}, folder / "stale.safetensors")
+    (folder / "model.safetensors").rename(folder / "fresh.safetensors")
+
+
+def _rope_theta(value):
+    # A transformers 4.x config: rope_theta at the top level, no rope_parameters.
+    return lambda f: edit_config(f, rope_parameters=None, rope_theta=value)
+
+
 # case -> (how to break the copied checkpoint, what the one error message must name)
 BREAKERS = {
     "truncated": (_truncate, "model.safetensors"),
@@ -205,6 +217,16 @@ BREAKERS = {
     "negative max_position_embeddings": (lambda f: edit_config(f, max_position_embeddings=-5),
                                          "max_position_embeddings"),
     "unreadable weights": (_unreadable_weights, "model.safetensors"),
+    # Each of these loaded, and answered token 0 forever (nan) or another model's tokens:
+    "nan weight": (lambda f: edit_tensors(f, lambda t: t["model.norm.weight"].fill_(float("nan"))), "nan or inf"),
+    "integer weight": (lambda f: edit_tensors(f, lambda t: t.update(
+        {"model.norm.weight": t["model.norm.weight"].to(torch.int64)})), "not floating point"),
+    "tensor in two files": (_stale_second_copy, "stored twice"),
+    "rope_theta 0": (_rope_theta(0), "rope_theta"),
+    "rope_theta -1": (_rope_theta(-1), "rope_theta"),
+    "rope_theta string": (_rope_theta("big"), "rope_theta"),  # was a TypeError from inside torch
+    "linear rope factor 0": (lambda f: edit_config(f, rope_parameters={"rope_type": "linear", "factor": 0,
+                                                                       "rope_theta": 10000.0}), "factor"),
 }
 
 

@@ -370,19 +370,20 @@ def _training_md(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``python -m minisgl train-demo [--out DIR] [--steps N] [--seed S]``."""
-    import argparse
+    from ..options import OneLineParser, nonnegative_int, positive_float, positive_int
 
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="python -m minisgl train-demo",
         description="Train the tiny demo model (CPU, a few minutes) and write a Hugging Face checkpoint.",
     )
     ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
-    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default: {DEFAULT_STEPS})")
+    ap.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
+                    help=f"training steps (default: {DEFAULT_STEPS})")
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--eval", type=int, default=200, help="held-out prompts to evaluate at the end (0: skip)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch-size", type=positive_int, default=64)
+    ap.add_argument("--lr", type=positive_float, default=3e-3)
+    ap.add_argument("--eval", type=nonnegative_int, default=200, help="held-out prompts to evaluate at the end (0: skip)")
+    ap.add_argument("--threads", type=positive_int, default=2)
     args = ap.parse_args(argv)
     stats = train_demo(
         args.out,

@@ -11,6 +11,9 @@ opened and read under a guard that names the file.
 from __future__ import annotations
 
 import json
+import math
+from contextlib import ExitStack
+from numbers import Real
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +85,32 @@ def load_config(model_dir: Path) -> tuple[PretrainedConfig, str]:
         raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only silu is implemented")
     if getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not implemented")
+    check_rope(rope_parameters(config), path)
     return config, family
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """Rotary settings as one dict with at least rope_type and rope_theta.
+
+    transformers 5.x gives `config.rope_parameters`; 4.x gives `rope_theta` plus an
+    optional `rope_scaling` dict (whose type key was once called "type").
+    """
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def check_rope(params: dict, path: Path) -> None:
+    """The rotary numbers must be positive and finite: a rope_theta of 0 or -1 (or a scaling
+    factor of 0) makes every rotation angle nan, and the model then answers token 0 forever."""
+    for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        value = params.get(key, 1.0 if key != "rope_theta" else None)
+        if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{str(path)!r}: {key} (rotary embedding) must be a positive finite number, got {value!r}")
+    if params["rope_type"] == "llama3" and params["low_freq_factor"] == params["high_freq_factor"]:
+        raise ValueError(f"{str(path)!r}: rope low_freq_factor and high_freq_factor must differ (llama3 blends "
+                         f"between them), both are {params['low_freq_factor']!r}")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -114,8 +142,29 @@ def open_safetensors(path: Path, device: torch.device):
         raise ValueError(f"{str(path)!r} is not a valid safetensors file: {exc}") from exc
 
 
+def open_all(files: list[Path], device: torch.device, stack: ExitStack) -> dict[str, tuple[Any, Path]]:
+    """Tensor name -> (open handle, file) over every weights file. A name stored in two files
+    is an error: which copy would win depends on the file order, e.g. a stale shard left next
+    to a fresh model.safetensors."""
+    file_of: dict[str, tuple[Any, Path]] = {}
+    for path in files:
+        handle = stack.enter_context(open_safetensors(path, device))
+        for name in handle.keys():
+            if name in file_of:
+                raise ValueError(f"tensor {name!r} is stored twice, in {str(file_of[name][1])!r} and {str(path)!r}")
+            file_of[name] = (handle, path)
+    return file_of
+
+
 def read_tensor(handle, name: str, path: Path) -> torch.Tensor:
+    """One tensor, which must hold finite floating-point numbers: a nan or inf weight (a corrupt
+    or badly converted file) would load, and the model would answer wrongly, silently."""
     try:
-        return handle.get_tensor(name)
+        tensor = handle.get_tensor(name)
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise ValueError(f"cannot read tensor {name!r} from {str(path)!r}: {exc}") from exc
+    if not tensor.is_floating_point():
+        raise ValueError(f"tensor {name!r} in {str(path)!r} is {tensor.dtype}, not floating point")
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"tensor {name!r} in {str(path)!r} holds nan or inf values")
+    return tensor

@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 
 from ..gpu import fused_ops
 from .attention import AttentionBackend, AttentionMetadata, KVCache
-from .checkpoint import FAMILY_OF_ARCHITECTURE, load_config, open_safetensors, read_tensor, safetensors_files
+from .checkpoint import FAMILY_OF_ARCHITECTURE, load_config, open_all, read_tensor, rope_parameters, safetensors_files
 
 Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -88,18 +88,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-def rope_parameters(config: PretrainedConfig) -> dict:
-    """Rotary settings as one dict with at least rope_type and rope_theta.
-
-    transformers 5.x gives `config.rope_parameters`; 4.x gives `rope_theta` plus an
-    optional `rope_scaling` dict (whose type key was once called "type").
-    """
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    return params
 
 
 def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
@@ -265,7 +253,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     Anything malformed is one ValueError that names the file, key or tensor."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ValueError(f"model directory {str(model_dir)!r} does not exist")
+        reason = "is not a directory" if model_dir.exists() else "does not exist"
+        raise ValueError(f"model directory {str(model_dir)!r} {reason}")
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"{str(model_dir)!r} has no config.json; expected a Hugging Face checkpoint folder")
     config, _ = load_config(model_dir)
@@ -280,8 +269,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     device = torch.device(device)
     with ExitStack() as stack:
         # safe_open maps the files lazily; a tensor is only read when asked for.
-        file_of = {name: (h, f) for f in files
-                   for h in [stack.enter_context(open_safetensors(f, device))] for name in h.keys()}
+        file_of = open_all(files, device, stack)
         params = [name for name in expected if not (tied and name == "lm_head.weight")]
         _check_tensor_names(params, file_of, tied, model_dir)
 

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..options import check_output_file, parse_numbers
 from ..request import SamplingParams
 from .breakdown import ModelCost, breakdown, measure_ceilings
 from .trace import ideal_ratio, pipeline_metrics, realised_share, request_metrics
@@ -136,6 +137,8 @@ def _progress(label: str, total: int) -> Progress | None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    check_output_file(args.json, "--json")
+    delays = parse_numbers(args.delays, "--delays", allow_zero=True) if args.delays else None
     model = default_model(args)
     args.model = str(model)
     from transformers import AutoConfig
@@ -152,7 +155,6 @@ def run_bench(args: argparse.Namespace) -> int:
     console.print(f"[bold]minisgl bench[/] {model.name}, workload {workload.name}: {len(workload.prompts)} requests, "
                   f"{workload.input_tokens} input / {workload.output_tokens} output tokens")
     if args.compare_loops:
-        delays = [float(d) for d in args.delays.split(",")] if args.delays else None
         if delays is None:
             probe = measure(args, workload, "normal", 0.0)
             c_ms = probe["pipe_host_time_per_iteration_s"] * 1000

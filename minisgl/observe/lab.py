@@ -33,7 +33,7 @@ from rich.columns import Columns
 from rich.table import Table
 from rich.text import Text
 
-from ..options import build_llm, positive_int
+from ..options import build_llm, check_output_file, parse_numbers, positive_float, positive_int
 from ..request import SamplingParams
 from .bench import Workload, console, default_model
 from .trace import ideal_ratio, pipeline_metrics, realised_share
@@ -279,6 +279,7 @@ gain that the overlap loop realised."""
 
 def run_lab(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    check_output_file(args.json, "--json")
     targets = parse_numbers(args.points, "--points", allow_zero=False)
     fixed = parse_numbers(args.host_delays, "--host-delays", allow_zero=True) if args.host_delays else None
     model = default_model(args)
@@ -340,16 +341,6 @@ def _warn_if_loaded() -> None:
                       f"expect noisy ratios (best run on an idle machine)[/]")
 
 
-def parse_numbers(text: str, option: str, allow_zero: bool) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{option} must be comma-separated numbers, got {text!r}") from None
-    if not values or any(v < 0 or (v == 0 and not allow_zero) for v in values):
-        raise ValueError(f"{option} must be {'non-negative' if allow_zero else 'positive'} numbers, got {text!r}")
-    return values
-
-
 def _device_type(args: argparse.Namespace) -> str:
     import torch
 
@@ -365,7 +356,7 @@ def add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="decode", choices=["decode", "prefill"],
                    help="decode: a few requests, many steps; prefill: many long prompts, 2 tokens each")
     p.add_argument("--requests", type=positive_int, default=None, help="requests in the decode batch (default 2; 64 on CUDA)")
-    p.add_argument("--run-s", type=float, default=2.0, help="about how long one normal run lasts (sets the steps)")
+    p.add_argument("--run-s", type=positive_float, default=2.0, help="about how long one normal run lasts (sets the steps)")
     p.add_argument("--min-steps", type=positive_int, default=60, help="fewest decode steps per run")
     p.add_argument("--json", default=None, help="also write the points to this JSON file")
     p.set_defaults(device_delay_ms=None)  # unset: 8 ms on the CPU, 0 on CUDA

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from ..options import check_output_file
 from ..request import SamplingParams
 from .bench import Workload, console, default_model, measure, print_results, small_workload
 from .trace import pipeline_metrics, write_chrome_trace
@@ -19,6 +20,7 @@ from .trace import pipeline_metrics, write_chrome_trace
 def run_trace(args: argparse.Namespace) -> int:
     from .timeline import render_timeline
 
+    check_output_file(args.out, "--out")
     model = default_model(args)
     args.model = str(model)
     workload = _demo_workload(model, args.num_requests)

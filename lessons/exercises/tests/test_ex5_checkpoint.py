@@ -18,12 +18,10 @@ def engine(model: str, *disabled: str, loop: str = "overlap") -> LLM:
 def generate(llm: LLM, prompts, params):
     try:
         return llm.generate(prompts, params)
-    except RuntimeError as exc:
-        if "no longer be scheduled" not in str(exc):
-            raise
-        raise AssertionError("a request that commit_token() finished must be reported: append it to self.finished "
-                             f"(the caller never got it: {exc})") from None
-    except ValueError as exc:
+    except RuntimeError as exc:  # KVAccountingError from the radix cache is a RuntimeError too
+        if "no longer be scheduled" in str(exc):
+            raise AssertionError("a request that commit_token() finished must be reported: append it to "
+                                 f"self.finished (the caller never got it: {exc})") from None
         if "tokens but" not in str(exc):
             raise
         raise AssertionError("checkpoint only the positions whose KV committed batches wrote, min(kv_committed_len, "
