@@ -318,6 +318,9 @@ WRONG += [
           "before its copy_done event passed", {"the host waits for copy_done": "pass"}),
     Wrong(8, "query-instead-of-wait", "asks copy_done whether it passed, and reads anyway",
           "before its copy_done event passed", {"the host waits for copy_done": "result.copy_done.query()"}),
+    Wrong(8, "scheduler-stream-waits-for-copy-done", "queues the copy_done wait on the scheduler stream, not the host",
+          "before its copy_done event passed",
+          {"the host waits for copy_done": "self.stream.wait_event(result.copy_done)"}),
     Wrong(8, "waits-for-the-whole-stream", "waits for the whole engine stream instead of copy_done",
           "not for the whole engine stream", {"the host waits for copy_done": "self.engine.stream.synchronize()"}),
 ]

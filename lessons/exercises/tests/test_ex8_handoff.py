@@ -49,8 +49,10 @@ def test_the_forward_waits_for_the_scheduler_stream_without_blocking_the_host(qw
     llm.close()
 
 
-def run(model: str, loop: str, **kwargs) -> tuple[LLM, list[list[int]]]:
+def run(model: str, loop: str, scheduler_stream: CpuStream | None = None, **kwargs) -> tuple[LLM, list[list[int]]]:
     llm = LLM(model, loop=loop, **kwargs)
+    if scheduler_stream is not None:
+        llm.scheduler.stream = scheduler_stream
     try:
         outs = llm.generate(["hello there", "the lazy dog"], SIX)
     except (DeviceError, IndexError, OverflowError, RuntimeError) as exc:
@@ -69,6 +71,21 @@ def test_the_host_waits_for_copy_done_before_reading_the_tokens(qwen3):
     assert got == expected, (
         "the host read a batch's tokens before its copy_done event passed: wait for copy_done in commit() first "
         f"(got {got}, expected {expected})")
+
+
+def test_the_host_itself_waits_for_copy_done_not_the_scheduler_stream(qwen3):
+    """On a GPU the scheduler's stream is a CUDA stream, and a wait queued on it does not block the
+    host. On a CPU it runs inline on the host, so here it gets a thread of its own, as on a GPU."""
+    _, expected = run(qwen3, "normal")
+    stream = CpuStream("scheduler (test)")
+    try:
+        _, got = run(qwen3, "normal", scheduler_stream=stream, device_delay_ms=20)
+    finally:
+        stream.close()
+    assert got == expected, (
+        "the host itself must wait for copy_done (copy_done.synchronize()) before it reads the tokens: a wait "
+        "queued on a stream (stream.wait_event) makes only that stream's later work wait, the host reads on at "
+        f"once (got {got}, expected {expected})")
 
 
 def test_a_commit_waits_for_its_own_batch_only(qwen3):
