@@ -6,6 +6,8 @@
 #   bash benchmarks/h200.sh deterministic  # offline, overlap loop, deterministic=True (its cost)
 #   bash benchmarks/h200.sh online         # Poisson arrivals, both loops; overlap with prefill_sync off
 #   bash benchmarks/h200.sh checks         # batch-1 TPOT, eager overlap vs normal profile, host profile
+#   bash benchmarks/h200.sh host           # host work per decode step at 256 requests, both loops
+#   bash benchmarks/h200.sh lab            # the loop-comparison lab on the model shape (sweeps C only)
 # Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online).
 # Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`).
 set -uo pipefail
@@ -19,7 +21,8 @@ for what in "$@"; do
 case "$what" in
   tests)
     python3 -m pytest -q -rA -s tests/test_cuda.py -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/tests.log" \
-      | grep -E "identical|launch /|engine holds|passed|failed|Error|^E " ;;
+      | grep -E "identical|launch /|engine holds|passed|failed|Error|^E "
+    cp "$OUT/tests.log" "$OUT/tests_${TESTS:-all}.log" 2>/dev/null ;;
   bench)
     N=${N:-256}
     python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
@@ -45,9 +48,13 @@ case "$what" in
       --model /tmp/qwen3-0.6b --json "$OUT/online.json" 2>&1 | tee "$OUT/online.log"
     python3 -m minisgl bench --workload online --num-requests "$N" --rate "${RATES:-8,16,32}" --loop overlap \
       --disable prefill_sync --model /tmp/qwen3-0.6b --json "$OUT/online_nosync.json" 2>&1 | tee "$OUT/online_nosync.log" ;;
-  checks)
+  lab)
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
-    for c in batch1 eager host; do
+    python3 -m minisgl lab --model /tmp/qwen3-0.6b --device cuda --json "$OUT/lab.json" 2>&1 | tee "$OUT/lab.log" ;;
+  checks|host)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    checks="batch1 eager host"; [ "$what" = host ] && checks=host
+    for c in $checks; do
       python3 benchmarks/gpu_checks.py /tmp/qwen3-0.6b $c "$OUT" 2>&1 | tee "$OUT/checks_$c.log"
     done ;;
 esac

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,10 @@ class BatchRecord:
     padded_reqs: int  # rows actually computed: the CUDA-graph size a decode batch is padded to
 
 
+# CUDA engines not yet closed (weak: a dropped engine leaves the set by itself).
+_LIVE_CUDA_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
 class Engine:
     def __init__(self, model_path: str | Path, device: torch.device, dtype: torch.dtype, num_rows: int,
                  device_delay_ms: float = 0.0, mechanisms: Mechanisms = Mechanisms(),
@@ -116,6 +121,8 @@ class Engine:
         self.kv: KVCache | None = None
         self.req_to_token: ReqToTokenPool | None = None
         self.tracer = Tracer(enabled=False)
+        if device.type == "cuda":
+            _LIVE_CUDA_ENGINES.add(self)
         self.batch_log: list[BatchRecord] = []  # filled while tracing: what observe/breakdown.py attributes
 
     def bytes_per_token(self) -> int:
@@ -218,6 +225,13 @@ class Engine:
         gc.collect()
         if cuda_ok:
             torch.cuda.synchronize(self.device)
+            _LIVE_CUDA_ENGINES.discard(self)
+            if not _LIVE_CUDA_ENGINES:
+                # cuBLAS keeps a workspace per (handle, stream), 32 MiB each on an H200, in the
+                # caching allocator: our engine and capture streams left 64 MiB per engine behind
+                # (measured: benchmarks/RESULTS.md). Captured graphs hold those addresses, so they
+                # are dropped only when no other engine (whose graphs may use them) is alive.
+                torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
 
     def _emulated_delay(self) -> None:

@@ -319,6 +319,7 @@ class LLM:
         with self._use():
             self.scheduler.stats = type(self.scheduler.stats)()
             self.engine.tracer.clear()
+            self.engine.batch_log.clear()
 
     @property
     def mechanisms(self) -> dict[str, str]:

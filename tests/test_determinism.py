@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl import LLM
+from minisgl.models.attention import KV_TILE, causal_attention, invariant_attention
 from minisgl.models.decoder import DETERMINISTIC_ROWS, Linear, fixed_rows_linear
 
 from .conftest import assert_pool_whole
@@ -36,6 +37,29 @@ def test_fixed_rows_linear_is_batch_invariant():
     full = fixed_rows_linear(x, weight, None, DETERMINISTIC_ROWS)
     for k in (1, 7, 64, 255, 256, 257):
         assert torch.equal(fixed_rows_linear(x[:k], weight, None, DETERMINISTIC_ROWS), full[:k])
+
+
+def test_invariant_attention_matches_causal_attention():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(300, 4, 16), torch.randn(700, 2, 16), torch.randn(700, 2, 16)
+    torch.testing.assert_close(invariant_attention(q, k, v), causal_attention(q, k, v), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_attention_does_not_depend_on_the_chunking(dtype):
+    """A prompt prefilled in one chunk or in several (as the two loops may do): the same bits
+    for every query."""
+    torch.manual_seed(1)
+    n = KV_TILE + 90
+    q, k, v = (torch.randn(n, 4, 16).to(dtype) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    whole = invariant_attention(q, k, v)
+    for cuts in ([5, 70, n], [1, 2, 3, KV_TILE, KV_TILE + 1, n], [200, n]):
+        start = 0
+        for end in cuts:
+            chunk = invariant_attention(q[start:end], k[:end], v[:end])
+            assert torch.equal(chunk, whole[start:end]), f"queries {start}..{end - 1} differ when chunked at {cuts}"
+            start = end
 
 
 def test_linear_switches_between_plain_and_fixed_rows():

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -100,8 +101,9 @@ class TorchAttentionBackend:
     """Reference backend in plain torch: one small attention per request, in float32.
 
     Slow but easy to read and to trust; faster backends must produce the same numbers.
-    `deterministic`: decode one request at a time as well, like prefill: the batched decode
-    pads every request's K/V to the batch's longest, so its reductions depend on the batch.
+    `deterministic`: every request through `invariant_attention`, decode included: the batched
+    decode pads every request's K/V to the batch's longest, and `causal_attention`'s shapes
+    depend on how the prompt was chunked, so both round differently in different batches.
     """
 
     def __init__(self, deterministic: bool = False) -> None:
@@ -126,13 +128,14 @@ class TorchAttentionBackend:
 
         if meta.is_decode and not self.deterministic:
             return decode_attention(q, k_pool, v_pool, meta)
+        attend = invariant_attention if self.deterministic else causal_attention
         out = torch.empty_like(q)
         q_start = kv_start = 0
         for q_len, kv_len in zip(meta.qo_lens, meta.kv_lens):
             # 2) Gather this request's whole K/V history through its slot list.
             slots = meta.kv_indices[kv_start : kv_start + kv_len]
             rows = slice(q_start, q_start + q_len)
-            out[rows] = causal_attention(q[rows], k_pool[slots], v_pool[slots])
+            out[rows] = attend(q[rows], k_pool[slots], v_pool[slots])
             q_start += q_len
             kv_start += kv_len
         return out
@@ -160,6 +163,51 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     probs = scores.softmax(dim=-1)
     out = torch.einsum("hqk,khd->qhd", probs, v.float())
     return out.to(q.dtype)
+
+
+Q_TILE, KV_TILE = 64, 256  # the fixed shapes of invariant_attention
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`causal_attention` whose numbers for a query depend only on its position and its keys.
+
+    In the overlap loop a prompt may be chunked differently than in the normal loop (arrivals
+    and radix hits land in other batches), so a query at position p arrives with a different
+    number of neighbours and keys. Here every matmul has the same shape whatever the chunk:
+    queries go in slabs of Q_TILE rows (zero-padded), keys in tiles of KV_TILE aligned to
+    absolute positions (tile t holds positions t*KV_TILE ...), folded in order by an online
+    softmax. A tile past a query's position is an exact no-op for it (weights exp(-inf) = 0,
+    rescale exp(0) = 1), so where the chunk ends changes nothing either.
+    """
+    num_q, num_heads, head_dim = q.shape
+    num_kv = k.shape[0]
+    group = num_heads // k.shape[1]
+    tiles = -(-num_kv // KV_TILE)
+    pad = tiles * KV_TILE - num_kv
+    k = F.pad(k.float().repeat_interleave(group, dim=1), (0, 0, 0, 0, 0, pad))
+    v = F.pad(v.float().repeat_interleave(group, dim=1), (0, 0, 0, 0, 0, pad))
+    out = torch.empty_like(q)
+    for start in range(0, num_q, Q_TILE):
+        rows = min(Q_TILE, num_q - start)
+        q_slab = F.pad(q[start:start + rows].float(), (0, 0, 0, 0, 0, Q_TILE - rows))
+        # absolute positions; the padding rows copy the last real one (their output is dropped)
+        q_pos = (num_kv - num_q + start + torch.arange(Q_TILE, device=q.device)).clamp(max=num_kv - 1)
+        best = torch.full((num_heads, Q_TILE, 1), float("-inf"), device=q.device)
+        total = torch.zeros(num_heads, Q_TILE, 1, device=q.device)
+        acc = torch.zeros(num_heads, Q_TILE, head_dim, device=q.device)
+        for t in range(int(q_pos[rows - 1]) // KV_TILE + 1):  # tiles up to this slab's last query
+            keys = slice(t * KV_TILE, (t + 1) * KV_TILE)
+            scores = torch.einsum("qhd,khd->hqk", q_slab, k[keys]) / math.sqrt(head_dim)
+            kv_pos = torch.arange(t * KV_TILE, (t + 1) * KV_TILE, device=q.device)
+            scores = scores.masked_fill(kv_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            new_best = torch.maximum(best, scores.amax(dim=-1, keepdim=True))
+            rescale = torch.exp(best - new_best)
+            weights = torch.exp(scores - new_best)
+            total = total * rescale + weights.sum(dim=-1, keepdim=True)
+            acc = acc * rescale + torch.einsum("hqk,khd->hqd", weights, v[keys])
+            best = new_best
+        out[start:start + rows] = (acc / total).transpose(0, 1)[:rows].to(q.dtype)
+    return out
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

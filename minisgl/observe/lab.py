@@ -27,6 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from rich import box
 from rich.columns import Columns
@@ -40,6 +41,7 @@ from .trace import ideal_ratio, pipeline_metrics, realised_share
 
 DEFAULT_POINTS = (0.2, 0.5, 1.0, 1.5, 2.0, 3.2)  # ends with a margin: G drifts
 CPU_DEVICE_DELAY_MS = 20.0
+MAX_STEPS = 400  # decode steps of one run, at most
 
 
 @dataclass
@@ -130,20 +132,27 @@ def make_workload(kind: str, vocab: int, requests: int, steps: int) -> Workload:
 
 
 class Runner:
-    """Builds engines for the lab from the parsed options and runs the workload on them."""
+    """Builds one engine per loop for the whole lab, and runs the workload on them.
 
-    def __init__(self, args: argparse.Namespace, device_delay_ms: float) -> None:
-        self.args = args
-        self.device_delay_ms = device_delay_ms
+    The engines are built once (on CUDA each one captures its graphs: seconds), with room for
+    the longest workload; each point only sets their host delay."""
 
-    def engine(self, loop: str, host_delay_ms: float, kv_tokens: int):
-        llm = build_llm(self.args, loop=loop, device_delay_ms=self.device_delay_ms, host_delay_ms=host_delay_ms,
-                        trace=True, kv_tokens=self.args.kv_tokens or kv_tokens)
-        llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))  # warm-up (and JIT, graphs on GPU)
-        return llm
+    def __init__(self, args: argparse.Namespace, device_delay_ms: float, kv_tokens: int) -> None:
+        self.llms = {loop: build_llm(args, loop=loop, device_delay_ms=device_delay_ms, trace=True,
+                                     kv_tokens=args.kv_tokens or kv_tokens) for loop in ("normal", "overlap")}
+        for llm in self.llms.values():
+            llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))  # warm-up (and JIT on GPU)
 
-    @staticmethod
-    def run(llm, workload: Workload) -> LabRun:
+    def set_host_delay(self, host_delay_ms: float) -> None:
+        for llm in self.llms.values():
+            llm.scheduler.host_delay_s = host_delay_ms / 1000.0  # the knob LLM(host_delay_ms=) sets
+
+    def close(self) -> None:
+        for llm in self.llms.values():
+            llm.close()
+
+    def run(self, loop: str, workload: Workload) -> LabRun:
+        llm = self.llms[loop]
         llm.flush_cache()  # every repeat prefills the same way (no radix hits from the last one)
         llm.reset_stats()
         start = time.perf_counter()
@@ -166,16 +175,10 @@ def kv_tokens_for(workload: Workload) -> int:
 def measure_point(runner: Runner, workload: Workload, host_delay_ms: float, repeats: int) -> Point:
     """Both loops on the same workload, `repeats` pairs in ABBA order."""
     point = Point(host_delay_ms, max(sp.max_new_tokens for sp in workload.params))
-    kv = kv_tokens_for(workload)
-    llms = {loop: runner.engine(loop, host_delay_ms, kv) for loop in ("normal", "overlap")}
-    try:
-        for rep in range(repeats):
-            order = ("normal", "overlap") if rep % 2 == 0 else ("overlap", "normal")
-            for loop in order:
-                getattr(point, loop).append(runner.run(llms[loop], workload))
-    finally:
-        for llm in llms.values():
-            llm.close()
+    runner.set_host_delay(host_delay_ms)
+    for rep in range(repeats):
+        for loop in ("normal", "overlap") if rep % 2 == 0 else ("overlap", "normal"):
+            getattr(point, loop).append(runner.run(loop, workload))
     return point
 
 
@@ -277,6 +280,26 @@ gain that the overlap loop realised."""
 # --------------------------------------------------------------------------- the command
 
 
+def sweep(runner: Runner, args: argparse.Namespace, workload_of: Callable[[int], Workload], targets: list[float],
+          fixed: list[float] | None) -> tuple[LabRun, list[dict]]:
+    """The probe (G and the host's own work C0, no knob), then one measured point per target."""
+    probe = measure_point(runner, workload_of(40), 0.0, 1).normal[0]
+    console.print(f"probe, normal loop, no host delay: G {probe.g_s * 1e3:.2f} ms, C {probe.c_s * 1e3:.2f} ms "
+                  f"(lowest C/G: {probe.c_s / probe.g_s:.2f})")
+    g_seen = [probe.g_s]  # G drifts with the machine's load: each point aims with the median so far
+    points = []
+    for i in range(len(fixed) if fixed else len(targets)):
+        g_est = statistics.median(g_seen)
+        host_delay = fixed[i] if fixed else host_delay_for(g_est, probe.c_s, targets[i])
+        steps = steps_for(g_est, probe.c_s + host_delay / 1e3, args.run_s, args.min_steps, MAX_STEPS)
+        measured = measure_point(runner, workload_of(steps), host_delay, args.repeats)
+        g_seen += [r.g_s for r in measured.normal]
+        points.append(measured.to_json())
+        console.print(f"  host_delay_ms {host_delay:6.2f}, {steps:3d} steps: C/G {points[-1]['c_over_g']:.2f}, "
+                      f"ovl/norm {points[-1]['ratio_median']:.2f} (ideal {points[-1]['ideal']:.2f})")
+    return probe, points
+
+
 def run_lab(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     check_output_file(args.json, "--json")
@@ -290,26 +313,16 @@ def run_lab(args: argparse.Namespace) -> int:
     cuda = _device_type(args) == "cuda"
     delay = args.device_delay_ms if args.device_delay_ms is not None else (0.0 if cuda else CPU_DEVICE_DELAY_MS)
     requests = args.requests or (64 if cuda else 2)
-    runner = Runner(args, delay)
     console.print(f"[bold]minisgl lab[/] {model.name}, {'cuda' if cuda else 'cpu'}, device_delay_ms={delay:g}, "
                   f"{args.workload} workload, {requests} requests, {args.repeats} repeats")
     _warn_if_loaded()
-    # Probe: G and the host's own work C0 (no knob), from one short normal run.
-    probe = measure_point(runner, make_workload(args.workload, vocab, requests, 40), 0.0, 1).normal[0]
-    console.print(f"probe, normal loop, no host delay: G {probe.g_s * 1e3:.2f} ms, C {probe.c_s * 1e3:.2f} ms "
-                  f"(lowest C/G: {probe.c_s / probe.g_s:.2f})")
-    g_seen = [probe.g_s]  # G drifts with the machine's load: each point aims with the median so far
-    points = []
-    for i in range(len(fixed) if fixed else len(targets)):
-        g_est = statistics.median(g_seen)
-        host_delay = fixed[i] if fixed else host_delay_for(g_est, probe.c_s, targets[i])
-        steps = steps_for(g_est, probe.c_s + host_delay / 1e3, args.run_s, args.min_steps, 400)
-        measured = measure_point(runner, make_workload(args.workload, vocab, requests, steps), host_delay,
-                                 args.repeats)
-        g_seen += [r.g_s for r in measured.normal]
-        points.append(measured.to_json())
-        console.print(f"  host_delay_ms {host_delay:6.2f}, {steps:3d} steps: C/G {points[-1]['c_over_g']:.2f}, "
-                      f"ovl/norm {points[-1]['ratio_median']:.2f} (ideal {points[-1]['ideal']:.2f})")
+    runner = Runner(args, delay, kv_tokens_for(make_workload(args.workload, vocab, requests, MAX_STEPS)))
+    console.print(f"both engines built and warmed up in {time.perf_counter() - started:.0f} s")
+    try:
+        probe, points = sweep(runner, args, lambda steps: make_workload(args.workload, vocab, requests, steps),
+                              targets, fixed)
+    finally:
+        runner.close()
     runtime = time.perf_counter() - started
     report(points, runtime)
     if args.json:
