@@ -13,7 +13,12 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-if [ -f .whl/flashinfer-cache.tgz ]; then mkdir -p ~/.cache && tar xzf .whl/flashinfer-cache.tgz -C ~/.cache; fi
+if [ -f .whl/flashinfer-cache.tgz ]; then
+  mkdir -p ~/.cache && tar xzf .whl/flashinfer-cache.tgz -C ~/.cache
+  # The pip install above gave FlashInfer's sources fresh times: make the cached builds newer, or
+  # ninja rebuilds every kernel (minutes; suspected cause of the slow lab runs of 2026-11-29).
+  find ~/.cache/flashinfer -exec touch {} +
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 git rev-parse --short HEAD 2>/dev/null || true

@@ -292,4 +292,5 @@ class Engine:
         kv_indices = table[inp.rows[req_of_kv], pos_in_req]
         return AttentionMetadata(positions=inp.positions, out_slots=inp.out_slots,
                                  qo_indptr=inp.qo_indptr.to(torch.int32), kv_indptr=inp.kv_indptr.to(torch.int32),
-                                 kv_indices=kv_indices, qo_lens=batch.qo_lens, kv_lens=batch.kv_lens)
+                                 kv_indices=kv_indices, qo_lens=batch.qo_lens, kv_lens=batch.kv_lens,
+                                 prefill=batch.is_prefill)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl import LLM
+from minisgl import LLM, SamplingParams
 from minisgl.models.attention import KV_TILE, causal_attention, invariant_attention
 from minisgl.models.decoder import DETERMINISTIC_ROWS, Linear, fixed_rows_linear
 
@@ -60,6 +60,25 @@ def test_invariant_attention_does_not_depend_on_the_chunking(dtype):
             chunk = invariant_attention(q[start:end], k[:end], v[:end])
             assert torch.equal(chunk, whole[start:end]), f"queries {start}..{end - 1} differ when chunked at {cuts}"
             start = end
+
+
+def test_a_one_token_prompt_takes_the_prefill_path(qwen3, monkeypatch):
+    """A prefill batch whose chunks are all one token long is still a prefill batch: if it took
+    the decode kernel, a prompt position's numbers would depend on how the loop chunked it."""
+    llm = LLM(qwen3, loop="normal", deterministic=True)
+    seen: list[tuple[bool, list[int]]] = []
+    forward = llm.engine.backend.forward
+
+    def spy(q, k, v, layer_id, meta, kv):
+        if layer_id == 0:
+            seen.append((meta.is_decode, list(meta.qo_lens)))
+        return forward(q, k, v, layer_id, meta, kv)
+
+    monkeypatch.setattr(llm.engine.backend, "forward", spy)
+    llm.generate([[7]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert seen[0] == (False, [1]), "the 1-token prompt was run as a decode step"
+    assert [is_decode for is_decode, _ in seen[1:]] == [True, True]
+    llm.close()
 
 
 def test_linear_switches_between_plain_and_fixed_rows():

@@ -41,6 +41,7 @@ class AttentionMetadata:
     kv_indices: torch.Tensor  # [sum kv_len] int64, slot of positions 0..kv_len-1, new tokens last
     qo_lens: list[int]  # host copies of the lengths, so Python loops need no GPU sync
     kv_lens: list[int]
+    prefill: bool = False  # a batch of prompt chunks, even if every chunk is one token long
 
     @property
     def num_requests(self) -> int:
@@ -48,8 +49,10 @@ class AttentionMetadata:
 
     @property
     def is_decode(self) -> bool:
-        """True when every request adds exactly one token (a pure decode step)."""
-        return all(n == 1 for n in self.qo_lens)
+        """A decode step: one new token per request, none of them from a prompt. A prefill batch of
+        1-token chunks is not one: in the deterministic mode a prompt position must take the
+        prefill path however the loop chunked the prompt, or its numbers change with the chunking."""
+        return not self.prefill and all(n == 1 for n in self.qo_lens)
 
 
 class KVCache:

@@ -291,6 +291,8 @@ def sweep(runner: Runner, args: argparse.Namespace, workload_of: Callable[[int],
     for i in range(len(fixed) if fixed else len(targets)):
         g_est = statistics.median(g_seen)
         host_delay = fixed[i] if fixed else host_delay_for(g_est, probe.c_s, targets[i])
+        if not fixed and host_delay == 0 and any(p["host_delay_ms"] == 0 for p in points):
+            continue  # a target below the host's own C/G: the no-delay point is already measured
         steps = steps_for(g_est, probe.c_s + host_delay / 1e3, args.run_s, args.min_steps, MAX_STEPS)
         measured = measure_point(runner, workload_of(steps), host_delay, args.repeats)
         g_seen += [r.g_s for r in measured.normal]
