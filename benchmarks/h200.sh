@@ -26,7 +26,7 @@ for what in "$@"; do
 case "$what" in
   tests)
     python3 -m pytest -q -rA -s tests/test_cuda.py -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/tests.log" \
-      | grep -E "identical|launch /|engine holds|passed|failed|Error|^E "
+      | grep -E "identical|again|launch /|engine holds|passed|failed|Error|^E "
     cp "$OUT/tests.log" "$OUT/tests_${TESTS:-all}.log" 2>/dev/null ;;
   bench)
     N=${N:-256}

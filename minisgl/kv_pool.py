@@ -56,8 +56,9 @@ class KVPool:
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise KVAccountingError(f"asked for {n} KV slots, {len(self._free)} free")
-        slots = self._free[len(self._free) - n:][::-1]
+        slots = self._free[len(self._free) - n:]
         del self._free[len(self._free) - n:]
+        slots.reverse()
         for slot in slots:
             self._is_free[slot] = 0
         return slots

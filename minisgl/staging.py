@@ -77,11 +77,14 @@ class StagingBuffer:
                  **{f: max_reqs + 1 for f in INDPTR_FIELDS}}
         self.host = {f: torch.zeros(n, dtype=torch.int64, pin_memory=pin) for f, n in sizes.items()}
         self.host.update({f: torch.zeros(max_reqs, dtype=torch.float32, pin_memory=pin) for f in FLOAT_FIELDS})
+        # numpy views of the same (pinned) memory: a Python list is written into them about 3x
+        # faster than through torch.tensor(list) (a decode step at 256 requests writes 13 columns).
+        self._host_np = {f: t.numpy() for f, t in self.host.items()}
         self.consumed: Event | None = None  # recorded on the engine stream after the device copy
 
     def write(self, tokens: TokenColumns, **columns: list[int] | list[float]) -> None:
         for name, values in {**vars(tokens), **columns}.items():
-            self.host[name][: len(values)] = torch.tensor(values, dtype=self.host[name].dtype)
+            self._host_np[name][: len(values)] = values
 
     def to_device(self, num_tokens: int, num_reqs: int) -> DeviceInputs:
         """Runs on the engine stream: the read that the write-after-read wait protects."""
