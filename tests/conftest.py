@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import torch
@@ -62,3 +65,17 @@ def drain(llm) -> dict[int, object]:
     while llm.has_unfinished():
         outs.update({o.rid: o for o in llm.step()})
     return outs
+
+
+@contextmanager
+def no_thread_left_behind() -> Iterator[None]:
+    """Fails if a thread started inside the block is still alive after it. Compares thread
+    identities, not counts: a thread of an earlier test may end meanwhile."""
+    before = set(threading.enumerate())
+    yield
+    for thread in [t for t in threading.enumerate() if t not in before]:
+        # A worker that ran its own engine's finalizer (a collection can start on any thread)
+        # cannot join itself: it ends right after. Leaked means still running seconds later.
+        thread.join(timeout=5)
+    left = [t.name for t in threading.enumerate() if t not in before]
+    assert left == [], f"threads left behind: {left}"

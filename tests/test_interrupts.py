@@ -18,7 +18,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.demo.paths import demo_model_path
 
-from .conftest import assert_pool_whole, drain
+from .conftest import assert_pool_whole, drain, no_thread_left_behind
 
 PROMPTS = ["hello there", "count 1 to 9:", "the quick brown fox jumps over the lazy dog"]
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 14, 10)]
@@ -99,15 +99,14 @@ def test_interrupted_generate_gives_back_its_requests(qwen3, reference, loop, ph
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_second_interrupt_stops_the_engine_cleanly(qwen3, loop):
-    threads = threading.active_count()
-    llm = LLM(qwen3, loop=loop)
-    interrupt_in(llm, "commit", at_call=2, times=2)
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate(PROMPTS, PARAMS)
-    with pytest.raises(RuntimeError, match="failed earlier"):
-        llm.generate(PROMPTS, PARAMS)
-    llm.close()
-    assert threading.active_count() == threads
+    with no_thread_left_behind():
+        llm = LLM(qwen3, loop=loop)
+        interrupt_in(llm, "commit", at_call=2, times=2)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, PARAMS)
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            llm.generate(PROMPTS, PARAMS)
+        llm.close()
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])

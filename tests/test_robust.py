@@ -17,7 +17,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.__main__ import main as cli
 from minisgl.streams import DeviceError
 
-from .conftest import assert_pool_whole, drain
+from .conftest import assert_pool_whole, drain, no_thread_left_behind
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -83,28 +83,27 @@ def test_use_after_close_raises_at_once(qwen3):
 # 4. An error on the worker thread ----------------------------------------------------------------
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_worker_error_reaches_caller_once_then_refusal_and_clean_close(qwen3, loop):
-    threads = threading.active_count()
-    engine = LLM(qwen3, loop=loop)
-    engine.generate(["warm up"], GREEDY)
-    forward = engine.engine._forward_and_sample
-    calls = []
+    with no_thread_left_behind():
+        engine = LLM(qwen3, loop=loop)
+        engine.generate(["warm up"], GREEDY)
+        forward = engine.engine._forward_and_sample
+        calls = []
 
-    def failing(*args):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected device fault")
-        forward(*args)
+        def failing(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected device fault")
+            forward(*args)
 
-    engine.engine._forward_and_sample = failing
-    with pytest.raises(DeviceError) as info:
-        engine.generate(["hello there", "count 1 to 9:"], GREEDY)
-    assert "injected device fault" in str(info.value.__cause__)
-    for call in (lambda: engine.generate(["hi"], GREEDY), engine.step, lambda: engine.add_request("hi")):
-        with pytest.raises(RuntimeError, match="failed earlier"):
-            call()
-    engine.close()  # neither raises nor hangs
-    engine.close()
-    assert threading.active_count() == threads
+        engine.engine._forward_and_sample = failing
+        with pytest.raises(DeviceError) as info:
+            engine.generate(["hello there", "count 1 to 9:"], GREEDY)
+        assert "injected device fault" in str(info.value.__cause__)
+        for call in (lambda: engine.generate(["hi"], GREEDY), engine.step, lambda: engine.add_request("hi")):
+            with pytest.raises(RuntimeError, match="failed earlier"):
+                call()
+        engine.close()  # neither raises nor hangs
+        engine.close()
 
 
 @pytest.mark.parametrize("delay", [float("nan"), float("inf"), -1.0])
@@ -235,10 +234,9 @@ def test_malformed_checkpoint_one_error(qwen3, tmp_path, capsys, case):
     folder = copy_model(qwen3, tmp_path / "m")
     breaker, names = BREAKERS[case]
     breaker(folder)
-    threads = threading.active_count()
-    with pytest.raises(ValueError, match=names):
-        LLM(folder)
-    assert threading.active_count() == threads
+    with no_thread_left_behind():
+        with pytest.raises(ValueError, match=names):
+            LLM(folder)
     assert_one_line_exit_2(capsys, "generate", "--model", str(folder), "--prompt", "hi")
 
 
@@ -256,28 +254,25 @@ def test_failed_constructor_leaves_no_thread(qwen3, tmp_path, case):
         _corrupt_tokenizer(model)
     elif case == "flashinfer on cpu":
         kwargs = dict(device="cpu", attention_backend="flashinfer")
-    threads = threading.active_count()
-    with pytest.raises((TypeError, ValueError)):
-        LLM(model, **kwargs)
-    assert threading.active_count() == threads
+    with no_thread_left_behind():
+        with pytest.raises((TypeError, ValueError)):
+            LLM(model, **kwargs)
 
 
 def test_five_engines_leave_no_thread_behind(qwen3):
-    threads = threading.active_count()
-    for i in range(5):
-        with LLM(qwen3, loop=("normal", "overlap")[i % 2]) as engine:
-            assert len(engine.generate(["hello"], GREEDY)[0].token_ids) == 12
-    assert threading.active_count() == threads
+    with no_thread_left_behind():
+        for i in range(5):
+            with LLM(qwen3, loop=("normal", "overlap")[i % 2]) as engine:
+                assert len(engine.generate(["hello"], GREEDY)[0].token_ids) == 12
 
 
 def test_dropped_engine_stops_its_thread(qwen3):
-    threads = threading.active_count()
-    engine = LLM(qwen3, loop="overlap")
-    engine.add_request("hello", GREEDY)
-    engine.step()  # a batch in flight, never committed: the caller just drops the engine
-    del engine
-    gc.collect()
-    assert threading.active_count() == threads
+    with no_thread_left_behind():
+        engine = LLM(qwen3, loop="overlap")
+        engine.add_request("hello", GREEDY)
+        engine.step()  # a batch in flight, never committed: the caller just drops the engine
+        del engine
+        gc.collect()
 
 
 # 9. Silently coerced ----------------------------------------------------------------------------
@@ -370,7 +365,6 @@ def test_context_check_agrees_with_kv_fit(qwen3):
 
 def test_sizes_larger_than_free_memory_refused_before_allocating(qwen3, monkeypatch):
     monkeypatch.setattr("minisgl.arguments.free_memory_bytes", lambda device: 1 << 20)  # a 1 MiB machine
-    threads = threading.active_count()
-    with pytest.raises(ValueError, match="kv_tokens=50000.*GiB"):
-        LLM(qwen3, kv_tokens=50000)
-    assert threading.active_count() == threads
+    with no_thread_left_behind():
+        with pytest.raises(ValueError, match="kv_tokens=50000.*GiB"):
+            LLM(qwen3, kv_tokens=50000)
