@@ -139,7 +139,7 @@ class Engine:
                 raise ValueError("the flashinfer backend needs a CUDA device")
             m = self.model
             return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
-                                     deterministic=self.deterministic)
+                                     self.num_rows, deterministic=self.deterministic)
         return TorchAttentionBackend(deterministic=self.deterministic)
 
     def attach_memory(self, num_slots: int, req_to_token: ReqToTokenPool) -> None:

@@ -332,3 +332,13 @@ def test_load_missing_weight(tmp_path, checkpoints):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing weight 'model\.layers\.1\.self_attn\.k_proj\.bias'"):
         load_model(folder, torch.float32, torch.device("cpu"))
+
+
+def test_fill_indptr_writes_offsets_into_a_pinned_sized_buffer():
+    """FlashInfer's plan inputs are written in place (pinned buffers on a GPU): offsets, then length."""
+    from minisgl.gpu.flashinfer_backend import fill_indptr
+
+    buf = torch.full((6,), -1, dtype=torch.int32)
+    n = fill_indptr([3, 1, 5], buf.numpy())
+    assert (n, buf[:n].tolist(), buf[n:].tolist()) == (4, [0, 3, 4, 9], [-1, -1])
+    assert buf[:fill_indptr([], buf.numpy())].tolist() == [0]

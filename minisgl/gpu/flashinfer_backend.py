@@ -3,8 +3,9 @@
 Same contract as `TorchAttentionBackend` (which stays the portable reference): write the
 new K/V at `out_slots`, then attend through each request's slot list. The difference is the
 *plan*: FlashInfer splits the work across thread blocks once per batch, on the host, from
-host-side lengths. We pass it host tensors built from the batch's host lists, so planning
-never waits for the device (a device-to-host read here would stall the overlap pipeline).
+host-side lengths. We pass it pinned host tensors filled from the batch's host lists, so
+planning never waits for the device (a device-to-host read here, or an upload from pageable
+memory, could stall the overlap pipeline).
 Page size is 1: a "page" is one token slot, so every last_page_len is 1.
 
 Planning writes the schedule into pinned host memory that the device copies when it reaches
@@ -17,6 +18,7 @@ after its copy_done.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend
@@ -32,16 +34,16 @@ def flashinfer_available() -> bool:
     return True
 
 
-def host_indptr(lengths: list[int]) -> torch.Tensor:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32)
+def fill_indptr(lengths: list[int], out: np.ndarray) -> int:
+    """Write the offsets [0, l0, l0+l1, ...] into out[:len(lengths) + 1]; returns that length."""
+    out[0] = 0
+    np.cumsum(lengths, out=out[1:len(lengths) + 1])
+    return len(lengths) + 1
 
 
 class FlashInferBackend:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, deterministic: bool = False) -> None:
+                 device: torch.device, max_batch: int, deterministic: bool = False) -> None:
         import flashinfer
 
         if dtype not in (torch.float16, torch.bfloat16):
@@ -60,16 +62,24 @@ class FlashInferBackend:
                                                                     use_tensor_cores=self.use_tensor_cores)
                        for _ in range(2)]
         self._active = self.decode[0]  # the wrapper the layers run: planned for the current batch
+        # The plans' host inputs, pinned. FlashInfer uploads them with non_blocking copies, and a
+        # copy from pageable memory may make the host wait for the stream first (CUDA's "API
+        # synchronization behavior"), i.e. for the batch in flight: the very stall the overlap
+        # loop exists to avoid. One set per parity, like the wrappers: batch n+2 rewrites it.
+        pinned = dict(dtype=torch.int32, pin_memory=True)
+        self._kv_indptr = [torch.zeros(max_batch + 1, **pinned) for _ in range(2)]
+        self._qo_indptr = [torch.zeros(max_batch + 1, **pinned) for _ in range(2)]
+        self._last_page_len = torch.ones(max_batch, **pinned)  # page size 1: never rewritten
 
     def plan(self, meta: AttentionMetadata, parity: int = 0, decode_wrapper=None) -> None:
         """Once per batch. `decode_wrapper`: a CUDA-graph wrapper with its own fixed buffers."""
         num_qo, num_kv, head_dim = self.shape
-        # Keep-alive: these host tensors are pageable, so FlashInfer's non_blocking upload stages
-        # them before it returns and they may be dropped at once; kv_indices was made on the
-        # engine stream, which runs this plan's copies and kernels; the plan's own pinned buffer
-        # belongs to the wrapper, reused only by batch n+2 (the parity above).
-        kv_indptr = host_indptr(meta.kv_lens)
-        last_page_len = torch.ones(meta.num_requests, dtype=torch.int32)
+        # Keep-alive: the pinned inputs below are read by FlashInfer's queued uploads, and their
+        # parity's set is rewritten only by batch n+2; kv_indices was made on the engine stream,
+        # which runs this plan's copies and kernels; the plan's own pinned buffer belongs to the
+        # wrapper, of the same parity.
+        kv_indptr = self._kv_indptr[parity][:fill_indptr(meta.kv_lens, self._kv_indptr[parity].numpy())]
+        last_page_len = self._last_page_len[:meta.num_requests]
         kv_indices = meta.kv_indices.to(torch.int32)
         if meta.is_decode:
             self._active = decode_wrapper or self.decode[parity]
@@ -77,7 +87,8 @@ class FlashInferBackend:
                               q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=self.deterministic)
         elif self.prefill_reference is None:
             self._active = self.prefill[parity]
-            self._active.plan(host_indptr(meta.qo_lens), kv_indptr, kv_indices, last_page_len, num_qo, num_kv,
+            qo_indptr = self._qo_indptr[parity][:fill_indptr(meta.qo_lens, self._qo_indptr[parity].numpy())]
+            self._active.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo, num_kv,
                               head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: AttentionMetadata,
