@@ -1,10 +1,10 @@
 """GPU fast paths for the model's elementwise steps, from FlashInfer (the `cuda` extra).
 
 In bf16 on an H200 a decode step of a 0.6B model spends as much time in tiny elementwise
-kernels (RMSNorm's casts and reductions, rotary's chunk/cat/mul/add, SiLU-and-mul) as in
-attention: hundreds of 2-3 us launches per step (measured: benchmarks/RESULTS.md). These
-fused kernels do each step in one launch. Same math as the torch code in model.py, which
-stays the reference and the only path on CPU and in float32.
+kernels (RMSNorm's casts and reductions, rotary's chunk/cat/mul/add, SiLU-and-mul, the
+residual adds) as in attention: hundreds of 2-3 us launches per step (measured:
+benchmarks/RESULTS.md). These fused kernels do each step in one launch. Same math as the torch
+code in models/decoder.py, which stays the reference and the only path on CPU and in float32.
 """
 
 from __future__ import annotations
@@ -30,6 +30,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     import flashinfer
 
     return flashinfer.norm.rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, RMSNorm of it) in one kernel, in place: residual becomes the sum, x its norm."""
+    import flashinfer
+
+    flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps)
+    return residual, x
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

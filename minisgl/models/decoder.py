@@ -89,6 +89,14 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its RMSNorm): the residual stream's add and the next norm. On the GPU
+        one fused kernel that overwrites both inputs (the callers own them); here the reference."""
+        if fused_ops.active(x):
+            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return residual, self(residual)
+
 
 def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     """Rotation speed of each of the head_dim/2 dimension pairs, float32 on the CPU."""
@@ -204,10 +212,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, rope: Rope, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend):
-        # Pre-norm residual blocks: h + attn(norm(h)), then h + mlp(norm(h)).
-        h = h + self.self_attn(self.input_layernorm(h), rope, meta, kv, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata, kv: KVCache,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual blocks, residual + attn(norm(...)) then residual + mlp(norm(...)), with the
+        residual stream carried beside `h` (the previous block's output, not added yet), so that
+        every add is fused with the norm after it. `residual` is None at the first layer."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            residual, x = self.input_layernorm.add_and_norm(h, residual)
+        h = self.self_attn(x, rope, meta, kv, backend)
+        residual, x = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(x), residual
 
 
 class Decoder(nn.Module):
@@ -237,14 +253,14 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids [T] (the new tokens of all requests) -> logits [B, vocab] float32,
         one row per request, for its last new token (the one that predicts the next token)."""
-        h = self.model.embed_tokens(input_ids)
+        h, residual = self.model.embed_tokens(input_ids), None
         rope = self.model.rotary(meta.positions, h.dtype)  # computed once, shared by all layers
         for layer in self.model.layers:
-            h = layer(h, rope, meta, kv, backend)
+            h, residual = layer(h, residual, rope, meta, kv, backend)
         # Only the last new token of each request needs logits; the vocab projection is
         # the largest matmul in small models, so skip it for all other prompt tokens.
         last_rows = meta.qo_indptr[1:].long() - 1
-        h = self.model.norm(h[last_rows])
+        _, h = self.model.norm.add_and_norm(h[last_rows], residual[last_rows])
         return self.lm_head(h).float()
 
 
