@@ -127,7 +127,7 @@ class CudaGraphRunner:
         if pad:  # each dummy request attends to one position: slot 0
             kv_indices = torch.cat([kv_indices, kv_indices.new_zeros(pad)])
         padded = self._static_meta(bs, meta.kv_lens + [1] * pad, kv_indices)
-        self.backend.plan(padded, decode_wrapper=self.wrappers[parity][bs])
+        self.backend.plan(padded, parity, decode_wrapper=self.wrappers[parity][bs])
         self.graphs[parity][bs].replay()
         return self.logits[parity][bs][:B]
 

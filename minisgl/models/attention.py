@@ -198,7 +198,8 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
         best = torch.full((num_heads, Q_TILE, 1), float("-inf"), device=q.device)
         total = torch.zeros(num_heads, Q_TILE, 1, device=q.device)
         acc = torch.zeros(num_heads, Q_TILE, head_dim, device=q.device)
-        for t in range(int(q_pos[rows - 1]) // KV_TILE + 1):  # tiles up to this slab's last query
+        last = num_kv - num_q + start + rows - 1  # this slab's last query, from host ints: no device read
+        for t in range(last // KV_TILE + 1):  # the tiles up to it
             keys = slice(t * KV_TILE, (t + 1) * KV_TILE)
             scores = torch.einsum("qhd,khd->hqk", q_slab, k[keys]) / math.sqrt(head_dim)
             kv_pos = torch.arange(t * KV_TILE, (t + 1) * KV_TILE, device=q.device)
