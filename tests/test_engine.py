@@ -101,3 +101,40 @@ def test_tight_kv_pool_waits_instead_of_deadlocking(qwen3):
     assert [o.token_ids for o in outs] == ref
     assert_pool_whole(llm)
     llm.close()
+
+
+def test_cuda_graph_replay_plans_with_its_batch_parity():
+    """A CPU check of the GPU-only replay path: FlashInfer plans keep their pinned inputs in one
+    set per batch parity (gpu/flashinfer_backend.py), so a replay must plan with its own batch's
+    parity. Planned always with parity 0, batch n+1 rewrote batch n's indptr before its queued
+    copy ran. The graphs and the backend are stand-ins that record what they were given."""
+    import torch
+
+    from minisgl.gpu.cuda_graph import CudaGraphRunner
+    from minisgl.models.attention import AttentionMetadata
+
+    class Graph:
+        def replay(self) -> None:
+            pass
+
+    planned: list[tuple[int, str, list[int]]] = []
+
+    class Backend:
+        def plan(self, meta, parity: int = 0, decode_wrapper=None) -> None:
+            planned.append((parity, decode_wrapper, meta.kv_lens))
+
+    runner = object.__new__(CudaGraphRunner)
+    runner.batch_sizes, runner.backend = [4, 8], Backend()
+    runner.input_ids, runner.positions, runner.out_slots = (torch.zeros(8, dtype=torch.int64) for _ in range(3))
+    runner.qo_indptr, runner.kv_indptr_buf = torch.arange(9, dtype=torch.int32), torch.zeros(9, dtype=torch.int32)
+    runner.wrappers = [{bs: f"wrapper {p}/{bs}" for bs in (4, 8)} for p in range(2)]
+    runner.graphs = [{bs: Graph() for bs in (4, 8)} for _ in range(2)]
+    runner.logits = [{bs: torch.zeros(bs, 5) for bs in (4, 8)} for _ in range(2)]
+    meta = AttentionMetadata(positions=torch.tensor([4, 6, 2]), out_slots=torch.tensor([5, 12, 15]),
+                             qo_indptr=torch.arange(4, dtype=torch.int32),
+                             kv_indptr=torch.tensor([0, 5, 12, 15], dtype=torch.int32),
+                             kv_indices=torch.arange(1, 16), qo_lens=[1, 1, 1], kv_lens=[5, 7, 3])
+    for batch_id in range(3):
+        assert runner.run(torch.tensor([7, 8, 9]), meta, batch_id % 2).shape == (3, 5)
+    assert planned == [(0, "wrapper 0/4", [5, 7, 3, 1]), (1, "wrapper 1/4", [5, 7, 3, 1]),
+                       (0, "wrapper 0/4", [5, 7, 3, 1])]
