@@ -74,18 +74,13 @@ class StagingBuffer:
     def __init__(self, max_tokens: int, max_reqs: int, device: torch.device) -> None:
         self.device = device
         pin = device.type == "cuda"
-        sizes = {**{f: max_tokens for f in TOKEN_FIELDS}, **{f: max_reqs for f in REQUEST_FIELDS},
-                 **{f: max_reqs + 1 for f in INDPTR_FIELDS}}
-        self.blocks = {torch.int64: torch.zeros(sum(sizes.values()), dtype=torch.int64, pin_memory=pin),
-                       torch.float32: torch.zeros(len(FLOAT_FIELDS) * max_reqs, dtype=torch.float32, pin_memory=pin)}
-        self._spans: dict[str, tuple[torch.dtype, int]] = {}  # column -> (its block, its offset)
-        offset = 0
-        for name, n in sizes.items():
-            self._spans[name], offset = (torch.int64, offset), offset + n
-        for i, name in enumerate(FLOAT_FIELDS):
-            self._spans[name] = (torch.float32, i * max_reqs)
-        size = {**sizes, **{f: max_reqs for f in FLOAT_FIELDS}}
-        self.host = {f: self.blocks[dtype][off:off + size[f]] for f, (dtype, off) in self._spans.items()}
+        int_sizes = {**{f: max_tokens for f in TOKEN_FIELDS}, **{f: max_reqs for f in REQUEST_FIELDS},
+                     **{f: max_reqs + 1 for f in INDPTR_FIELDS}}
+        self.blocks: dict[torch.dtype, torch.Tensor] = {}
+        self.host: dict[str, torch.Tensor] = {}  # each column a view of its block (offset: storage_offset())
+        for dtype, sizes in ((torch.int64, int_sizes), (torch.float32, {f: max_reqs for f in FLOAT_FIELDS})):
+            self.blocks[dtype] = torch.zeros(sum(sizes.values()), dtype=dtype, pin_memory=pin)
+            self.host.update(zip(sizes, self.blocks[dtype].split(list(sizes.values()))))
         # numpy views of the same (pinned) memory: a Python list is written into them about 3x
         # faster than through torch.tensor(list) (a decode step at 256 requests writes 13 columns).
         self._host_np = {f: t.numpy() for f, t in self.host.items()}
@@ -102,8 +97,9 @@ class StagingBuffer:
 
         def column(name: str) -> torch.Tensor:
             n = num_tokens if name in TOKEN_FIELDS else num_reqs + (name in INDPTR_FIELDS)
-            dtype, offset = self._spans[name]
-            return on_device[dtype][offset:offset + n]
+            host = self.host[name]
+            start = host.storage_offset()
+            return on_device[host.dtype][start:start + n]
         return DeviceInputs(**{name: column(name) for name in self.host})
 
 
