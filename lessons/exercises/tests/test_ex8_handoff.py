@@ -83,9 +83,9 @@ def test_the_host_itself_waits_for_copy_done_not_the_scheduler_stream(qwen3):
     finally:
         stream.close()
     assert got == expected, (
-        "the host itself must wait for copy_done (copy_done.synchronize()) before it reads the tokens: a wait "
-        "queued on a stream (stream.wait_event) makes only that stream's later work wait, the host reads on at "
-        f"once (got {got}, expected {expected})")
+        "the host read a batch's tokens before its copy_done event passed: the host itself must wait for "
+        "copy_done (copy_done.synchronize()); a wait queued on a stream (stream.wait_event) makes only that "
+        f"stream's later work wait, the host reads on at once (got {got}, expected {expected})")
 
 
 def test_a_commit_waits_for_its_own_batch_only(qwen3):
