@@ -9,6 +9,11 @@ eager:  lesson 9's workload (64 requests x 64 tokens, graphs off) in both loops:
         (synchronizations, copies, allocations) and kernel launches per step.
 host:   256 requests with 800-token prompts at steady decode, graphs on: host ms per step by
         span (schedule, launch, commit, wait), and cProfile's top functions, for both loops.
+invariance: the CUDA tests' mixed workload (tests/workloads.py) in both loops with
+        deterministic=True, for three configurations (FlashInfer; the torch reference backend;
+        FlashInfer with the fused ops off): identical sequences, and the first (request,
+        position) whose logits differ bit for bit between the loops, with the two batches it
+        was computed in. Names the part that is not batch-invariant.
 """
 
 from __future__ import annotations
@@ -143,7 +148,74 @@ def host(model: str) -> None:
         llm.close()
 
 
+def record_batches(llm: LLM) -> list[tuple[list[int], list[int], bool, torch.Tensor]]:
+    """(rids, kv_lens, is_prefill, logits) of every forward, in launch order (eager engines only)."""
+    log: list = []
+    launch, forward = llm.scheduler.launch, llm.engine.model.forward
+
+    def launch_and_note(planned):
+        log.append([[r.rid for r in planned.view.reqs], list(planned.forward.kv_lens), planned.forward.is_prefill])
+        return launch(planned)
+
+    def forward_and_keep(*args):
+        logits = forward(*args)
+        next(entry for entry in log if len(entry) == 3).append(logits.clone())
+        return logits
+
+    llm.scheduler.launch, llm.engine.model.forward = launch_and_note, forward_and_keep
+    return log
+
+
+def invariance(model: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from minisgl.gpu import fused_ops
+    from tests.workloads import random_workload, with_stops
+
+    def drive(loop: str, workload, **kwargs):
+        llm = LLM(model, device="cuda", loop=loop, chunk_size=16, deterministic=True, **kwargs)
+        log = record_batches(llm)
+        index, outs, step = {}, {}, 0
+        while len(outs) < len(workload):
+            for i, a in enumerate(workload):
+                if a.step == step:
+                    index[llm.add_request(a.prompt, a.params)] = i
+            outs.update((index[o.rid], o.token_ids) for o in llm.step())
+            step += 1
+        while llm.has_unfinished():
+            llm.step()
+        llm.close()
+        rows = {}  # (request, kv_len) -> (logits row, batch size, row, is_prefill)
+        for rids, kv_lens, prefill, logits in log:
+            for r, (rid, kv_len) in enumerate(zip(rids, kv_lens)):
+                rows[(index[rid], kv_len)] = (logits[r], len(rids), r, prefill)
+        return [outs[i] for i in range(len(workload))], rows
+
+    for label, kwargs, fused in (("flashinfer", {}, True), ("torch backend", {"attention_backend": "torch"}, True),
+                                 ("flashinfer, fused ops off", {}, False)):
+        fused_ops.ENABLED = fused
+        probe = LLM(model, device="cuda", loop="normal", chunk_size=16)
+        base = random_workload(0, probe.engine.model.vocab_size)
+        workload = with_stops(base, [o.token_ids for o in probe.generate([a.prompt for a in base],
+                                                                          [a.params for a in base])], 0)
+        probe.close()
+        normal, rows_n = drive("normal", workload, **kwargs)
+        again, _ = drive("normal", workload, **kwargs)
+        overlap, rows_o = drive("overlap", workload, **kwargs)
+        same = [k for k in rows_n if k in rows_o and torch.equal(rows_n[k][0], rows_o[k][0])]
+        differ = [k for k in rows_n if k in rows_o and not torch.equal(rows_n[k][0], rows_o[k][0])]
+        print(f"{label}: normal repeats itself {sum(a == b for a, b in zip(normal, again))}/{len(workload)}; "
+              f"overlap == normal {sum(a == b for a, b in zip(normal, overlap))}/{len(workload)}; "
+              f"logits rows identical {len(same)}, different {len(differ)}")
+        for k in differ[:4]:
+            (ln, bn, rn, pn), (lo, bo, ro, po) = rows_n[k], rows_o[k]
+            print(f"  request {k[0]} at kv_len {k[1]}: normal batch of {bn} ({'prefill' if pn else 'decode'}, "
+                  f"row {rn}), overlap batch of {bo} ({'prefill' if po else 'decode'}, row {ro}); "
+                  f"max |diff| {(ln - lo).abs().max().item():.3g}")
+    fused_ops.ENABLED = True
+
+
 if __name__ == "__main__":
     model, what = sys.argv[1], sys.argv[2]
     out = Path(sys.argv[3]) if len(sys.argv) > 3 else Path("/tmp")
-    {"batch1": lambda: batch1(model), "eager": lambda: eager(model, out), "host": lambda: host(model)}[what]()
+    {"batch1": lambda: batch1(model), "eager": lambda: eager(model, out), "host": lambda: host(model),
+     "invariance": lambda: invariance(model)}[what]()
