@@ -9,6 +9,9 @@ eager:  lesson 9's workload (64 requests x 64 tokens, graphs off) in both loops:
         (synchronizations, copies, allocations) and kernel launches per step.
 host:   256 requests with 800-token prompts at steady decode, graphs on: host ms per step by
         span (schedule, launch, commit, wait), and cProfile's top functions, for both loops.
+eager-ab: lesson 9's workload again, both loops built once and run in ABBA order (3 pairs), then
+        one overlap run under torch's sync debug mode (every synchronizing CUDA call warns):
+        is eager overlap's loss steady, and does any hidden synchronization remain?
 invariance: the CUDA tests' mixed workload (tests/workloads.py) in both loops with
         deterministic=True, for three configurations (FlashInfer; the torch reference backend;
         FlashInfer with the fused ops off): identical sequences, and the first (request,
@@ -81,8 +84,7 @@ def batch1(model: str) -> None:
 
 
 def eager(model: str, out_dir: Path) -> None:
-    prompts = [[(7 * i + j) % 500 + 3 for j in range(16 + i % 32)] for i in range(64)]
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    prompts, params = lesson9_workload()
     for loop in ("normal", "overlap"):
         llm = LLM(model, device="cuda", loop=loop, disable=("cuda_graph",), trace=True)
         llm.generate(prompts[:4], SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -112,6 +114,55 @@ def eager(model: str, out_dir: Path) -> None:
         while llm.has_unfinished():
             llm.step()
         llm.close()
+
+
+def lesson9_workload() -> tuple[list[list[int]], SamplingParams]:
+    return [[(7 * i + j) % 500 + 3 for j in range(16 + i % 32)] for i in range(64)], \
+        SamplingParams(max_new_tokens=64, ignore_eos=True)
+
+
+def eager_ab(model: str) -> None:
+    import gc
+    import os
+    import statistics
+    import warnings
+
+    prompts, params = lesson9_workload()
+    llms = {loop: LLM(model, device="cuda", loop=loop, disable=("cuda_graph",), trace=True, kv_tokens=1 << 16)
+            for loop in ("normal", "overlap")}
+    if os.environ.get("GC_OFF"):
+        gc.disable()
+    results: dict[str, list[tuple[float, float]]] = {"normal": [], "overlap": []}
+    for rep in range(4):
+        for loop in ("normal", "overlap") if rep % 2 else ("overlap", "normal"):
+            llm = llms[loop]
+            llm.engine.tracer.clear()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+            spans = [s for s in llm.engine.tracer.resolve() if s.lane == "host" and s.name == "launch"]
+            if rep:  # the first pair warms up
+                results[loop].append((sum(len(o.token_ids) for o in outs) / wall,
+                                      statistics.median(s.duration for s in spans) * 1000))
+    for loop, runs in results.items():
+        print(f"eager-ab {loop:>7}: tok/s {[round(r[0]) for r in runs]}, median launch ms {[round(r[1], 2) for r in runs]}")
+    llms["normal"].close()
+    llm = llms["overlap"]
+    llm.engine.tracer.enabled = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        llm.generate(prompts[:16], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        torch.cuda.set_sync_debug_mode("default")
+    where: dict[str, int] = {}
+    for w in caught:
+        key = f"{w.filename}:{w.lineno}: {str(w.message)[:80]}"
+        where[key] = where.get(key, 0) + 1
+    print(f"sync debug mode, overlap loop, 16 requests x 8 tokens: {len(caught)} warnings")
+    for key, count in sorted(where.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {count:5d}  {key}")
+    llm.close()
 
 
 def host_spans(llm: LLM, label: str) -> None:
@@ -218,4 +269,4 @@ if __name__ == "__main__":
     model, what = sys.argv[1], sys.argv[2]
     out = Path(sys.argv[3]) if len(sys.argv) > 3 else Path("/tmp")
     {"batch1": lambda: batch1(model), "eager": lambda: eager(model, out), "host": lambda: host(model),
-     "invariance": lambda: invariance(model)}[what]()
+     "invariance": lambda: invariance(model), "eager-ab": lambda: eager_ab(model)}[what]()

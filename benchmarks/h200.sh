@@ -9,6 +9,7 @@
 #   bash benchmarks/h200.sh host           # host work per decode step at 256 requests, both loops
 #   bash benchmarks/h200.sh lab            # the loop-comparison lab on the model shape (sweeps C only)
 #   bash benchmarks/h200.sh invariance     # deterministic mode: which part makes overlap != normal
+#   bash benchmarks/h200.sh eager-ab       # eager overlap vs normal, ABBA, then sync debug mode
 # Several modes in one device call: `timeout 200 bash benchmarks/h200.sh A; timeout 300 bash ... B`.
 # Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online).
 # Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`).
@@ -66,6 +67,9 @@ case "$what" in
     # the CUDA tests' model: preset small (head_dim 128), seed 3
     [ -d /tmp/small-qwen3 ] || python3 -m minisgl make-tiny /tmp/small-qwen3 --arch qwen3 --preset small --seed 3
     python3 benchmarks/gpu_checks.py /tmp/small-qwen3 invariance 2>&1 | tee "$OUT/invariance.log" ;;
+  eager-ab)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    python3 benchmarks/gpu_checks.py /tmp/qwen3-0.6b eager-ab 2>&1 | tee "$OUT/eager_ab${TAG:-}.log" ;;
   checks|host)
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
     checks="batch1 eager host"; [ "$what" = host ] && checks=host
