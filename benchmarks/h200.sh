@@ -28,7 +28,8 @@ if [ ! -d /tmp/site/flashinfer ]; then
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-git rev-parse --short HEAD 2>/dev/null || true
+# The device tool copies the working tree, not the history: this id may be an older commit's.
+echo "git metadata on this machine: $(git rev-parse --short HEAD 2>/dev/null) (may lag the working tree)"
 for what in "$@"; do
 case "$what" in
   tests)
