@@ -1,6 +1,6 @@
 """GPU measurements that are not the offline benchmark (H200; see benchmarks/RESULTS.md).
 
-    python benchmarks/gpu_checks.py MODEL_DIR batch1|eager|host [OUT_DIR]
+    python benchmarks/gpu_checks.py MODEL_DIR batch1|eager|host|eager-ab|invariance [OUT_DIR]
 
 batch1: TPOT of one request (256 prompt + 256 new tokens) in both loops, CUDA graphs on and
         off, against the weights-read floor (weight bytes / measured HBM bandwidth).
@@ -10,7 +10,8 @@ eager:  lesson 9's workload (64 requests x 64 tokens, graphs off) in both loops,
         (synchronizations, copies, allocations) and kernel launches per step.
 host:   256 requests with 800-token prompts at steady decode, graphs on: host ms per step by
         span (schedule, launch, commit, wait), and cProfile's top functions, for both loops.
-eager-ab: lesson 9's workload again, both loops built once and run in ABBA order (3 pairs), then
+eager-ab: lesson 9's workload again, both loops built once and run in ABBA order (4 pairs, the first
+        a warm-up), then
         one overlap run under torch's sync debug mode (every synchronizing CUDA call warns):
         is eager overlap's loss steady, and does any hidden synchronization remain?
 invariance: the CUDA tests' mixed workload (tests/workloads.py) in both loops with
