@@ -10,10 +10,9 @@ eager:  lesson 9's workload (64 requests x 64 tokens, graphs off) in both loops,
         (synchronizations, copies, allocations) and kernel launches per step.
 host:   256 requests with 800-token prompts at steady decode, graphs on: host ms per step by
         span (schedule, launch, commit, wait), and cProfile's top functions, for both loops.
-eager-ab: lesson 9's workload again, both loops built once and run in ABBA order (4 pairs, the first
-        a warm-up), then
-        one overlap run under torch's sync debug mode (every synchronizing CUDA call warns):
-        is eager overlap's loss steady, and does any hidden synchronization remain?
+eager-ab: lesson 9's workload again, both loops built once and run in ABBA order (4 pairs, the
+        first a warm-up), then one overlap run under torch's sync debug mode (every synchronizing
+        CUDA call warns): is eager overlap's loss steady, and does any hidden synchronization remain?
 invariance: the CUDA tests' mixed workload (tests/workloads.py) in both loops with
         deterministic=True, for three configurations (FlashInfer; the torch reference backend;
         FlashInfer with the fused ops off): identical sequences, and the first (request,
