@@ -201,47 +201,44 @@ def host(model: str) -> None:
         llm.close()
 
 
-def record_batches(llm: LLM) -> list[tuple[list[int], list[int], bool, torch.Tensor]]:
-    """(rids, kv_lens, is_prefill, logits) of every forward, in launch order (eager engines only)."""
-    log: list = []
+def record_batches(llm: LLM) -> tuple[list[tuple[list[tuple[int, ...]], list[int], bool]], list[torch.Tensor]]:
+    """(prompts, kv_lens, is_prefill) of every launched batch and the logits of every forward, both
+    in launch order (eager engines only), filled as the engine runs: zip them after the run."""
+    batches: list = []
+    logits_seen: list[torch.Tensor] = []
     launch, forward = llm.scheduler.launch, llm.engine.model.forward
 
     def launch_and_note(planned):
-        log.append([[r.rid for r in planned.view.reqs], list(planned.forward.kv_lens), planned.forward.is_prefill])
+        batches.append(([tuple(r.prompt_ids) for r in planned.view.reqs], list(planned.forward.kv_lens),
+                         planned.forward.is_prefill))
         return launch(planned)
 
     def forward_and_keep(*args):
         logits = forward(*args)
-        next(entry for entry in log if len(entry) == 3).append(logits.clone())
+        logits_seen.append(logits.clone())  # forwards run in launch order
         return logits
 
     llm.scheduler.launch, llm.engine.model.forward = launch_and_note, forward_and_keep
-    return log
+    return batches, logits_seen
 
 
 def invariance(model: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from minisgl.gpu import fused_ops
-    from tests.workloads import random_workload, with_stops
+    from tests.workloads import random_workload, run, with_stops
 
     def drive(loop: str, workload, **kwargs):
+        index = {tuple(a.prompt): i for i, a in enumerate(workload)}  # a request is known by its prompt
+        assert len(index) == len(workload)
         llm = LLM(model, device="cuda", loop=loop, chunk_size=16, deterministic=True, **kwargs)
-        log = record_batches(llm)
-        index, outs, step = {}, {}, 0
-        while len(outs) < len(workload):
-            for i, a in enumerate(workload):
-                if a.step == step:
-                    index[llm.add_request(a.prompt, a.params)] = i
-            outs.update((index[o.rid], o.token_ids) for o in llm.step())
-            step += 1
-        while llm.has_unfinished():
-            llm.step()
+        batches, logits_seen = record_batches(llm)
+        outs = [tokens for tokens, _ in run(llm, workload)]
         llm.close()
         rows = {}  # (request, kv_len) -> (logits row, batch size, row, is_prefill)
-        for rids, kv_lens, prefill, logits in log:
-            for r, (rid, kv_len) in enumerate(zip(rids, kv_lens)):
-                rows[(index[rid], kv_len)] = (logits[r], len(rids), r, prefill)
-        return [outs[i] for i in range(len(workload))], rows
+        for (prompts, kv_lens, prefill), logits in zip(batches, logits_seen):
+            for r, (prompt, kv_len) in enumerate(zip(prompts, kv_lens)):
+                rows[(index[prompt], kv_len)] = (logits[r], len(prompts), r, prefill)
+        return outs, rows
 
     for label, kwargs, fused in (("flashinfer", {}, True), ("torch backend", {"attention_backend": "torch"}, True),
                                  ("flashinfer, fused ops off", {}, False)):

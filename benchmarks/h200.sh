@@ -20,9 +20,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 if [ ! -d /tmp/site/flashinfer ]; then
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   if [ -f .whl/flashinfer-cache.tgz ]; then
-    # Restored, and touched so that the cached builds look newer than the freshly installed
-    # sources, a new machine still spent about 4 minutes before the first run printed anything
-    # (2026-12-01, RESULTS.md): plan for that warm-up whether or not the cache travels.
+    # Even with this cache restored, a new machine spent about 4 minutes before its first run
+    # printed anything (2026-12-01, RESULTS.md): plan for that warm-up whether or not it travels.
     mkdir -p ~/.cache && tar xzf .whl/flashinfer-cache.tgz -C ~/.cache
   fi
 fi
