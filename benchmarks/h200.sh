@@ -10,6 +10,7 @@
 #   bash benchmarks/h200.sh lab            # the loop-comparison lab on the model shape (sweeps C only)
 #   bash benchmarks/h200.sh invariance     # deterministic mode: which part makes overlap != normal
 #   bash benchmarks/h200.sh eager-ab       # eager overlap vs normal, ABBA, then sync debug mode
+#   bash benchmarks/h200.sh profile        # kernel time of a whole offline run by kind (PROFILE=attention|gemm|steps: others)
 # Several modes in one device call: `timeout 200 bash benchmarks/h200.sh A; timeout 300 bash ... B`.
 # Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online).
 # Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`).
@@ -32,7 +33,7 @@ echo "git metadata on this machine: $(git rev-parse --short HEAD 2>/dev/null) (m
 for what in "$@"; do
 case "$what" in
   tests)
-    python3 -m pytest -q -rA -s tests/test_cuda.py -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/tests.log" \
+    python3 -m pytest -q -rA -s tests/test_cuda.py tests/test_qkv_epilogue.py -m cuda -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/tests.log" \
       | grep -E "identical|again|launch /|engine holds|passed|failed|Error|^E "
     cp "$OUT/tests.log" "$OUT/tests_${TESTS:-all}.log" 2>/dev/null ;;
   bench)
@@ -70,6 +71,9 @@ case "$what" in
   eager-ab)
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
     python3 benchmarks/gpu_checks.py /tmp/qwen3-0.6b eager-ab 2>&1 | tee "$OUT/eager_ab${TAG:-}.log" ;;
+  profile)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    python3 benchmarks/profile_decode.py /tmp/qwen3-0.6b "${PROFILE:-run}" 2>&1 | tee "$OUT/profile_${PROFILE:-run}.log" ;;
   checks|host)
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
     checks="batch1 eager host"; [ "$what" = host ] && checks=host

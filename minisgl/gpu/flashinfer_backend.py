@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend
+from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend, store_new_kv
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -52,9 +52,16 @@ class FlashInferBackend:
         self.dtype = dtype
         # One float workspace: it is used only while kernels run, and batches run in order.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # Tensor cores pay off when several query heads share a KV head (GQA group >= 4); the
-        # deterministic mode needs them: only that kernel can switch the KV split off.
-        self.use_tensor_cores = num_qo_heads // num_kv_heads >= 4 or deterministic
+        # Decode on tensor cores (FlashInfer runs its prefill kernel with one query per request)
+        # whenever query heads share KV heads. Measured on the H200 with GQA group 2 and lengths
+        # like the offline benchmark's (100..2048): 89-95% of HBM bandwidth from 128 requests up,
+        # against 75-88% without. The plain decode kernel gives each request one thread block per
+        # KV head and splits no request once the batch fills the GPU, so a few long requests
+        # finish last, alone; the tensor-core kernel loads KV in larger tiles, and its plan may
+        # cut a long request into chunks (which of the two matters more was not isolated;
+        # benchmarks/RESULTS.md). The deterministic mode needs them: only that kernel can switch
+        # the KV split off.
+        self.use_tensor_cores = num_qo_heads > num_kv_heads or deterministic
         self.deterministic = deterministic
         self.prefill_reference = TorchAttentionBackend(deterministic=True) if deterministic else None
         self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
@@ -91,13 +98,11 @@ class FlashInferBackend:
             self._active.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo, num_kv,
                               head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: AttentionMetadata,
-                kv: KVCache) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         if self.prefill_reference is not None and not meta.is_decode:
             return self.prefill_reference.forward(q, k, v, layer_id, meta, kv)
-        k_pool, v_pool = kv.k[layer_id], kv.v[layer_id]
-        k_pool[meta.out_slots] = k.to(k_pool.dtype)
-        v_pool[meta.out_slots] = v.to(v_pool.dtype)
+        k_pool, v_pool = store_new_kv(k, v, layer_id, meta, kv)
         # [slots, heads, dim] viewed as [pages, page_size=1, heads, dim] (the "NHD" layout)
         paged = (k_pool.unsqueeze(1), v_pool.unsqueeze(1))
         return self._active.run(q.contiguous(), paged)

@@ -5,12 +5,15 @@ kernels (RMSNorm's casts and reductions, rotary's chunk/cat/mul/add, SiLU-and-mu
 residual adds) as in attention: hundreds of 2-3 us launches per step (measured:
 benchmarks/RESULTS.md). These fused kernels do each step in one launch. Same math as the torch
 code in models/decoder.py, which stays the reference and the only path on CPU and in float32.
+One more comes from our own Triton kernel (qkv_epilogue.py): everything between the q/k/v
+projection and attention, the K/V pool writes included.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import qkv_epilogue as _epilogue
 from .flashinfer_backend import flashinfer_available
 
 ENABLED = True  # tests flip this to compare against the torch reference
@@ -24,6 +27,20 @@ def active(x: torch.Tensor) -> bool:
     if _AVAILABLE is None:
         _AVAILABLE = flashinfer_available()
     return _AVAILABLE
+
+
+def qkv_epilogue_active(qkv: torch.Tensor, head_dim: int) -> bool:
+    return active(qkv) and _epilogue.available(head_dim)
+
+
+def qkv_epilogue(qkv: torch.Tensor, attn, rotation, out_slots: torch.Tensor, k_pool: torch.Tensor,
+                 v_pool: torch.Tensor) -> torch.Tensor:
+    """q [T, Hq, D] ready for attention, from the projection's output qkv of `attn` (a
+    decoder `Attention`); its k and v are written into the pools at out_slots."""
+    q_weight, k_weight = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+    eps = attn.q_norm.eps if attn.qk_norm else 0.0
+    return _epilogue.qkv_epilogue(qkv, attn.num_heads, attn.num_kv_heads, attn.head_dim, rotation.positions,
+                                  rotation.cos_sin_cache, q_weight, k_weight, eps, out_slots, k_pool, v_pool)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -82,7 +82,8 @@ class KVCache:
 class AttentionBackend(Protocol):
     """What the model calls once per layer. q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D].
 
-    A backend must (1) write the new k/v into the pool at meta.out_slots and
+    A backend must (1) write the new k/v into the pool at meta.out_slots (`store_new_kv`;
+    k = v = None: a fused kernel has written them already) and
     (2) attend every new query to its request's kv positions up to its own.
     `plan(meta)` runs once per batch before the layers (FlashInfer builds its schedule there).
     """
@@ -92,8 +93,8 @@ class AttentionBackend(Protocol):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer_id: int,
         meta: AttentionMetadata,
         kv: KVCache,
@@ -118,16 +119,14 @@ class TorchAttentionBackend:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer_id: int,
         meta: AttentionMetadata,
         kv: KVCache,
     ) -> torch.Tensor:
-        k_pool, v_pool = kv.k[layer_id], kv.v[layer_id]
         # 1) Store the new tokens' K/V first, so the gather below sees them too.
-        k_pool[meta.out_slots] = k.to(k_pool.dtype)
-        v_pool[meta.out_slots] = v.to(v_pool.dtype)
+        k_pool, v_pool = store_new_kv(k, v, layer_id, meta, kv)
 
         if meta.is_decode and not self.deterministic:
             return decode_attention(q, k_pool, v_pool, meta)
@@ -142,6 +141,17 @@ class TorchAttentionBackend:
             q_start += q_len
             kv_start += kv_len
         return out
+
+
+def store_new_kv(k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, meta: AttentionMetadata,
+                 kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the batch's new K/V into the layer's pools at meta.out_slots (None: written already,
+    by the fused q/k/v kernel); returns the two pools."""
+    k_pool, v_pool = kv.k[layer_id], kv.v[layer_id]
+    if k is not None:
+        k_pool[meta.out_slots] = k.to(k_pool.dtype)
+        v_pool[meta.out_slots] = v.to(v_pool.dtype)
+    return k_pool, v_pool
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

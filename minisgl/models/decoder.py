@@ -19,8 +19,6 @@ from __future__ import annotations
 import math
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,8 +27,6 @@ from transformers import PretrainedConfig
 from ..gpu import fused_ops
 from .attention import AttentionBackend, AttentionMetadata, KVCache
 from .checkpoint import FAMILY_OF_ARCHITECTURE, load_config, open_all, read_tensor, rope_parameters, safetensors_files
-
-Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 # Our fused parameter -> the checkpoint tensors concatenated (along dim 0) to build it.
 FUSED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -120,6 +116,26 @@ def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
 
 
+class Rotation:
+    """The rotary embedding of one batch's positions: built once per forward, shared by all layers.
+    Called as rotation(q, k) -> (q, k); the fused GPU kernels read `positions` and the table."""
+
+    def __init__(self, positions: torch.Tensor, dtype: torch.dtype, rotary: "RotaryEmbedding") -> None:
+        self.positions = positions
+        self.fused = fused_ops.active(torch.empty(0, dtype=dtype, device=positions.device))
+        if self.fused:
+            self.cos_sin_cache = rotary.cos_sin_cache()
+        else:
+            angles = positions.float()[:, None] * rotary.inv_freq.float()[None, :]  # [T, head_dim/2]
+            angles = torch.cat((angles, angles), dim=-1)  # both halves of a head share one angle
+            self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            return fused_ops.apply_rope(q, k, self.positions, self.cos_sin_cache)
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, params: dict, max_positions: int) -> None:
         super().__init__()
@@ -128,19 +144,11 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: derived from the config, never stored in checkpoints.
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, params), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """The rotation for this batch's positions, as a function (q, k) -> (q, k); built once
-        per forward and shared by all layers."""
-        if fused_ops.active(torch.empty(0, dtype=dtype, device=positions.device)):
-            cache = self.cos_sin_cache()
-            return lambda q, k: fused_ops.apply_rope(q, k, positions, cache)
-        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, head_dim/2]
-        angles = torch.cat((angles, angles), dim=-1)  # both halves of a head share one angle
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        return lambda q, k: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        return Rotation(positions, dtype, self)
 
     def cos_sin_cache(self) -> torch.Tensor:
-        """[max_positions, head_dim] float32: cos of every angle, then sin (fused GPU path)."""
+        """[max_positions, head_dim] float32: cos of every angle, then sin (fused GPU paths)."""
         if self._cos_sin_cache is None:
             positions = torch.arange(self.max_positions, device=self.inv_freq.device, dtype=torch.float32)
             angles = positions[:, None] * self.inv_freq.float()[None, :]
@@ -176,16 +184,23 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
-    def forward(self, x, rope: Rope, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend):
+    def forward(self, x, rope: Rotation, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend):
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k)
-        out = backend.forward(q, k, v, self.layer_id, meta, kv)
+        qkv = self.qkv_proj(x)
+        if fused_ops.qkv_epilogue_active(qkv, self.head_dim):
+            # One kernel for split, q/k norm, rotary and the K/V pool writes (seven otherwise);
+            # the backend is told the new K/V are in the pool already (k = v = None).
+            q = fused_ops.qkv_epilogue(qkv, self, rope, meta.out_slots, kv.k[self.layer_id], kv.v[self.layer_id])
+            out = backend.forward(q, None, None, self.layer_id, meta, kv)
+        else:  # the reference
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rope(q, k)
+            out = backend.forward(q, k, v, self.layer_id, meta, kv)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -212,7 +227,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata, kv: KVCache,
+    def forward(self, h, residual: torch.Tensor | None, rope: Rotation, meta: AttentionMetadata, kv: KVCache,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm residual blocks, residual + attn(norm(...)) then residual + mlp(norm(...)), with the
         residual stream carried beside `h` (the previous block's output, not added yet), so that
@@ -251,7 +266,7 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend
     ) -> torch.Tensor:
-        """input_ids [T] (the new tokens of all requests) -> logits [B, vocab] float32,
+        """input_ids [T] (the new tokens of all requests) -> logits [B, vocab] in the model's dtype,
         one row per request, for its last new token (the one that predicts the next token)."""
         h, residual = self.model.embed_tokens(input_ids), None
         rope = self.model.rotary(meta.positions, h.dtype)  # computed once, shared by all layers
@@ -261,7 +276,9 @@ class CausalLM(nn.Module):
         # the largest matmul in small models, so skip it for all other prompt tokens.
         last_rows = meta.qo_indptr[1:].long() - 1
         _, h = self.model.norm.add_and_norm(h[last_rows], residual[last_rows])
-        return self.lm_head(h).float()
+        # Not cast to float32 here: a greedy step only needs the argmax, which is the same in bf16,
+        # and the cast would write and read [B, vocab] float32 each step; sample() casts if it samples.
+        return self.lm_head(h)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, PretrainedConfig]:

@@ -41,10 +41,12 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, steps: torch.Tensor, all_greedy: bool) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] int64. Rows with temperature 0 are greedy."""
+    """logits [B, V] -> token ids [B] int64. Rows with temperature 0 are greedy. The argmax is
+    exact in any dtype; the sampling arithmetic below is done in float32."""
     greedy = logits.argmax(dim=-1)
     if all_greedy:
         return greedy
+    logits = logits.float()
     vocab = logits.shape[-1]
     scaled = logits / temperature.clamp(min=1e-6)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
