@@ -1,6 +1,6 @@
 """Where does a decode step's device time go? (H200; see benchmarks/RESULTS.md)
 
-    python benchmarks/profile_decode.py MODEL_DIR [steps|run|attention|gemm]
+    python benchmarks/profile_decode.py MODEL_DIR [steps|run|attention]
 
 steps (default): FlashInfer decode attention alone on 256 requests with ~800-token contexts,
    with and without tensor cores, then torch.profiler over 10 steady decode steps of that
@@ -8,11 +8,10 @@ steps (default): FlashInfer decode attention alone on 256 requests with ~800-tok
 run: torch.profiler over the whole offline workload (`bench --workload offline`, overlap
    loop, graphs on): every kernel's total time, grouped by what it does, against the run's wall
    time: where the device time beyond the floor goes;
-attention: FlashInfer decode attention alone on batches like the offline run's (lengths drawn
-   from its requests' contexts at several batch sizes), with and without tensor cores and the
-   KV split, in GB/s against the measured HBM bandwidth;
-gemm: the decode-shaped GEMMs of the model (4 per layer) at several batch sizes, cuBLAS
-   against cuBLASLt, against their weight-read floor.
+attention: FlashInfer decode attention alone on batches like the offline run's tail (lengths
+   drawn as its contexts, at several batch sizes), with and without tensor cores, in the order
+   drawn and longest first, against the measured HBM bandwidth. Timed as eager calls: at the
+   small batches the launch, not the kernel, may set the time.
 """
 
 from __future__ import annotations
@@ -71,8 +70,11 @@ def attention_alone(tensor_cores: bool, batch: int = 256, kv_len: int = 820, lay
 
 
 KERNEL_GROUPS = (  # first match wins: (group, substrings of the kernel's name, lower case)
-    ("decode attention", ("batchdecode", "decodewithpagedkv", "persistentvariablelength")),
-    ("prefill attention", ("batchprefill", "prefillwithpagedkv", "batchprefillwith")),
+    # One group for both: tensor-core decode runs FlashInfer's prefill kernel, so the kernel's
+    # name does not tell a decode batch from a prefill one.
+    ("attention, decode and prefill", ("batchdecode", "decodewithpagedkv", "variablelengthmergestates",
+                                       "batchprefill", "prefillwithkvcache", "prefillwithpagedkv")),
+    ("fused q/k/v epilogue (Triton)", ("qkv_epilogue",)),
     ("rmsnorm", ("rmsnorm", "norm_kernel")),
     ("rotary", ("rope",)),
     ("silu-and-mul", ("act_and_mul", "silu")),
@@ -95,12 +97,13 @@ def profile_run(model: str) -> None:
     llm = LLM(model, device="cuda")
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_new_tokens=4))
     torch.cuda.synchronize()
+    warm_prefill, warm_decode = llm.stats.prefill_batches, llm.stats.decode_batches
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         llm.generate(workload.prompts, workload.params)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    steps = f"{llm.stats.prefill_batches} prefill + {llm.stats.decode_batches} decode batches"
+    steps = f"{llm.stats.prefill_batches - warm_prefill} prefill + {llm.stats.decode_batches - warm_decode} decode batches"
     llm.close()
     groups: dict[str, list[float]] = {}
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
@@ -128,7 +131,7 @@ def attention_like_the_run(layers: int = 28) -> None:
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     for tensor_cores in (False, True):  # tensor cores last: their kernel compiles for a minute
         for batch in (256, 192, 160, 128, 64, 16):
-            # a decode batch of the offline run's tail: prompt 100..1024 plus 100..1024 outputs so far
+            # a decode batch of the offline run's tail: prompt 100..1024 plus 0..1024 outputs so far
             lengths = [rng.randint(100, 1024) + rng.randint(0, 1024) for _ in range(batch)]
             total = sum(lengths)
             k = torch.randn(total + 1, 1, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
@@ -150,37 +153,12 @@ def attention_like_the_run(layers: int = 28) -> None:
                   + "  ".join(cells), flush=True)
 
 
-def gemm_shapes(model: str) -> None:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q, kv, hidden, inter = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim, \
-        cfg.hidden_size, cfg.intermediate_size
-    shapes = {"qkv": (hidden, q + 2 * kv), "o": (q, hidden), "gate_up": (hidden, 2 * inter), "down": (inter, hidden),
-              "lm_head": (hidden, cfg.vocab_size)}
-    hbm, _ = measure_ceilings(torch.device("cuda"))
-    for library in ("cublas", "cublaslt"):
-        torch.backends.cuda.preferred_blas_library(library)
-        for rows in (1, 8, 64, 128, 192, 256):
-            cells = []
-            for name, (k, n) in shapes.items():
-                x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-                w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
-                us = timed(lambda: torch.nn.functional.linear(x, w), torch.device("cuda"), repeat=50) * 1e6
-                cells.append(f"{name} {us:5.1f} ({2 * n * k / hbm * 1e6:4.1f})")
-            print(f"{library:<9} rows {rows:3d}: " + "  ".join(cells))
-    torch.backends.cuda.preferred_blas_library("cublas")
-
-
 if __name__ == "__main__":
     mode = sys.argv[2] if len(sys.argv) > 2 else "steps"
     if mode == "run":
         profile_run(sys.argv[1])
     elif mode == "attention":
         attention_like_the_run()
-    elif mode == "gemm":
-        gemm_shapes(sys.argv[1])
     else:
         attention_alone(False)
         attention_alone(True)

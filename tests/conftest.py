@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -24,6 +25,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """Tests that press Ctrl-C (signal.raise_signal) need Python's own SIGINT handler. A shell
+    that starts pytest in the background (`make test &`) hands it SIGINT ignored, and Python
+    then installs none: every Ctrl-C test would fail with "DID NOT RAISE KeyboardInterrupt"."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session")

@@ -165,7 +165,8 @@ def test_pinned_copy_off_blocks_the_host_at_launch(qwen3):
 
 
 def test_fused_ops_match_torch_reference(gpu_models, monkeypatch):
-    """FlashInfer's fused RMSNorm / rotary / SiLU-and-mul give the torch reference's logits (bf16)."""
+    """The fused kernels (FlashInfer's RMSNorm and SiLU-and-mul, our q/k/v epilogue: q/k norm, rotary,
+    K/V writes) give the torch reference's logits (bf16)."""
     from minisgl.gpu import fused_ops
 
     llm = LLM(gpu_models["qwen3"], device="cuda", disable=("cuda_graph",))

@@ -11,10 +11,15 @@ projection and attention, the K/V pool writes included.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import qkv_epilogue as _epilogue
 from .flashinfer_backend import flashinfer_available
+
+if TYPE_CHECKING:  # models/decoder.py imports this module
+    from ..models.decoder import Attention, Rotation
 
 ENABLED = True  # tests flip this to compare against the torch reference
 _AVAILABLE: bool | None = None
@@ -33,8 +38,8 @@ def qkv_epilogue_active(qkv: torch.Tensor, head_dim: int) -> bool:
     return active(qkv) and _epilogue.available(head_dim)
 
 
-def qkv_epilogue(qkv: torch.Tensor, attn, rotation, out_slots: torch.Tensor, k_pool: torch.Tensor,
-                 v_pool: torch.Tensor) -> torch.Tensor:
+def qkv_epilogue(qkv: torch.Tensor, attn: Attention, rotation: Rotation, out_slots: torch.Tensor,
+                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
     """q [T, Hq, D] ready for attention, from the projection's output qkv of `attn` (a
     decoder `Attention`); its k and v are written into the pools at out_slots."""
     q_weight, k_weight = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)

@@ -12,7 +12,8 @@ into a fresh [T, Hq, D] tensor, k and v into the pool at the token's slot). The 
 (models/decoder.py, `Attention.forward` with the fused ops off), rounded where it rounds:
 the normalised head is rounded to the model dtype before the norm weight multiplies it, and
 again after; the rotation is computed in float32 and rounded once, as FlashInfer's rotary
-kernel does. tests/test_cuda.py compares the two paths.
+kernel does. tests/test_qkv_epilogue.py compares the kernel with the reference, within bf16
+rounding (on the CPU in Triton's interpreter, and on the GPU).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ if triton is not None:
                              NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                              Q_HEADS_POW2: tl.constexpr, KV_HEADS_POW2: tl.constexpr, QK_NORM: tl.constexpr):
         """One program per token: its q heads, then its k heads, then its v heads."""
-        token = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)  # token * row stride may pass 2**31 in a long prefill
         offs = tl.arange(0, HEAD_DIM // 2)
         src = qkv_ptr + token * qkv_row_stride
         slot = tl.load(out_slots_ptr + token)

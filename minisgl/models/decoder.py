@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from contextlib import ExitStack
 from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,7 +121,7 @@ class Rotation:
     """The rotary embedding of one batch's positions: built once per forward, shared by all layers.
     Called as rotation(q, k) -> (q, k); the fused GPU kernels read `positions` and the table."""
 
-    def __init__(self, positions: torch.Tensor, dtype: torch.dtype, rotary: "RotaryEmbedding") -> None:
+    def __init__(self, positions: torch.Tensor, dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
         self.positions = positions
         self.fused = fused_ops.active(torch.empty(0, dtype=dtype, device=positions.device))
         if self.fused:
