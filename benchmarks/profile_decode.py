@@ -41,32 +41,35 @@ def profile_steps(model: str) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
-def attention_alone(tensor_cores: bool, batch: int = 256, kv_len: int = 820, layers: int = 28) -> float:
+HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128  # the Qwen3-0.6B shape
+
+
+def decode_seconds(lengths: list[int], tensor_cores: bool, workspace: torch.Tensor, layers: int = 28) -> float:
+    """Seconds per call of FlashInfer's decode on one layer's KV: one request per length, page
+    size 1, slots in random order (as a pool hands them out); the best of 5 rounds of `layers` calls."""
     import flashinfer
 
-    heads, kv_heads, dim = 16, 8, 128
-    slots = batch * kv_len + 1
-    k = torch.randn(slots, 1, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    total = sum(lengths)
+    k = torch.randn(total + 1, 1, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
-    q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
-    indptr = torch.arange(batch + 1, dtype=torch.int32) * kv_len
-    indices = torch.randperm(slots - 1, device="cuda")[: batch * kv_len].int() + 1
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=tensor_cores)
-    wrapper.plan(indptr, indices, torch.ones(batch, dtype=torch.int32), heads, kv_heads, dim, 1,
+    q = torch.randn(len(lengths), HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    indptr = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).int()
+    indices = (torch.randperm(total, device="cuda") + 1).int()
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+    wrapper.plan(indptr, indices, torch.ones(len(lengths), dtype=torch.int32), HEADS, KV_HEADS, HEAD_DIM, 1,
                  q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-    for _ in range(3):
-        wrapper.run(q, (k, v))
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(layers):
-        wrapper.run(q, (k, v))
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - start) * 1000
-    gbytes = layers * batch * kv_len * kv_heads * dim * 2 * 2 / 1e9
+    return timed(lambda: wrapper.run(q, (k, v)), torch.device("cuda"), repeat=layers)
+
+
+def kv_gbytes(lengths: list[int]) -> float:
+    return sum(lengths) * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9  # K and V, bf16
+
+
+def attention_alone(tensor_cores: bool, batch: int = 256, kv_len: int = 820, layers: int = 28) -> None:
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    seconds = decode_seconds([kv_len] * batch, tensor_cores, workspace, layers)
     print(f"FlashInfer decode x{layers} layers, B={batch}, kv={kv_len}, tensor_cores={tensor_cores}: "
-          f"{ms:.2f} ms, {gbytes / (ms / 1000):.0f} GB/s")
-    return ms
+          f"{seconds * layers * 1000:.2f} ms, {kv_gbytes([kv_len] * batch) / seconds:.0f} GB/s")
 
 
 KERNEL_GROUPS = (  # first match wins: (group, substrings of the kernel's name, lower case)
@@ -103,7 +106,8 @@ def profile_run(model: str) -> None:
         llm.generate(workload.prompts, workload.params)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    steps = f"{llm.stats.prefill_batches - warm_prefill} prefill + {llm.stats.decode_batches - warm_decode} decode batches"
+    prefills, decodes = llm.stats.prefill_batches - warm_prefill, llm.stats.decode_batches - warm_decode
+    steps = f"{prefills} prefill + {decodes} decode batches"
     llm.close()
     groups: dict[str, list[float]] = {}
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
@@ -122,10 +126,7 @@ def profile_run(model: str) -> None:
               f"  [{kernel_group(e.key)}] {e.key[:110]}")
 
 
-def attention_like_the_run(layers: int = 28) -> None:
-    import flashinfer
-
-    heads, kv_heads, dim = 16, 8, 128
+def attention_like_the_run() -> None:
     hbm, _ = measure_ceilings(torch.device("cuda"))
     rng = random.Random(0)
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
@@ -133,24 +134,12 @@ def attention_like_the_run(layers: int = 28) -> None:
         for batch in (256, 192, 160, 128, 64, 16):
             # a decode batch of the offline run's tail: prompt 100..1024 plus 0..1024 outputs so far
             lengths = [rng.randint(100, 1024) + rng.randint(0, 1024) for _ in range(batch)]
-            total = sum(lengths)
-            k = torch.randn(total + 1, 1, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
-            v = torch.randn_like(k)
-            q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
             cells = []
-            for order in ("as drawn", "longest first"):
-                if order == "longest first":
-                    lengths = sorted(lengths, reverse=True)
-                indptr = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).int()
-                indices = (torch.randperm(total, device="cuda") + 1).int()
-                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
-                wrapper.plan(indptr, indices, torch.ones(batch, dtype=torch.int32), heads, kv_heads, dim, 1,
-                             q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-                seconds = timed(lambda: wrapper.run(q, (k, v)), torch.device("cuda"), repeat=layers)
-                gbytes = total * kv_heads * dim * 2 * 2 / 1e9
-                cells.append(f"{order}: {seconds * 1e6:6.1f} us {gbytes / seconds / (hbm / 1e9):4.0%}")
-            print(f"tensor cores {int(tensor_cores)} B={batch:3d} kv mean {total // batch:4d} max {max(lengths):4d}: "
-                  + "  ".join(cells), flush=True)
+            for order, ordered in (("as drawn", lengths), ("longest first", sorted(lengths, reverse=True))):
+                seconds = decode_seconds(ordered, tensor_cores, workspace)
+                cells.append(f"{order}: {seconds * 1e6:6.1f} us {kv_gbytes(ordered) / seconds / (hbm / 1e9):4.0%}")
+            print(f"tensor cores {int(tensor_cores)} B={batch:3d} kv mean {sum(lengths) // batch:4d} "
+                  f"max {max(lengths):4d}: " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

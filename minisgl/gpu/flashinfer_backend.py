@@ -56,11 +56,11 @@ class FlashInferBackend:
         # whenever query heads share KV heads. Measured on the H200 with GQA group 2, head_dim 128
         # and lengths like the offline benchmark's (100..2048): 89-93% of HBM bandwidth from 128
         # requests up, against 75-84% without (on a uniform 820-token batch it was 6% slower;
-        # other group sizes and head dims are not measured). The plain decode kernel gives each request one thread block per
-        # KV head and splits no request once the batch fills the GPU, so a few long requests
-        # finish last, alone; the tensor-core kernel loads KV in larger tiles, and its plan may
-        # cut a long request into chunks (which of the two matters more was not isolated;
-        # benchmarks/RESULTS.md). The deterministic mode needs them: only that kernel can switch
+        # other group sizes and head dims are not measured). The plain decode kernel gives each
+        # request one thread block per KV head and splits no request once the batch fills the
+        # GPU, so a few long requests finish last, alone; the tensor-core kernel loads KV in
+        # larger tiles, and its plan may cut a long request into chunks (which of the two matters
+        # more was not isolated; benchmarks/RESULTS.md). The deterministic mode needs them: only that kernel can switch
         # the KV split off.
         self.use_tensor_cores = num_qo_heads > num_kv_heads or deterministic
         self.deterministic = deterministic

@@ -8,8 +8,9 @@ on a decode batch, i.e. about 200 launches per decode step of a 28-layer model.
 
 Here one program handles one token: it reads the token's q, k and v heads once, does the
 norms and the rotation in registers, and writes the results where attention reads them (q
-into a fresh [T, Hq, D] tensor, k and v into the pool at the token's slot). The numbers are the reference's
-(models/decoder.py, `Attention.forward` with the fused ops off), rounded where it rounds:
+into a fresh [T, Hq, D] tensor, k and v into the pool at the token's slot). The numbers are
+the reference's (models/decoder.py, `Attention.forward` with the fused ops off), rounded where
+it rounds:
 the normalised head is rounded to the model dtype before the norm weight multiplies it, and
 again after; the rotation is computed in float32 and rounded once, as FlashInfer's rotary
 kernel does. tests/test_qkv_epilogue.py compares the kernel with the reference, within bf16
