@@ -158,10 +158,19 @@ def test_row_generation_check_off_late_token_lands_on_new_request(qwen3):
 @pytest.mark.parametrize("delay_ms", [0.0, 5.0])
 def test_staging_both_protections_off_gives_wrong_tokens(qwen3, delay_ms):
     expected = reference(qwen3, PROMPTS, GREEDY)
-    bad = overlap(qwen3, "staging_double_buffer", "staging_war_wait", device_delay_ms=delay_ms, audit=False)
-    outs = [o.token_ids for o in bad.generate(PROMPTS, GREEDY)]
-    assert sum(o != e for o, e in zip(outs, expected)) >= 2
-    assert bad.scheduler.staging.unread_overwrites > 0
+    # Without an emulated delay the overwrite is a race between the host thread and the stream
+    # thread: one run showed the wrong tokens in about half the tries (2026-12-01, 2-core
+    # machine), so that case gets up to 8 fresh engines; with 5 ms the window is wide and one
+    # run suffices.
+    for _attempt in range(8 if delay_ms == 0 else 1):
+        bad = overlap(qwen3, "staging_double_buffer", "staging_war_wait", device_delay_ms=delay_ms, audit=False)
+        outs = [o.token_ids for o in bad.generate(PROMPTS, GREEDY)]
+        wrong, overwrites = sum(o != e for o, e in zip(outs, expected)), bad.scheduler.staging.unread_overwrites
+        bad.close()
+        if wrong >= 2:
+            break
+    assert wrong >= 2, f"only {wrong} sequences wrong with both staging protections off"
+    assert overwrites > 0
     good = overlap(qwen3, device_delay_ms=delay_ms)
     assert [o.token_ids for o in good.generate(PROMPTS, GREEDY)] == expected
 
