@@ -10,7 +10,7 @@
 #   bash benchmarks/h200.sh lab            # the loop-comparison lab on the model shape (sweeps C only)
 #   bash benchmarks/h200.sh invariance     # deterministic mode: which part makes overlap != normal
 #   bash benchmarks/h200.sh eager-ab       # eager overlap vs normal, ABBA, then sync debug mode
-#   bash benchmarks/h200.sh profile        # kernel time of a whole offline run by kind (PROFILE=attention|steps: others)
+#   bash benchmarks/h200.sh profile        # kernel time of a whole offline run by kind (PROFILE=attention|steps|batches|gemm: others)
 # Several modes in one device call: `timeout 200 bash benchmarks/h200.sh A; timeout 300 bash ... B`.
 # Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online).
 # Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`).

@@ -1,6 +1,6 @@
 """Where does a decode step's device time go? (H200; see benchmarks/RESULTS.md)
 
-    python benchmarks/profile_decode.py MODEL_DIR [steps|run|attention]
+    python benchmarks/profile_decode.py MODEL_DIR [steps|run|attention|batches|gemm]
 
 steps (default): FlashInfer decode attention alone on 256 requests with ~800-token contexts,
    with and without tensor cores, then torch.profiler over 10 steady decode steps of that
@@ -11,7 +11,13 @@ run: torch.profiler over the whole offline workload (`bench --workload offline`,
 attention: FlashInfer decode attention alone on batches like the offline run's tail (lengths
    drawn as its contexts, at several batch sizes), with and without tensor cores, in the order
    drawn and longest first, against the measured HBM bandwidth. Timed as eager calls: at the
-   small batches the launch, not the kernel, may set the time.
+   small batches the launch, not the kernel, may set the time;
+batches: steady decode at 256, 192, 128, 64, 32, 8 and 1 requests (contexts like the run's
+   tail), torch.profiler over 8 steps each: kernel time per step by group, kernels per step,
+   wall per step, against the step's floor;
+gemm: the four layer GEMMs of the shape, timed inside a CUDA graph (as the engine runs them)
+   from 1 to 256 rows: cuBLAS against a small-tile Triton kernel (benchmarks/triton_linear.py),
+   against the weights-read floor. MODEL_DIR is not read.
 """
 
 from __future__ import annotations
@@ -142,12 +148,105 @@ def attention_like_the_run() -> None:
                   f"max {max(lengths):4d}: " + "  ".join(cells), flush=True)
 
 
+def graph_seconds(fn, repeat: int = 10) -> float:
+    """Seconds per replay of a CUDA graph of fn (kernel time plus in-graph launch gaps, no host)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return timed(graph.replay, torch.device("cuda"), repeat=repeat)
+
+
+GEMM_SHAPES = (("qkv_proj", 4096, 1024), ("o_proj", 1024, 2048), ("gate_up_proj", 6144, 1024),
+               ("down_proj", 1024, 3072), ("lm_head", 151936, 1024))  # (name, out, in): Qwen3-0.6B
+
+
+def gemms_in_graph() -> None:
+    """Each layer GEMM shape, 28 different weights (as 28 layers: no L2 reuse) in one graph:
+    cuBLAS (x @ w^T, and swapped: w @ x^T) against a small-tile Triton kernel
+    (benchmarks/triton_linear.py) over its tile sizes, block_m x block_n x block_k / stages."""
+    import itertools
+
+    import triton_linear  # benchmarks/ is on sys.path when run as a script
+
+    hbm, _ = measure_ceilings(torch.device("cuda"))
+    for name, n, k in GEMM_SHAPES[:4]:
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(28)]
+        floor = 2 * n * k / hbm
+        for m in (1, 8, 32, 64, 128, 192, 256):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            cublas = graph_seconds(lambda: [torch.nn.functional.linear(x, w) for w in weights]) / 28
+            swapped = graph_seconds(lambda: [torch.mm(w, x.t()) for w in weights]) / 28
+            ref = torch.nn.functional.linear(x, weights[0]).float()
+            results = []
+            block_ms = [16] if m <= 16 else [16, 32] if m <= 32 else [32, 64] if m <= 64 else [64, 128]
+            for bm, bn, bk, stages in itertools.product(block_ms, (16, 32, 64, 128), (128, 256), (4,)):
+                try:
+                    got = triton_linear.linear(x, weights[0], bm, bn, bk, num_stages=stages).float()
+                    err = (got - ref).abs().max().item() / ref.abs().max().item()
+                    secs = graph_seconds(lambda: [triton_linear.linear(x, w, bm, bn, bk, num_stages=stages)
+                                                  for w in weights]) / 28
+                except triton_linear.triton.runtime.errors.OutOfResources:  # shared memory, for this tile
+                    continue
+                results.append((secs, f"{bm}x{bn}x{bk}/{stages}", err))
+            results.sort()
+            top = " ".join(f"{c} {s_ * 1e6:.1f}us(err {e:.0e})" for s_, c, e in results[:3])
+            print(f"{name:13s} M={m:3d} floor {floor * 1e6:.1f}us cublas {cublas * 1e6:.1f}us swapped "
+                  f"{swapped * 1e6:.1f}us | triton {top}", flush=True)
+
+
+def profile_batch_sizes(model: str) -> None:
+    """Steady decode at several batch sizes, contexts like the offline run's tail: per step, the
+    kernel time by group, the number of kernels, the wall time, against the step's floor."""
+    from minisgl.observe.breakdown import ModelCost
+
+    cost = ModelCost.from_config(model)
+    hbm, _ = measure_ceilings(torch.device("cuda"))
+    rng = random.Random(0)
+    llm = LLM(model, device="cuda")
+    for batch in (256, 192, 128, 64, 32, 8, 1):
+        prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024) + rng.randint(0, 1024))]
+                   for _ in range(batch)]
+        steady_decode(llm, prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), warm_steps=4)
+        steps = 8
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                llm.step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / steps
+        while llm.scheduler.has_work():
+            llm.step()
+        kv_tokens = sum(len(p) for p in prompts) + batch * 8  # mid-window context
+        floor = cost.decode_floor(kv_tokens, hbm)
+        groups: dict[str, float] = {}
+        count = 0
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
+                g = kernel_group(e.key)
+                groups[g] = groups.get(g, 0.0) + e.self_device_time_total / 1e3 / steps
+                count += e.count
+        kernels = sum(groups.values())
+        parts = " ".join(f"{g.split(',')[0].split(' ')[0]} {ms:.3f}" for g, ms in sorted(groups.items(), key=lambda kv: -kv[1]))
+        print(f"B={batch:3d} wall {wall * 1e3:.3f} ms/step, kernels {kernels:.3f} ms ({count / steps:.0f}), "
+              f"floor {floor * 1e3:.3f} ms ({floor / wall:.0%} of wall) | {parts}", flush=True)
+    llm.close()
+
+
 if __name__ == "__main__":
     mode = sys.argv[2] if len(sys.argv) > 2 else "steps"
     if mode == "run":
         profile_run(sys.argv[1])
     elif mode == "attention":
         attention_like_the_run()
+    elif mode == "gemm":
+        gemms_in_graph()
+    elif mode == "batches":
+        profile_batch_sizes(sys.argv[1])
     else:
         attention_alone(False)
         attention_alone(True)
