@@ -99,6 +99,21 @@ def kernel_group(name: str) -> str:
     return next((group for group, keys in KERNEL_GROUPS if any(k in low for k in keys)), "other elementwise")
 
 
+def device_kernels(prof) -> list:
+    """The profiler's CUDA kernels that ran (key_averages rows)."""
+    return [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+
+
+def by_group(kernels: list) -> dict[str, list[float]]:
+    """{group: [seconds, launches]} over the kernels, grouped by kernel_group."""
+    groups: dict[str, list[float]] = {}
+    for e in kernels:
+        g = groups.setdefault(kernel_group(e.key), [0.0, 0])
+        g[0] += e.self_device_time_total / 1e6
+        g[1] += e.count
+    return groups
+
+
 def profile_run(model: str) -> None:
     from minisgl.observe.bench import offline_workload
 
@@ -115,14 +130,10 @@ def profile_run(model: str) -> None:
     prefills, decodes = llm.stats.prefill_batches - warm_prefill, llm.stats.decode_batches - warm_decode
     steps = f"{prefills} prefill + {decodes} decode batches"
     llm.close()
-    groups: dict[str, list[float]] = {}
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in kernels) / 1e6
+    kernels = device_kernels(prof)
+    groups = by_group(kernels)
+    total = sum(secs for secs, _ in groups.values())
     print(f"whole offline run under the profiler: wall {wall:.2f} s, kernel time {total:.2f} s, {steps}")
-    for e in kernels:
-        g = groups.setdefault(kernel_group(e.key), [0.0, 0])
-        g[0] += e.self_device_time_total / 1e6
-        g[1] += e.count
     print(f"{'group':<26}{'s':>8}{'share':>8}{'launches':>10}{'us each':>9}")
     for name, (secs, count) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
         print(f"{name:<26}{secs:8.3f}{secs / total:8.1%}{count:10d}{secs / count * 1e6:9.1f}")
@@ -161,20 +172,21 @@ def graph_seconds(fn, repeat: int = 10) -> float:
     return timed(graph.replay, torch.device("cuda"), repeat=repeat)
 
 
-GEMM_SHAPES = (("qkv_proj", 4096, 1024), ("o_proj", 1024, 2048), ("gate_up_proj", 6144, 1024),
-               ("down_proj", 1024, 3072), ("lm_head", 151936, 1024))  # (name, out, in): Qwen3-0.6B
+HIDDEN, INTERMEDIATE = 1024, 3072  # the Qwen3-0.6B shape, with HEADS, KV_HEADS, HEAD_DIM above
+LAYER_GEMMS = (("qkv_proj", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), ("o_proj", HIDDEN, HEADS * HEAD_DIM),
+               ("gate_up_proj", 2 * INTERMEDIATE, HIDDEN), ("down_proj", HIDDEN, INTERMEDIATE))  # (name, out, in)
 
 
 def gemms_in_graph() -> None:
     """Each layer GEMM shape, 28 different weights (as 28 layers: no L2 reuse) in one graph:
     cuBLAS (x @ w^T, and swapped: w @ x^T) against a small-tile Triton kernel
-    (benchmarks/triton_linear.py) over its tile sizes, block_m x block_n x block_k / stages."""
+    (benchmarks/triton_linear.py) over its tile sizes, block_m x block_n x block_k."""
     import itertools
 
     import triton_linear  # benchmarks/ is on sys.path when run as a script
 
     hbm, _ = measure_ceilings(torch.device("cuda"))
-    for name, n, k in GEMM_SHAPES[:4]:
+    for name, n, k in LAYER_GEMMS:
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(28)]
         floor = 2 * n * k / hbm
         for m in (1, 8, 32, 64, 128, 192, 256):
@@ -184,15 +196,14 @@ def gemms_in_graph() -> None:
             ref = torch.nn.functional.linear(x, weights[0]).float()
             results = []
             block_ms = [16] if m <= 16 else [16, 32] if m <= 32 else [32, 64] if m <= 64 else [64, 128]
-            for bm, bn, bk, stages in itertools.product(block_ms, (16, 32, 64, 128), (128, 256), (4,)):
+            for bm, bn, bk in itertools.product(block_ms, (16, 32, 64, 128), (128, 256)):
                 try:
-                    got = triton_linear.linear(x, weights[0], bm, bn, bk, num_stages=stages).float()
+                    got = triton_linear.linear(x, weights[0], bm, bn, bk).float()
                     err = (got - ref).abs().max().item() / ref.abs().max().item()
-                    secs = graph_seconds(lambda: [triton_linear.linear(x, w, bm, bn, bk, num_stages=stages)
-                                                  for w in weights]) / 28
+                    secs = graph_seconds(lambda: [triton_linear.linear(x, w, bm, bn, bk) for w in weights]) / 28
                 except triton_linear.triton.runtime.errors.OutOfResources:  # shared memory, for this tile
                     continue
-                results.append((secs, f"{bm}x{bn}x{bk}/{stages}", err))
+                results.append((secs, f"{bm}x{bn}x{bk}", err))
             results.sort()
             top = " ".join(f"{c} {s_ * 1e6:.1f}us(err {e:.0e})" for s_, c, e in results[:3])
             print(f"{name:13s} M={m:3d} floor {floor * 1e6:.1f}us cublas {cublas * 1e6:.1f}us swapped "
@@ -223,16 +234,12 @@ def profile_batch_sizes(model: str) -> None:
             llm.step()
         kv_tokens = sum(len(p) for p in prompts) + batch * 8  # mid-window context
         floor = cost.decode_floor(kv_tokens, hbm)
-        groups: dict[str, float] = {}
-        count = 0
-        for e in prof.key_averages():
-            if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
-                g = kernel_group(e.key)
-                groups[g] = groups.get(g, 0.0) + e.self_device_time_total / 1e3 / steps
-                count += e.count
-        kernels = sum(groups.values())
-        parts = " ".join(f"{g.split(',')[0].split(' ')[0]} {ms:.3f}" for g, ms in sorted(groups.items(), key=lambda kv: -kv[1]))
-        print(f"B={batch:3d} wall {wall * 1e3:.3f} ms/step, kernels {kernels:.3f} ms ({count / steps:.0f}), "
+        groups = by_group(device_kernels(prof))
+        kernel_ms = sum(secs for secs, _ in groups.values()) * 1e3 / steps
+        launches = sum(count for _, count in groups.values()) / steps
+        parts = " ".join(f"{name.split(',')[0].split(' ')[0]} {secs * 1e3 / steps:.3f}"
+                         for name, (secs, _) in sorted(groups.items(), key=lambda kv: -kv[1][0]))
+        print(f"B={batch:3d} wall {wall * 1e3:.3f} ms/step, kernels {kernel_ms:.3f} ms ({launches:.0f}), "
               f"floor {floor * 1e3:.3f} ms ({floor / wall:.0%} of wall) | {parts}", flush=True)
     llm.close()
 
