@@ -207,7 +207,7 @@ class Scheduler:
         if self.on("length_lookahead"):
             # Leave out requests whose launched samples already reach max_new_tokens: their last
             # token is in flight, another step would be wasted overshoot (lessons/readings §8:
-            # SGLang's _reqs_finishing_inflight()).
+            # article 000's _reqs_finishing_inflight()).
             self.running.reqs[:] = [r for r in self.running.reqs if not r.will_finish_by_length()]
         # <<< exercise 4
         if not self.running.reqs:
@@ -316,7 +316,7 @@ class Scheduler:
         return result
 
     def commit(self, inflight: InFlight, early: bool = False) -> None:
-        """The commit point of a batch: the only place outputs, finish state and ownership change.
+        """The commit point: outputs and token finishes change only here (an abort: _handle_aborts).
 
         `early`: batch n-1 is committed before batch n launches, at a sync boundary."""
         view, result = inflight.view, inflight.result

@@ -1,0 +1,26 @@
+"""The map to SGLang (lessons/readings §13 and the side-by-side reading) names only minisgl code that exists."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("check_map", ROOT / "lessons" / "check_map.py")
+check_map = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_map)
+
+
+def test_every_minisgl_name_in_the_map_exists():
+    assert check_map.scan() == []
+
+
+def test_the_map_check_reports_a_misspelled_name():
+    names = check_map.PackageNames(ROOT / "minisgl")
+    table = "| minisgl | SGLang |\n| --- | --- |\n| `Scheduler.overlap_lop(last)` | x |\n| `future_mapp` | y |\n"
+    assert check_map.check_text(table, names) == [
+        "line 3: `Scheduler.overlap_lop` is not defined in minisgl/",
+        "line 4: `future_mapp` is not defined in minisgl/",
+    ]
+    spelled_right = table.replace("overlap_lop", "overlap_loop").replace("future_mapp", "future_map")
+    assert check_map.check_text(spelled_right, names) == []
