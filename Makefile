@@ -1,16 +1,15 @@
-# Every target that runs Python installs .venv/ first (once).
+# Every target that runs Python installs .venv/ first (once); INSTALL_ARGS=--triton adds Triton.
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: install test demo bench lab lessons clean
 
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first: the CPU build (a plain "torch" from PyPI would pull a multi-GB CUDA build)
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+# install.py: the CPU build of torch on Linux (PyTorch's CPU index, or pip's configured index
+# where that cannot be reached), then the package (editable) and pytest. The same script is the
+# path without make (Windows, or no make installed).
+$(VENV)/.installed: pyproject.toml install.py
+	python3 install.py $(INSTALL_ARGS)
 	touch $@
 
 install: $(VENV)/.installed

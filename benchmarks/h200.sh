@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU runs on the H200 (set-up: benchmarks/H200_SETUP.md; figures: benchmarks/RESULTS.md).
+# GPU runs on the H200 (set-up: docs/gpu.md; figures: benchmarks/RESULTS.md).
 #   bash benchmarks/h200.sh tests   # CUDA tests
 #   bash benchmarks/h200.sh bench   # offline benchmark: both loops, graphs on/off, HF, roofline
 #   bash benchmarks/h200.sh breakdown      # offline, both loops, graphs on, with the run-level breakdown

@@ -16,8 +16,7 @@ batches: steady decode at 256, 192, 128, 64, 32, 8 and 1 requests (contexts like
    tail), torch.profiler over 8 steps each: kernel time per step by group, kernels per step,
    wall per step, against the step's floor;
 gemm: the four layer GEMMs of the shape, timed inside a CUDA graph (as the engine runs them)
-   from 1 to 256 rows: cuBLAS against a small-tile Triton kernel (benchmarks/triton_linear.py),
-   against the weights-read floor. MODEL_DIR is not read.
+   from 1 to 256 rows: cuBLAS, plain and with swapped operands, against the weights-read floor. MODEL_DIR is not read.
 """
 
 from __future__ import annotations
@@ -179,12 +178,9 @@ LAYER_GEMMS = (("qkv_proj", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), ("o_proj
 
 def gemms_in_graph() -> None:
     """Each layer GEMM shape, 28 different weights (as 28 layers: no L2 reuse) in one graph:
-    cuBLAS (x @ w^T, and swapped: w @ x^T) against a small-tile Triton kernel
-    (benchmarks/triton_linear.py) over its tile sizes, block_m x block_n x block_k."""
-    import itertools
-
-    import triton_linear  # benchmarks/ is on sys.path when run as a script
-
+    cuBLAS as x @ w^T and swapped (w @ x^T), against the weights-read floor. (A small-tile Triton
+    kernel timed here too was never faster by more than 0.5 us and was removed: RESULTS.md, fifth
+    session.)"""
     hbm, _ = measure_ceilings(torch.device("cuda"))
     for name, n, k in LAYER_GEMMS:
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(28)]
@@ -193,21 +189,8 @@ def gemms_in_graph() -> None:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             cublas = graph_seconds(lambda: [torch.nn.functional.linear(x, w) for w in weights]) / 28
             swapped = graph_seconds(lambda: [torch.mm(w, x.t()) for w in weights]) / 28
-            ref = torch.nn.functional.linear(x, weights[0]).float()
-            results = []
-            block_ms = [16] if m <= 16 else [16, 32] if m <= 32 else [32, 64] if m <= 64 else [64, 128]
-            for bm, bn, bk in itertools.product(block_ms, (16, 32, 64, 128), (128, 256)):
-                try:
-                    got = triton_linear.linear(x, weights[0], bm, bn, bk).float()
-                    err = (got - ref).abs().max().item() / ref.abs().max().item()
-                    secs = graph_seconds(lambda: [triton_linear.linear(x, w, bm, bn, bk) for w in weights]) / 28
-                except triton_linear.triton.runtime.errors.OutOfResources:  # shared memory, for this tile
-                    continue
-                results.append((secs, f"{bm}x{bn}x{bk}", err))
-            results.sort()
-            top = " ".join(f"{c} {s_ * 1e6:.1f}us(err {e:.0e})" for s_, c, e in results[:3])
             print(f"{name:13s} M={m:3d} floor {floor * 1e6:.1f}us cublas {cublas * 1e6:.1f}us swapped "
-                  f"{swapped * 1e6:.1f}us | triton {top}", flush=True)
+                  f"{swapped * 1e6:.1f}us", flush=True)
 
 
 def profile_batch_sizes(model: str) -> None:

@@ -132,10 +132,10 @@ def test_every_lesson_has_its_text_and_index_entry():
 
 
 def test_nothing_cites_a_path_outside_the_repository():
-    """A clone has none of the notes kept outside the repository: lessons, readings, benchmarks and
+    """A clone has none of the notes kept outside the repository: lessons, readings, benchmarks, docs and
     the README must stand alone (no path into the workspace's shared folder, no design notes file)."""
     work = LESSONS / "exercises" / "work"  # learners' copies, not part of the repository
-    files = [ROOT / "README.md", *(p for d in (LESSONS, ROOT / "benchmarks") for p in d.rglob("*")
+    files = [ROOT / "README.md", *(p for d in (LESSONS, ROOT / "benchmarks", ROOT / "docs") for p in d.rglob("*")
                                    if p.suffix in (".md", ".py", ".sh") and work not in p.parents)]
     offenders = [str(p.relative_to(ROOT)) for p in files if OUTSIDE.search(p.read_text())]
     assert not offenders, offenders

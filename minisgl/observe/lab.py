@@ -350,6 +350,8 @@ def report(points: list[dict], runtime_s: float) -> None:
 
 def _warn_if_loaded() -> None:
     """Other processes on the CPU stretch the forward and the hand-offs unevenly: say so."""
+    if not hasattr(os, "getloadavg"):  # Windows has no load average: nothing to warn about
+        return
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > cores:
         console.print(f"[yellow]load average {load:.1f} on {cores} cores: other processes compete for the CPU, "
