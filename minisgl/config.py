@@ -22,12 +22,15 @@ import gc
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
 from .checks import check_bool, check_int, check_real
 from .mechanisms import Mechanisms
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 Loop = Literal["normal", "overlap"]
 AttentionBackendChoice = Literal["auto", "torch", "flashinfer"]
@@ -148,21 +151,17 @@ def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device 
     from .models.checkpoint import load_config  # transformers: imported when an engine is built
 
     checkpoint, _ = load_config(Path(model_path))
-    num_kv_heads = checkpoint.num_key_value_heads or checkpoint.num_attention_heads
-    head_dim = getattr(checkpoint, "head_dim", None) or checkpoint.hidden_size // checkpoint.num_attention_heads
-    element_bytes = torch.finfo(resolved_dtype).bits // 8
-    kv_bytes_per_token = 2 * checkpoint.num_hidden_layers * num_kv_heads * head_dim * element_bytes
-    weight_bytes = weight_parameters(checkpoint) * element_bytes
+    kv_bytes_per_token, weight_bytes = model_bytes(checkpoint, resolved_dtype)
     if resolved_device.type == "cuda":
         # An earlier engine dropped without close() may still hold device memory in reference
         # cycles: collect it, so that the free memory measured below is what this engine gets.
         gc.collect()
         torch.cuda.empty_cache()
-    max_running_requests = max_running_requests or DEFAULTS.max_running_requests(resolved_device)
     config = EngineConfig(
         model_path=Path(model_path), device=resolved_device, dtype=resolved_dtype, loop=loop,  # type: ignore[arg-type]
         mechanisms=mechanisms, attention_backend=backend, deterministic=deterministic, trace=trace,
-        device_delay_ms=device_delay_ms, host_delay_ms=host_delay_ms, max_running_requests=max_running_requests,
+        device_delay_ms=device_delay_ms, host_delay_ms=host_delay_ms,
+        max_running_requests=max_running_requests or DEFAULTS.max_running_requests(resolved_device),
         chunk_size=chunk_size or DEFAULTS.chunk_size(resolved_device),
         kv_tokens=kv_tokens or DEFAULTS.kv_tokens(resolved_device, kv_bytes_per_token, weight_bytes),
         model_window=int(checkpoint.max_position_embeddings), kv_bytes_per_token=kv_bytes_per_token,
@@ -231,16 +230,19 @@ def resolve_attention_backend(choice: str, device: torch.device, dtype: torch.dt
     return "torch"
 
 
-def weight_parameters(checkpoint) -> int:
-    """Parameters of the weight matrices and embeddings the checkpoint describes (norms and
-    biases, a few thousand values, are left out: this sizes memory budgets, not a file)."""
+def model_bytes(checkpoint: PretrainedConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(K and V of one position in every layer, the weights) in bytes of `dtype`, from the
+    checkpoint's sizes. Norms and biases, a few thousand values, are left out of the weights:
+    this sizes memory budgets, not a file."""
     hidden, layers, vocab = checkpoint.hidden_size, checkpoint.num_hidden_layers, checkpoint.vocab_size
     head_dim = getattr(checkpoint, "head_dim", None) or hidden // checkpoint.num_attention_heads
     q_size = checkpoint.num_attention_heads * head_dim
     kv_size = (checkpoint.num_key_value_heads or checkpoint.num_attention_heads) * head_dim
     per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * checkpoint.intermediate_size
     tied = bool(getattr(checkpoint, "tie_word_embeddings", False))
-    return layers * per_layer + vocab * hidden * (1 if tied else 2)
+    element_bytes = torch.finfo(dtype).bits // 8
+    weights = layers * per_layer + vocab * hidden * (1 if tied else 2)  # embedding, and lm_head unless tied
+    return 2 * layers * kv_size * element_bytes, weights * element_bytes
 
 
 def check_memory(config: EngineConfig) -> None:
