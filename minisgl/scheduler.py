@@ -38,6 +38,8 @@ from .streams import make_host_stream
 
 class Scheduler:
     def __init__(self, config: EngineConfig, engine: Engine) -> None:
+        # One config for both: the KV pool and request table below were sized from engine.config.
+        assert engine.config is config, "the scheduler and its engine must share one EngineConfig"
         self.config = config
         self.engine = engine
         self.device = config.device
