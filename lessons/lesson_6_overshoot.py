@@ -55,7 +55,7 @@ def token_after_stop(prompt: str, delay_ms: float) -> None:
     section("2. skip_finished off: the late result is committed after EOS")
     for label, disable in (("skip_finished on", ()), ("skip_finished off", ("skip_finished",))):
         llm = make_llm("overlap", disable, delay_ms)
-        eos = sorted(llm.scheduler.eos_ids)
+        eos = sorted(llm.eos_ids)
         llm.add_request(prompt, SamplingParams(max_new_tokens=40))
         req = llm.scheduler.waiting[-1]
         error = ""

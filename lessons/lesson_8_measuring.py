@@ -20,7 +20,7 @@ def pool_whole(r) -> bool:
 
 def answers_right(r, pairs) -> int:
     """Answers checked on the text before the first EOS (the runs use ignore_eos, for a steady batch)."""
-    eos = r.llm.scheduler.eos_ids
+    eos = r.llm.eos_ids
     right = 0
     for (_, expected), out in zip(pairs, r.outs):
         ids = out.token_ids

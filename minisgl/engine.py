@@ -30,16 +30,15 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from .models.attention import AttentionBackend, AttentionMetadata, KVCache, TorchAttentionBackend
 from .gpu.cuda_graph import CudaGraphRunner
-from .gpu.flashinfer_backend import FlashInferBackend, flashinfer_available
+from .config import EngineConfig
+from .gpu.flashinfer_backend import FlashInferBackend
 from .future_map import FutureMap
-from .kv_pool import ReqToTokenPool
-from .mechanisms import Mechanisms
+from .kv_pool import KVPool, ReqToTokenPool
 from .models.sampler import sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
@@ -93,65 +92,61 @@ _LIVE_CUDA_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
 class Engine:
-    def __init__(self, model_path: str | Path, device: torch.device, dtype: torch.dtype, num_rows: int,
-                 device_delay_ms: float = 0.0, mechanisms: Mechanisms = Mechanisms(),
-                 attention_backend: str = "auto", deterministic: bool = False) -> None:
+    """Owns everything on the device: the weights, the KV cache, the request table, the
+    FutureMap, the attention backend and its CUDA graphs, and the stream they run on."""
+
+    def __init__(self, config: EngineConfig) -> None:
         self.closed = False
+        device = config.device
+        if device.type == "cpu":
+            # One intra-op thread: the host thread and the stream thread each get a core
+            # (measured facts about the emulated stream: streams.py, CpuStream).
+            torch.set_num_threads(1)
         if device.type == "cuda":
             # An earlier engine that was dropped without close() may still sit in reference
             # cycles: collect it now, at a safe point, not during this engine's graph capture.
             gc.collect()
             torch.cuda.empty_cache()
+        self.config = config
         self.device = device
-        # Batch-invariant kernels (`LLM(..., deterministic=True)`): a request's tokens then do
-        # not depend on which other requests share its batches (see models/decoder.py Linear).
-        self.deterministic = deterministic
-        self.dtype = dtype
-        self.mechanisms = mechanisms
-        self.num_rows = num_rows
-        self.model, self.config = load_model(model_path, dtype, device)
-        if deterministic:
+        self.dtype = config.dtype
+        self.mechanisms = config.mechanisms
+        self.model = load_model(config.model_path, config.dtype, device)[0]
+        if config.deterministic:
+            # Batch-invariant kernels: a request's tokens then do not depend on which other
+            # requests share its batches (see models/decoder.py Linear).
             set_fixed_rows(self.model, DETERMINISTIC_ROWS)
-        self.device_delay_s = device_delay_ms / 1000.0
-        self.backend = self._make_backend(attention_backend)
+        self.device_delay_s = config.device_delay_ms / 1000.0
+        self.backend = self._make_backend()
+        # Device memory, allocated in one phase from the config; the scheduler receives the KV
+        # pool's free list and the request table, and close() frees them all.
+        m = self.model
+        self.kv_pool = KVPool(config.kv_tokens)
+        self.kv = KVCache(m.num_layers, self.kv_pool.num_slots, m.num_kv_heads, m.head_dim, self.dtype, device)
+        self.req_to_token = ReqToTokenPool(config.max_running_requests, config.table_width, device)
+        self.future_map = FutureMap(config.max_running_requests, device)
         self.graphs: CudaGraphRunner | None = None
-        self.future_map = FutureMap(num_rows, device)
+        # Deterministic decode runs eagerly: FlashInfer's unsplit tensor-core decode inside the
+        # CUDA-graph wrappers crashed the warm-up of every engine after the first one in a process
+        # on the H200 ("illegal memory access"; benchmarks/RESULTS.md), so graphs are left out there.
+        if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph") and not config.deterministic:
+            self.graphs = CudaGraphRunner(m, self.kv, self.backend, config.max_running_requests,
+                                          self.kv_pool.num_slots, device)
         # Last: on CPU the stream starts a worker thread, which a failure above would leak.
         self.stream: Stream = make_device_stream("engine", device)
-        self.kv: KVCache | None = None
-        self.req_to_token: ReqToTokenPool | None = None
         self.tracer = Tracer(enabled=False)
         if device.type == "cuda":
             _LIVE_CUDA_ENGINES.add(self)
         self.batch_log: list[BatchRecord] = []  # filled while tracing: what observe/breakdown.py attributes
 
-    def bytes_per_token(self) -> int:
-        m = self.model
-        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
-
-    def _make_backend(self, name: str) -> AttentionBackend:
-        """"auto": FlashInfer on CUDA in bf16/fp16 when installed, else the torch reference."""
-        if name not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {name!r}")
-        half = self.dtype in (torch.float16, torch.bfloat16)
-        if name == "flashinfer" or (name == "auto" and self.device.type == "cuda" and half and flashinfer_available()):
-            if self.device.type != "cuda":
-                raise ValueError("the flashinfer backend needs a CUDA device")
+    def _make_backend(self) -> AttentionBackend:
+        """The attention backend the config resolved ("auto" is already torch or flashinfer)."""
+        config = self.config
+        if config.attention_backend == "flashinfer":
             m = self.model
             return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
-                                     self.num_rows, deterministic=self.deterministic)
-        return TorchAttentionBackend(deterministic=self.deterministic)
-
-    def attach_memory(self, num_slots: int, req_to_token: ReqToTokenPool) -> None:
-        """Allocate the KV cache (`num_slots` token slots in every layer) and adopt the request table."""
-        m = self.model
-        self.kv = KVCache(m.num_layers, num_slots, m.num_kv_heads, m.head_dim, self.dtype, self.device)
-        self.req_to_token = req_to_token
-        # Deterministic decode runs eagerly: FlashInfer's unsplit tensor-core decode inside the
-        # CUDA-graph wrappers crashed the warm-up of every engine after the first one in a process
-        # on the H200 ("illegal memory access"; benchmarks/RESULTS.md), so graphs are left out there.
-        if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph") and not self.deterministic:
-            self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, self.num_rows, num_slots, self.device)
+                                     config.max_running_requests, deterministic=config.deterministic)
+        return TorchAttentionBackend(deterministic=config.deterministic)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
         """Queue batch's forward + sampling on the engine stream; return without waiting."""
@@ -199,8 +194,7 @@ class Engine:
         """Give back everything this engine holds on the device, and stop the stream's thread.
 
         Idempotent. Waits for queued work first: nothing freed here may still be read by a
-        kernel. The request table is the scheduler's, but the engine frees its device memory
-        with the rest (a closed LLM is never used again)."""
+        kernel."""
         if self.closed:
             return
         self.closed = True
@@ -216,10 +210,11 @@ class Engine:
             self.graphs.close()
         if isinstance(self.backend, FlashInferBackend):
             self.backend.close()
-        if self.req_to_token is not None:
-            self.req_to_token.table = self.req_to_token.table.new_empty(0)
-        self.graphs = self.kv = self.req_to_token = None
-        self.model = self.future_map = self.backend = None  # type: ignore[assignment]
+        # The scheduler still refers to the request table's object (host free list included):
+        # its device table is dropped here with the rest (a closed LLM is never used again).
+        self.req_to_token.table = self.req_to_token.table.new_empty(0)
+        self.graphs = None
+        self.model = self.kv = self.future_map = self.backend = None  # type: ignore[assignment]
         # Reference cycles (FlashInfer wrappers, closures) would otherwise keep tensors alive
         # until some later collection, possibly in the middle of the next engine's graph capture.
         gc.collect()
@@ -258,7 +253,6 @@ class Engine:
     def _forward_and_sample(self, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
                             next_tokens_host: torch.Tensor) -> None:
         """Runs on the engine stream (device side)."""
-        assert self.kv is not None and self.req_to_token is not None
         table = self.req_to_token.table
         input_ids = self.future_map.resolve(inp.input_ids)
         # The slots of this batch's new positions enter the request table on the device, in

@@ -16,30 +16,44 @@ Set `MINISGL_CHECK_INVARIANTS=1` to run it after every scheduler step (the tests
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import TYPE_CHECKING
+from collections import Counter, deque
+from typing import Protocol
 
-from .kv_pool import KVPool
+from .batch import RunningBatch
+from .kv_pool import KVPool, ReqToTokenPool
+from .radix_cache import RadixCache
+from .request import Req
 
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+
+class Owners(Protocol):
+    """What the audit reads of the scheduler: every owner of a KV slot, a row or a request.
+    A protocol, not the Scheduler class, so that scheduler.py can import this module."""
+
+    kv_pool: KVPool
+    req_to_token: ReqToTokenPool
+    cache: RadixCache
+    waiting: deque[Req]
+    prefilling: list[Req]
+    running: RunningBatch
+    releasing: list[Req]
+    deferred_rows: list[int]
 
 
 class InvariantError(AssertionError):
     """A KV slot, request row or request is not owned exactly once."""
 
 
-def memory_report(sched: Scheduler) -> dict[str, int]:
+def memory_report(sched: Owners) -> dict[str, int]:
     return {
         "kv_total": sched.kv_pool.total,
         "kv_free": sched.kv_pool.free_count,
         "kv_cached": sched.cache.total_size,
-        "rows_total": sched.req_to_token.num_rows,
+        "rows_total": sched.req_to_token.max_running_requests,
         "rows_free": sched.req_to_token.free_count,
     }
 
 
-def check_invariants(sched: Scheduler) -> None:
+def check_invariants(sched: Owners) -> None:
     queues = {"waiting": list(sched.waiting), "prefilling": sched.prefilling, "running": sched.running.reqs,
               "releasing": sched.releasing}
     seen: dict[int, str] = {}
@@ -67,7 +81,7 @@ def check_invariants(sched: Scheduler) -> None:
     rows: Counter[int] = Counter(sched.req_to_token.free_rows())
     rows.update(req.row for req in live.values())
     rows.update(sched.deferred_rows)
-    wrong_rows = {row: n for row in range(sched.req_to_token.num_rows) if (n := rows[row]) != 1}
+    wrong_rows = {row: n for row in range(sched.req_to_token.max_running_requests) if (n := rows[row]) != 1}
     if wrong_rows:
         raise InvariantError(f"request rows not owned exactly once (row: owners): {dict(list(wrong_rows.items())[:8])}")
     sched.cache.check_invariants()

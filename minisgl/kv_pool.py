@@ -84,12 +84,11 @@ class ReqToTokenPool:
     generation so that a late reader can detect ABA reuse.
     """
 
-    def __init__(self, num_rows: int, max_context: int, device: torch.device) -> None:
-        self.num_rows = num_rows
-        self.max_context = max_context
-        self.table = torch.zeros(num_rows, max_context, dtype=torch.int64, device=device)
-        self.generation = [0] * num_rows
-        self._free: list[int] = list(range(num_rows - 1, -1, -1))
+    def __init__(self, max_running_requests: int, table_width: int, device: torch.device) -> None:
+        self.max_running_requests = max_running_requests  # one row per running request
+        self.table = torch.zeros(max_running_requests, table_width, dtype=torch.int64, device=device)
+        self.generation = [0] * max_running_requests
+        self._free: list[int] = list(range(max_running_requests - 1, -1, -1))
 
     @property
     def free_count(self) -> int:

@@ -84,15 +84,15 @@ class Req:
     """One generation request, as the scheduler sees it."""
 
     def __init__(self, rid: int, prompt_ids: list[int], params: SamplingParams, eos_ids: frozenset[int],
-                 max_context: int, sample_seed: int) -> None:
+                 model_window: int, sample_seed: int) -> None:
         self.rid = rid
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.sample_seed = sample_seed  # params.seed, or one drawn at arrival for unseeded sampling
         # EOS ids (from the model's config) plus the request's own stop ids.
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
-        # The context window caps generation: finishing there counts as "length".
-        self.max_new_tokens = min(params.max_new_tokens, max_context - len(prompt_ids))
+        # The model's window caps generation: finishing there counts as "length".
+        self.max_new_tokens = min(params.max_new_tokens, model_window - len(prompt_ids))
 
         self.output_ids: list[int] = []  # committed tokens only
         self.finish_reason: str | None = None

@@ -24,12 +24,12 @@ from itertools import accumulate
 import torch
 
 from .batch import BatchView, InFlight, Planned, RunningBatch, SchedulerStats
+from .config import EngineConfig
 from .engine import Engine, ForwardBatch, ForwardResult
 from .future_map import placeholder
 from .interrupts import atomic_step
 from .invariants import check_invariants
-from .kv_pool import KVAccountingError, KVPool, ReqToTokenPool
-from .mechanisms import Mechanisms
+from .kv_pool import KVAccountingError
 from .radix_cache import RadixCache
 from .request import Req
 from .staging import StagingRing, TokenColumns
@@ -37,25 +37,25 @@ from .streams import make_host_stream
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, *, eos_ids: frozenset[int], max_running: int, chunk_size: int,
-                 kv_tokens: int, max_context: int, mechanisms: Mechanisms, loop: str,
-                 host_delay_ms: float = 0.0) -> None:
+    def __init__(self, config: EngineConfig, engine: Engine) -> None:
+        # One config for both: the KV pool and request table below were sized from engine.config.
+        assert engine.config is config, "the scheduler and its engine must share one EngineConfig"
+        self.config = config
         self.engine = engine
-        self.device = engine.device
-        self.eos_ids = eos_ids
-        self.max_running = max_running
-        self.chunk_size = chunk_size
-        self.max_context = max_context
-        self.mechanisms = mechanisms
-        self.loop = loop
-        self.host_delay_s = host_delay_ms / 1000.0
+        self.device = config.device
+        self.mechanisms = config.mechanisms
+        # Mutable, unlike the config: the lab turns this knob between runs on one engine.
+        self.host_delay_s = config.host_delay_ms / 1000.0
         self.stream = make_host_stream("scheduler", self.device)
 
-        self.kv_pool = KVPool(kv_tokens)
-        self.req_to_token = ReqToTokenPool(max_running, max_context, self.device)
+        # The engine owns this memory (it allocated it and frees it); the scheduler decides
+        # which request holds which KV slot and which row.
+        self.kv_pool = engine.kv_pool
+        self.req_to_token = engine.req_to_token
         self.cache = RadixCache(self.kv_pool.free)
-        self.staging = StagingRing(max(chunk_size, max_running), max_running, self.device, mechanisms)
-        engine.attach_memory(self.kv_pool.num_slots, self.req_to_token)
+        max_running_requests = config.max_running_requests
+        self.staging = StagingRing(max(config.chunk_size, max_running_requests), max_running_requests, self.device,
+                                   self.mechanisms)
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt not fully launched (chunked prefill)
@@ -70,8 +70,8 @@ class Scheduler:
 
         self._next_batch_id = 0
         self._device_done_id = -1  # every batch up to this id has passed copy_done
-        self._row_last_launch = [-1] * max_running
-        self._row_owner: list[Req | None] = [None] * max_running
+        self._row_last_launch = [-1] * max_running_requests
+        self._row_owner: list[Req | None] = [None] * max_running_requests
         self.deferred_rows: list[int] = []  # rows of released requests that a batch in flight still uses
         self._reserved = 0  # KV slots promised to admitted requests but not yet allocated
 
@@ -85,10 +85,11 @@ class Scheduler:
         Atomic (interrupts.py): Ctrl-C lands after the step, any other error stops the scheduler."""
         self.tracer.iteration += 1
         with atomic_step(self):
-            if self.loop == "normal":
-                self.normal_loop()
-            else:
-                self.last = self.overlap_loop(self.last)
+            match self.config.loop:  # a Loop: resolve_config refused anything else
+                case "normal":
+                    self.normal_loop()
+                case "overlap":
+                    self.last = self.overlap_loop(self.last)
             if self.check_each_step:
                 check_invariants(self)
         done, self.finished = self.finished, []
@@ -171,7 +172,7 @@ class Scheduler:
             return planned
 
     def _schedule_prefill(self) -> Planned | None:
-        budget = self.chunk_size
+        budget = self.config.chunk_size
         chunks: list[tuple[Req, int]] = []
         for req in self.prefilling:  # continue chunked prompts first
             n = min(budget, req.prompt_len - req.launched_len)
@@ -267,7 +268,7 @@ class Scheduler:
         a running request never runs out of slots, so the engine never deadlocks and never has
         to retract. A request that could never fit was refused by `add()`.
         """
-        if self.req_to_token.free_count == 0 or len(self.running.reqs) + len(self.prefilling) >= self.max_running:
+        if self.req_to_token.free_count == 0 or len(self.running.reqs) + len(self.prefilling) >= self.config.max_running_requests:
             return False
         matched, node = self.cache.match_prefix(req.prompt_ids[:-1])  # compute >= 1 token: we need logits
         self.cache.lock(node)

@@ -37,7 +37,7 @@ def test_empty_prompt(llm):
 
 def test_prompt_longer_than_context(llm):
     with pytest.raises(ValueError, match="context"):
-        llm.generate([[5] * (llm.max_context + 3)], GREEDY)
+        llm.generate([[5] * (llm.max_seq_len + 3)], GREEDY)
 
 
 def test_token_ids_out_of_vocabulary(llm):

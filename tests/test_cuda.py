@@ -250,7 +250,7 @@ def test_deterministic_overlap_equals_normal_on_gpu_bf16(qwen3, record_property)
     print(f"bf16 deterministic normal vs normal again: {sum(a == b for a, b in zip(repeated, expected))}/10")
     assert repeated == expected, "not even the normal loop repeats itself: nondeterminism, not batch variance"
     llm = LLM(qwen3, device="cuda", loop="overlap", chunk_size=16, deterministic=True)
-    assert llm.engine.graphs is None  # deterministic decode runs eagerly (see Engine.attach_memory)
+    assert llm.engine.graphs is None  # deterministic decode runs eagerly (see Engine.__init__)
     got = run(llm, workload)
     same = sum(g == e for g, e in zip(got, expected))
     print(f"bf16 deterministic overlap vs normal: {same}/{len(expected)} identical")

@@ -13,7 +13,7 @@ import math
 import pytest
 from rich.console import Console
 
-from minisgl.__main__ import main
+from minisgl.frontend.cli import main
 from minisgl.observe.bench import print_ratios, print_results
 from minisgl.observe.lab import host_delay_for, lab_table, render_chart, steps_for
 from minisgl.observe.timeline import render_timeline

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minisgl import LLM, SamplingParams
-from minisgl.__main__ import main as cli
+from minisgl.frontend.cli import main as cli
 from minisgl.streams import DeviceError
 
 from .conftest import assert_pool_whole, drain, no_thread_left_behind
@@ -353,8 +353,8 @@ def test_concurrent_generate_from_two_threads_refused(qwen3):
 def test_context_check_agrees_with_kv_fit(qwen3):
     engine = LLM(qwen3, kv_tokens=100)
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    # Every prompt shorter than max_context fits with one new token ...
-    (out,) = engine.generate([[5] * (engine.max_context - 1)], one)
+    # Every prompt shorter than max_seq_len fits with one new token ...
+    (out,) = engine.generate([[5] * (engine.max_seq_len - 1)], one)
     assert len(out.token_ids) == 1
     # ... and the first that does not is refused by the context check, naming kv_tokens.
     with pytest.raises(ValueError, match="context holds 99.*kv_tokens"):
@@ -364,7 +364,7 @@ def test_context_check_agrees_with_kv_fit(qwen3):
 
 
 def test_sizes_larger_than_free_memory_refused_before_allocating(qwen3, monkeypatch):
-    monkeypatch.setattr("minisgl.arguments.free_memory_bytes", lambda device: 1 << 20)  # a 1 MiB machine
+    monkeypatch.setattr("minisgl.config.free_memory_bytes", lambda device: 1 << 20)  # a 1 MiB machine
     with no_thread_left_behind():
         with pytest.raises(ValueError, match="kv_tokens=50000.*GiB"):
             LLM(qwen3, kv_tokens=50000)

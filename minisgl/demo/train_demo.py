@@ -370,7 +370,7 @@ def _training_md(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``python -m minisgl train-demo [--out DIR] [--steps N] [--seed S]``."""
-    from ..options import OneLineParser, nonnegative_int, positive_float, positive_int
+    from ..frontend.options import OneLineParser, nonnegative_int, positive_float, positive_int
 
     ap = OneLineParser(
         prog="python -m minisgl train-demo",

@@ -45,7 +45,12 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 def load_config(model_dir: Path) -> tuple[PretrainedConfig, str]:
     """The checked config of `model_dir` and its family ("llama", "qwen2" or "qwen3")."""
+    if not model_dir.is_dir():
+        reason = "is not a directory" if model_dir.exists() else "does not exist"
+        raise ValueError(f"model directory {str(model_dir)!r} {reason}")
     path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{str(model_dir)!r} has no config.json; expected a Hugging Face checkpoint folder")
     raw = read_json_object(path)
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):

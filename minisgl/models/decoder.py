@@ -286,11 +286,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     """Build a CausalLM from a local Hugging Face checkpoint folder (config.json + *.safetensors).
     Anything malformed is one ValueError that names the file, key or tensor."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        reason = "is not a directory" if model_dir.exists() else "does not exist"
-        raise ValueError(f"model directory {str(model_dir)!r} {reason}")
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"{str(model_dir)!r} has no config.json; expected a Hugging Face checkpoint folder")
     config, _ = load_config(model_dir)
     files = safetensors_files(model_dir)
 

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..options import check_output_file, parse_numbers
+from ..frontend.options import check_output_file, parse_numbers
 from ..request import SamplingParams
 from .breakdown import ModelCost, breakdown, measure_ceilings
 from .trace import ideal_ratio, pipeline_metrics, realised_share, request_metrics
@@ -83,7 +83,7 @@ def default_model(args: argparse.Namespace) -> Path:
 def measure(args: argparse.Namespace, workload: Workload, loop: str, delay_ms: float, trace: bool = True,
             **overrides) -> dict:
     """Run one configuration: warm up, then time the whole workload."""
-    from ..options import build_llm
+    from ..frontend.options import build_llm
 
     llm = build_llm(args, loop=loop, device_delay_ms=delay_ms, trace=trace, **overrides)
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_new_tokens=4))  # warm-up (and JIT, on GPU)
@@ -112,7 +112,7 @@ def measure(args: argparse.Namespace, workload: Workload, loop: str, delay_ms: f
     if getattr(args, "breakdown", False):
         hbm, flops = args.ceilings
         result["breakdown"] = breakdown(spans, llm.engine.batch_log, ModelCost.from_config(args.model), hbm, flops,
-                                        llm.scheduler.max_running)
+                                        llm.config.max_running_requests)
     llm.close()
     del llm
     _free_device_memory()
@@ -247,7 +247,7 @@ def print_breakdown(result: dict) -> None:
 
 def run_online_bench(args: argparse.Namespace, workload: Workload) -> int:
     """Poisson arrivals at each rate in --rate, for one loop or both (--compare-loops)."""
-    from ..options import build_llm
+    from ..frontend.options import build_llm
     from .online import run_online
 
     rates = [float(r) for r in str(args.rate).split(",")]
@@ -329,7 +329,7 @@ def measure_hf(model: Path, workload: Workload, args: argparse.Namespace, batch_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..arguments import resolve_dtype
+    from ..config import resolve_dtype
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=resolve_dtype(args.dtype, device)).to(device).eval()

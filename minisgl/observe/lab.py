@@ -34,7 +34,7 @@ from rich.columns import Columns
 from rich.table import Table
 from rich.text import Text
 
-from ..options import build_llm, check_output_file, parse_numbers, positive_float, positive_int
+from ..frontend.options import build_llm, check_output_file, parse_numbers, positive_float, positive_int
 from ..request import SamplingParams
 from .bench import Workload, console, default_model
 from .trace import ideal_ratio, pipeline_metrics, realised_share

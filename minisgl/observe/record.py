@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ..options import check_output_file
+from ..frontend.options import check_output_file
 from ..request import SamplingParams
 from .bench import Workload, console, default_model, measure, print_results, small_workload
 from .trace import pipeline_metrics, write_chrome_trace
@@ -47,7 +47,7 @@ def _demo_workload(model: Path, n: int) -> Workload:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Answer a few held-out demo prompts with both loops, then show both timelines."""
-    from ..options import build_llm
+    from ..frontend.options import build_llm
     from ..demo.tasks import demo_prompts
     from .timeline import render_timeline
 

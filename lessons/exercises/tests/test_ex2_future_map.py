@@ -9,8 +9,8 @@ from minisgl.future_map import FutureMap, placeholder
 CPU = torch.device("cpu")
 
 
-def published(rows: list[int], tokens: list[int], num_rows: int = 8) -> FutureMap:
-    fm = FutureMap(num_rows=num_rows, device=CPU)
+def published(rows: list[int], tokens: list[int], max_running_requests: int = 8) -> FutureMap:
+    fm = FutureMap(max_running_requests=max_running_requests, device=CPU)
     fm.publish(torch.tensor(rows), torch.tensor(tokens))
     assert fm.tokens.any(), ("publish wrote nothing into the FutureMap: it must store each sampled token in the "
                              "mailbox of its request-pool row (tokens[rows[i]] = next_tokens[i])")
@@ -62,7 +62,7 @@ def test_publish_and_resolve_stay_on_the_device():
     """On the meta device a tensor has no values: any .item(), .tolist() or Python loop over values
     (a host sync on a GPU, which would bring the bubble back) raises here."""
     meta = torch.device("meta")
-    fm = FutureMap(num_rows=8, device=meta)
+    fm = FutureMap(max_running_requests=8, device=meta)
     try:
         fm.publish(torch.tensor([5, 2], device=meta), torch.tensor([41, 17], device=meta))
         out = fm.resolve(torch.tensor([-3, 99, -6], device=meta))

@@ -6,7 +6,7 @@ from minisgl.request import Req, SamplingParams
 
 
 def make_req(rid: int, row: int, generation: int) -> Req:
-    req = Req(rid, [3, 4, 5], SamplingParams(), eos_ids=frozenset(), max_context=64, sample_seed=0)
+    req = Req(rid, [3, 4, 5], SamplingParams(), eos_ids=frozenset(), model_window=64, sample_seed=0)
     req.row, req.row_generation = row, generation
     return req
 

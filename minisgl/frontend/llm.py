@@ -14,17 +14,17 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .arguments import (Prompt, check_choice, check_memory, check_params, optional_size, params_list, prompt_list,
-                        resolve_device, resolve_dtype)
-from .checks import INT64_MAX, check_bool, check_int, check_real, check_token_ids
-from .config import DEFAULTS
-from .engine import Engine
-from .interrupts import interrupts_deferred
-from .invariants import check_invariants, memory_report
-from .mechanisms import MECHANISMS, Mechanisms
-from .models.checkpoint import read_json_object
-from .request import Req, RequestOutput, SamplingParams
-from .scheduler import Scheduler
+from ..checks import INT64_MAX, check_int, check_token_ids
+from ..config import EngineConfig, resolve_config
+from ..engine import Engine
+from ..interrupts import interrupts_deferred
+from ..invariants import check_invariants, memory_report
+from ..mechanisms import Mechanisms
+from ..models.checkpoint import read_json_object
+from ..request import Req, RequestOutput, SamplingParams
+from ..scheduler import Scheduler
+from .validation import Prompt, check_params, params_list, prompt_list
+
 
 class LLM:
     """An engine on one device. Not thread-safe by design: one LLM serves one thread at a time,
@@ -37,25 +37,12 @@ class LLM:
                  chunk_size: int | None = None, kv_tokens: int | None = None, trace: bool = False,
                  attention_backend: str = "auto", host_delay_ms: float = 0.0, deterministic: bool = False) -> None:
         # Every argument is checked before anything is started, so a bad one leaves nothing behind.
-        if not isinstance(model_path, (str, os.PathLike)):
-            raise TypeError(f"model_path must be a path, got {type(model_path).__name__}")
-        mechanisms = Mechanisms(disable)
-        check_choice("loop", loop, ("normal", "overlap"))
-        check_choice("attention_backend", attention_backend, ("auto", "torch", "flashinfer"))
-        device_delay_ms = check_real("device_delay_ms", device_delay_ms, 0.0, MAX_DELAY_MS)
-        host_delay_ms = check_real("host_delay_ms", host_delay_ms, 0.0, MAX_DELAY_MS)
-        check_bool("trace", trace)
-        self.device = resolve_device(device)
-        dtype = resolve_dtype(dtype, self.device)
-        rows = optional_size("max_running_requests", max_running_requests, MAX_ROWS)
-        chunk_size = optional_size("chunk_size", chunk_size, MAX_TOKENS)
-        kv_tokens = optional_size("kv_tokens", kv_tokens, MAX_TOKENS)
-        rows = rows or DEFAULTS.rows(self.device)
-        if self.device.type == "cpu":
-            # One intra-op thread: the host thread and the stream thread each get a core
-            # (measured facts about the emulated stream: streams.py, CpuStream).
-            torch.set_num_threads(1)
-        self.model_path = Path(model_path)
+        self.config: EngineConfig = resolve_config(
+            model_path, device=device, loop=loop, disable=disable, device_delay_ms=device_delay_ms, dtype=dtype,
+            max_running_requests=max_running_requests, chunk_size=chunk_size, kv_tokens=kv_tokens, trace=trace,
+            attention_backend=attention_backend, host_delay_ms=host_delay_ms, deterministic=deterministic)
+        self.device = self.config.device
+        self.model_path = self.config.model_path
         self._closed = False
         self._guard = threading.RLock()  # held by the one thread inside a call (see the class doc)
         self._driving = False  # inside generate() or step(): its on_step callback may not drive the engine too
@@ -65,37 +52,25 @@ class LLM:
         self._next_rid = 0
         self._rng = random.Random(0)
         try:
-            self.engine = Engine(model_path, self.device, dtype, num_rows=rows, device_delay_ms=device_delay_ms,
-                                 mechanisms=mechanisms, attention_backend=attention_backend,
-                                 deterministic=check_bool("deterministic", deterministic))
+            self.engine = Engine(self.config)
         except OSError as exc:  # transformers reports an unreadable config.json as OSError
             raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
         # Stops the engine's worker thread if this LLM is dropped or the interpreter exits
         # unclosed (a torch kernel still running during interpreter teardown can abort it).
         self._stop_engine = weakref.finalize(self, self.engine.close)
         try:  # from here on the engine's stream runs: a failure must stop it again
-            self.engine.tracer.enabled = trace
+            self.engine.tracer.enabled = self.config.trace
             self.tokenizer = _load_tokenizer(self.model_path)
-            config = self.engine.config
-            kv_tokens = kv_tokens or DEFAULTS.kv_tokens(self.device, self.engine.bytes_per_token())
-            self.model_context = int(config.max_position_embeddings)  # caps prompt + new tokens
-            # The longest prompt + new tokens this engine holds: the model's window, or the KV
-            # pool less the one slot an overshoot step may write. The same arithmetic as
-            # Scheduler.check_fits(), so a prompt shorter than this with one new token always fits.
-            self.max_context = min(self.model_context, kv_tokens - 1)
-            chunk_size = chunk_size or DEFAULTS.chunk_size(self.device)
-            check_memory(self.device, kv_tokens, self.engine.bytes_per_token(), rows,
-                          min(self.model_context + 1, kv_tokens), chunk_size)
-            self.scheduler = Scheduler(
-                self.engine, eos_ids=_eos_ids(config, self.tokenizer, self.model_path), max_running=rows,
-                chunk_size=chunk_size, kv_tokens=kv_tokens,
-                # Request-table width: no request holds more positions than the pool has slots,
-                # nor more than its context plus the one overshoot position.
-                max_context=min(self.model_context + 1, kv_tokens), mechanisms=mechanisms, loop=loop,
-                host_delay_ms=host_delay_ms)
+            self.eos_ids = _eos_ids(self.engine.model.config, self.tokenizer, self.model_path)
+            self.scheduler = Scheduler(self.config, self.engine)
         except BaseException:
             self._stop_engine()
             raise
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest prompt + new tokens this engine holds (see EngineConfig.max_seq_len)."""
+        return self.config.max_seq_len
 
     # ---------------------------------------------------------------- lifecycle
     @contextmanager
@@ -278,14 +253,15 @@ class LLM:
         vocab = self.engine.model.vocab_size
         params.validate(vocab)
         ids = self._tokenize(prompt)
-        if len(ids) >= self.max_context:
-            limit = "the model" if self.max_context == self.model_context else "kv_tokens"
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_context} "
+        max_seq_len, model_window = self.config.max_seq_len, self.config.model_window
+        if len(ids) >= max_seq_len:
+            limit = "the model" if max_seq_len == model_window else "kv_tokens"
+            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {max_seq_len} "
                              f"(prompt plus at least one new token; {limit} sets it)")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         # max_new_tokens is cut at the model's window (finish "length"), never at the pool's
         # size: a request the pool is too small for is refused by check_fits() instead.
-        req = Req(rid, ids, params, self.scheduler.eos_ids, self.model_context, seed)
+        req = Req(rid, ids, params, self.eos_ids, model_window, seed)
         self.scheduler.check_fits(req)
         return req
 
@@ -322,8 +298,9 @@ class LLM:
             self.engine.batch_log.clear()
 
     @property
-    def mechanisms(self) -> dict[str, str]:
-        return MECHANISMS
+    def mechanisms(self) -> Mechanisms:
+        """This engine's switches (`minisgl.MECHANISMS` describes every one)."""
+        return self.config.mechanisms
 
     # ---------------------------------------------------------------- helpers
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -356,12 +333,6 @@ class LLM:
 _IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"
 _REENTRANT = ("generate(), step() and close() cannot be called from inside generate() (its on_step callback): "
               "they would take over the running call's requests")
-# Upper bounds for the sizes: slot and token ids travel as int32 in device kernels, and no
-# device decodes a million requests at once (rows are allocated up front, before any memory check).
-MAX_TOKENS = (1 << 31) - 2
-MAX_ROWS = 1 << 20
-MAX_DELAY_MS = 3_600_000.0  # an hour per step: any more is a typo, not a teaching aid
-
 
 def _load_tokenizer(model_path: Path):
     from transformers import AutoTokenizer

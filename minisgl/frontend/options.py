@@ -10,7 +10,7 @@ import argparse
 import math
 from pathlib import Path
 
-from .mechanisms import MECHANISMS
+from ..mechanisms import MECHANISMS
 
 
 def _number(text: str, convert, valid, expected: str):
@@ -71,7 +71,7 @@ def disabled_names(args: argparse.Namespace) -> list[str]:
 def model_dir(args: argparse.Namespace) -> Path:
     if args.model is not None:
         return Path(args.model)
-    from .demo.paths import demo_model_path
+    from ..demo.paths import demo_model_path
 
     return demo_model_path()
 
