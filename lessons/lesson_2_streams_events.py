@@ -2,7 +2,7 @@
 
 A stream is an ordered queue of device work the host does not wait for; an event marks a
 point in it. On CPU the stream is a worker thread (minisgl/streams.py, CpuStream). We time
-launch() against copy_done.synchronize(), bare and then inside the real engine.
+launch() against the wait for copy_done, bare and then inside the real engine.
 """
 
 import sys
@@ -51,11 +51,8 @@ def engine_batches(delay_ms: float, steps: int) -> None:
     sched = llm.scheduler
     llm.add_request("count 3 to 9:", SamplingParams(max_new_tokens=steps))
     rows = []
-    while True:
-        # This is normal_loop() taken apart, with a stopwatch between the pieces.
-        planned = sched.schedule()
-        if planned is None:
-            break
+    # This is normal_loop() taken apart, with a stopwatch between the pieces.
+    while (planned := sched.schedule()) is not None:
         t0 = time.perf_counter()
         result = sched.launch(planned)
         t_launch = ms_since(t0)
@@ -64,7 +61,7 @@ def engine_batches(delay_ms: float, steps: int) -> None:
         result.next_tokens_host.fill_(-1)
         early = result.next_tokens_host.tolist()
         ready_early = result.copy_done.query()
-        sched.commit(InFlight(planned.view, result))  # copy_done.synchronize(), then commit
+        sched.commit(InFlight(planned.view, result))  # waits for copy_done, then commits
         after = result.next_tokens_host.tolist()
         rows.append((planned.forward.batch_id, "prefill" if planned.forward.is_prefill else "decode", t_launch,
                      ms_since(t0), ready_early, early, f"{after} {llm.tokenizer.decode(after)!r}"))
@@ -91,7 +88,7 @@ def main() -> None:
     bare_stream(50.0)
     engine_batches(args.delay_ms, 3 if args.quick else 6)
     notice("launch() returns in a fraction of a millisecond, long before the batch has run: only "
-           "copy_done.synchronize() makes next_tokens_host safe to read (before it you read the poison -1).")
+           "waiting for copy_done makes next_tokens_host safe to read (before it you read the poison -1).")
 
 
 if __name__ == "__main__":
