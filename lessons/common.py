@@ -139,7 +139,8 @@ def best_of(reps: int, configs: dict, prompts, params) -> dict:
 
 def header(number: int, title: str, read: list) -> None:
     """Lesson title, then where to read: each item an object (printed as file:line) or a string."""
-    console.rule(f"[bold]Lesson {number}: {title}")
+    console.rule()
+    console.print(f"[bold]Lesson {number}: {title}[/]")  # printed, not in the rule: a rule cuts a long title
     console.print(f"model: {model_path()}")
     for item in read:
         console.print(f"  read  {where(item) if not isinstance(item, str) else item}")
@@ -160,7 +161,7 @@ def where(obj) -> str:
 
 def section(text: str) -> None:
     console.print()
-    console.rule(text, style="cyan", align="left")
+    console.print(f"[bold cyan]{text}[/]")  # wraps at the terminal's width (a rule would cut it)
 
 
 def figure(name: str, value: float | int, fmt: str = "{:.3f}", note: str = "") -> float:
@@ -203,6 +204,18 @@ def side_by_side(title: str, runs: list[Run], rows: dict) -> None:
         table.add_column(r.label, justify="right")
     for label, fn in rows.items():
         table.add_row(label, *(fn(r) for r in runs))
+    console.print(table)
+
+
+def per_run(title: str, runs: list[Run], columns: dict) -> None:
+    """A table: one row per run, one column per figure (for many runs and few figures, where one
+    column per run would not fit 80 columns); `columns` maps a short header to fn(run) -> str."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("run")
+    for name in columns:
+        table.add_column(name, justify="right")
+    for r in runs:
+        table.add_row(r.label, *(fn(r) for fn in columns.values()))
     console.print(table)
 
 

@@ -56,7 +56,7 @@ def engine_batches(delay_ms: float, steps: int) -> None:
         t0 = time.perf_counter()
         result = sched.launch(planned)
         t_launch = ms_since(t0)
-        # Poison the host buffer the device will fill (as SGLang's CI poisons FutureMap
+        # Poison the host buffer the device will fill (as SGLang's CI poisons device
         # buffers): reading it before copy_done shows the poison, not a token.
         result.next_tokens_host.fill_(-1)
         early = result.next_tokens_host.tolist()
