@@ -123,16 +123,26 @@ def run(label: str, prompts, params, loop: str = "overlap", disable=(), delay_ms
     return Run(label, llm, outs, time.perf_counter() - start, time.thread_time() - cpu)
 
 
-def best_of(reps: int, configs: dict, prompts, params) -> dict:
+def rounds(reps: int, configs: dict, prompts, params) -> dict[object, list[Run]]:
     """Short runs on a shared 2-core machine are noisy: run the configurations in turn, `reps`
-    rounds, and keep each one's fastest run (a burst of other work then hits all of them)."""
-    best: dict = {}
+    rounds, so that a burst of other work hits all of them; every run is kept, in round order
+    (round i of one configuration ran next to round i of the others)."""
+    runs: dict = {key: [] for key in configs}
     for _ in range(reps):
         for key, (label, kwargs) in configs.items():
-            r = run(label, prompts, params, **kwargs)
-            if key not in best or r.tok_per_s > best[key].tok_per_s:
-                best[key] = r
-    return best
+            runs[key].append(run(label, prompts, params, **kwargs))
+    return runs
+
+
+def best_of(reps: int, configs: dict, prompts, params) -> dict:
+    """`rounds`, keeping each configuration's fastest run."""
+    return {key: max(rs, key=lambda r: r.tok_per_s) for key, rs in rounds(reps, configs, prompts, params).items()}
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 # --------------------------------------------------------------------------- printing
@@ -232,9 +242,12 @@ def differing(tokens: list[list[int]], reference: list[list[int]]) -> int:
     return sum(a != b for a, b in zip(tokens, reference))
 
 
-def parse_args(doc: str, delay_ms: float) -> argparse.Namespace:
+def parse_args(doc: str, delay_ms: float, extra=None) -> argparse.Namespace:
+    """--quick and --delay-ms for every lesson; `extra(parser)` adds a lesson's own options."""
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests (CI)")
     ap.add_argument("--delay-ms", type=float, default=delay_ms,
                     help=f"emulated device time per forward, ms (default {delay_ms:g}; CPU teaching aid)")
+    if extra:
+        extra(ap)
     return ap.parse_args()

@@ -74,7 +74,9 @@ def engine_batches(delay_ms: float, steps: int) -> None:
     done = sorted(r[3] for r in rows)[len(rows) // 2]
     figure("launch returned ms", launch, "{:.3f}", "median over batches")
     figure("copy_done ms", done, "{:.2f}", "median: device delay + forward + copy")
-    figure("copy_done / launch", done / launch, "{:.0f}")
+    figure("copy_done / launch", done / launch, "{:.0f}", "how many launches fit in one batch's time")
+    figure("batches not done when launch() returned", sum(not r[4] for r in rows), "{:d}",
+           f"of {len(rows)}: query() was False right after launch")
     console.print(f"  the stream thread runs with inference_mode and one torch thread; "
                   f"sys.getswitchinterval() = {sys.getswitchinterval():g} s (CPython's default is 0.005)")
     llm.close()

@@ -12,6 +12,7 @@ from common import (answers, best_of, console, demo_pairs, figure, header, ms, n
                     side_by_side, timeline)
 
 from minisgl import SamplingParams
+from minisgl.observe.timeline import export_timelines, render_timeline
 from minisgl.observe.trace import ideal_ratio
 from minisgl.scheduler import InFlight, Scheduler
 
@@ -31,7 +32,9 @@ def max_in_flight(events: list[tuple[str, int]]) -> int:
 
 
 def main() -> None:
-    args = parse_args(__doc__, delay_ms=3.0)
+    args = parse_args(__doc__, delay_ms=3.0, extra=lambda ap: (
+        ap.add_argument("--svg", metavar="FILE", help="also save both timelines as an SVG picture (for slides)"),
+        ap.add_argument("--html", metavar="FILE", help="also save both timelines as an HTML page")))
     header(3, "the overlap loop: deferred processing, result queue, last batch",
            [Scheduler.normal_loop, Scheduler.overlap_loop, Scheduler.step, InFlight,
             "lessons/readings §3, §5, §11 (000 「Overlap Scheduler 的执行时间线」, 「在途批次：last_batch 与 "
@@ -52,6 +55,11 @@ def main() -> None:
     section("2. both timelines (same device delay)")
     timeline(normal)
     timeline(overlap)
+    for path in (args.svg, args.html):
+        if path:
+            pictures = [render_timeline(r.spans, title=f"{r.label}, device delay {args.delay_ms:g} ms", max_iterations=6)
+                        for r in (normal, overlap)]
+            console.print(f"  saved {export_timelines(pictures, path)}")
 
     section("3. same tokens, less idle device")
     side_by_side(f"device delay {args.delay_ms:g} ms, {len(prompts)} requests", [normal, overlap], {
