@@ -180,6 +180,16 @@ def figure(name: str, value: float | int, fmt: str = "{:.3f}", note: str = "") -
     return value
 
 
+def busy_change(serial: Run, pipelined: Run) -> str:
+    """The device-busy change from `serial` to `pipelined`, worded so that a notice never claims
+    more than this run's figures show (on a loaded machine one short run can invert them)."""
+    before, after = (r.metrics["device_busy_fraction"] for r in (serial, pipelined))
+    if after > before:
+        return f"device busy {before:.0%} -> {after:.0%}"
+    return (f"device busy did not rise in this run ({before:.0%} -> {after:.0%}): other programs delayed the "
+            "two threads by more than the bubble costs; the counts still hold, rerun on a quieter machine")
+
+
 def notice(text: str) -> None:
     """The one line the learner should take away."""
     console.print()

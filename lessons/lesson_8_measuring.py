@@ -9,7 +9,6 @@ from common import (console, demo_pairs, figure, header, median, ms, notice, par
                     side_by_side)
 
 from minisgl import SamplingParams
-from minisgl.scheduler import Scheduler
 from minisgl.observe.trace import ideal_ratio, pipeline_metrics, realised_share, request_metrics
 
 
