@@ -81,8 +81,8 @@ def main() -> None:
     figure("batches (future_map off)", off.stats.batches, "{:d}")
     figure("outputs identical", int(on.tokens == off.tokens), "{:d}")
     notice("without the FutureMap the host has to wait for batch n's tokens to write batch n+1's input ids: "
-           f"every batch is synced first (one early commit per batch) and the red gaps come back "
-           f"(with it on: {busy_change(off, on)}), and not a token changes (tok/s is too noisy here to show it).")
+           "every batch is synced first (one early commit per batch) and the red gaps come back. From off to on, "
+           f"{busy_change(off, on)}. Not a token changes (tok/s is too noisy here to show the bubble).")
 
 
 if __name__ == "__main__":
