@@ -252,6 +252,34 @@ def differing(tokens: list[list[int]], reference: list[list[int]]) -> int:
     return sum(a != b for a, b in zip(tokens, reference))
 
 
+def unwritten_exercise(exc: BaseException) -> NotImplementedError | None:
+    """The NotImplementedError behind `exc` (itself, or a cause or context of it, e.g. raised on
+    the device thread and re-raised by the host), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, NotImplementedError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def lesson_main(main) -> None:
+    """Run a lesson's main(). In the student edition an exercise region not written yet raises
+    NotImplementedError naming its exercise: say which exercise unlocks the lesson and exit 0,
+    instead of a traceback from deep inside the engine."""
+    try:
+        main()
+    except Exception as exc:  # noqa: BLE001 - re-raised unless it is an unwritten exercise
+        missing = unwritten_exercise(exc)
+        if missing is None:
+            raise
+        console.print(f"[yellow]This lesson needs code you have not written yet: {missing}[/]")
+        console.print("It runs once that exercise passes (`make exercises` lists them; `make exercise-N`, or "
+                      "`python lessons/exercises/make_exercise.py check N` without make, checks one).")
+        sys.exit(0)
+
+
 def parse_args(doc: str, delay_ms: float, extra=None) -> argparse.Namespace:
     """--quick and --delay-ms for every lesson; `extra(parser)` adds a lesson's own options."""
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])

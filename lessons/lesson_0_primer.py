@@ -4,7 +4,7 @@ What lessons 1-9 take for granted, shown on the demo model with the serial (norm
 counted, not timed: every figure here is the same on any machine.
 """
 
-from common import console, figure, header, make_llm, notice, parse_args, section
+from common import console, figure, header, lesson_main, make_llm, notice, parse_args, section
 
 from minisgl import SamplingParams
 from minisgl.kv_pool import KVPool, ReqToTokenPool
@@ -121,4 +121,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

@@ -8,7 +8,7 @@ launch() against the wait for copy_done, bare and then inside the real engine.
 import sys
 import time
 
-from common import console, figure, header, make_llm, notice, parse_args, section
+from common import console, figure, header, lesson_main, make_llm, notice, parse_args, section
 
 from minisgl import SamplingParams
 from minisgl.engine import Engine
@@ -45,7 +45,8 @@ def bare_stream(kernel_ms: float) -> None:
     a.close(), b.close()
 
 
-def engine_batches(delay_ms: float, steps: int) -> None:
+def engine_batches(delay_ms: float, steps: int) -> tuple[float, float]:
+    """Returns the median launch() time and the median time to copy_done, in ms."""
     section(f"2. the real engine (device delay {delay_ms:g} ms): launch() vs copy_done, batch by batch")
     llm = make_llm(loop="normal", delay_ms=delay_ms)
     sched = llm.scheduler
@@ -80,6 +81,7 @@ def engine_batches(delay_ms: float, steps: int) -> None:
     console.print(f"  the stream thread runs with inference_mode and one torch thread; "
                   f"sys.getswitchinterval() = {sys.getswitchinterval():g} s (CPython's default is 0.005)")
     llm.close()
+    return launch, done
 
 
 def main() -> None:
@@ -88,10 +90,10 @@ def main() -> None:
            [CpuStream, CpuStream.launch, CpuStream.record_event, Engine.launch, Scheduler.commit,
             "lessons/readings §3, §12 (000 「Overlap Scheduler 的执行时间线」; 001 「同步点分析」)"])
     bare_stream(50.0)
-    engine_batches(args.delay_ms, 3 if args.quick else 6)
-    notice("launch() returns in a fraction of a millisecond, long before the batch has run: only "
+    launch, done = engine_batches(args.delay_ms, 3 if args.quick else 6)
+    notice(f"launch() returns long before the batch has run (median {launch:.2f} ms against {done:.0f} ms): only "
            "waiting for copy_done makes next_tokens_host safe to read (before it you read the poison -1).")
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

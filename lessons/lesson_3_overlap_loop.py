@@ -8,8 +8,8 @@ token is the same.
 from itertools import islice
 from typing import Iterable
 
-from common import (answers, best_of, busy_change, console, demo_pairs, figure, header, ms, notice, parse_args, pct,
-                    run, section, side_by_side, timeline)
+from common import (answers, best_of, busy_change, console, demo_pairs, figure, header, lesson_main, ms, notice,
+                    parse_args, pct, run, section, side_by_side, timeline)
 
 from minisgl import SamplingParams
 from minisgl.observe.timeline import export_timelines, render_timeline
@@ -57,7 +57,7 @@ def main() -> None:
     timeline(overlap)
     for path in (args.svg, args.html):
         if path:
-            pictures = [render_timeline(r.spans, title=f"{r.label}, device delay {args.delay_ms:g} ms", max_iterations=6)
+            pictures = [render_timeline(r.spans, title=f"{r.label}, device delay {args.delay_ms:g} ms")
                         for r in (normal, overlap)]
             console.print(f"  saved {export_timelines(pictures, path)}")
 
@@ -86,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

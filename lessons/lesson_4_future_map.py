@@ -5,8 +5,8 @@ the device resolved them to. Then switches the future_map mechanism off: the hos
 commit batch n before it can write batch n+1's input ids, and the bubble comes back.
 """
 
-from common import (busy_change, console, demo_pairs, figure, header, make_llm, ms, notice, parse_args, pct, run,
-                    section, side_by_side, timeline)
+from common import (busy_change, console, demo_pairs, figure, header, lesson_main, make_llm, ms, notice, parse_args,
+                    pct, run, section, side_by_side, timeline)
 
 from minisgl import SamplingParams
 from minisgl.future_map import FutureMap, placeholder
@@ -86,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

@@ -6,8 +6,8 @@ buffers of batch metadata (staging_double_buffer, staging_war_wait: the article'
 protections; either one alone is enough here, both off gives wrong tokens).
 """
 
-from common import (BAD, OK, console, demo_pairs, differing, figure, header, make_llm, notice, parse_args, per_run,
-                    run, section)
+from common import (BAD, OK, console, demo_pairs, differing, figure, header, lesson_main, make_llm, notice, parse_args,
+                    per_run, run, section)
 
 from minisgl import SamplingParams
 from minisgl.scheduler import Scheduler
@@ -78,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

@@ -5,8 +5,8 @@ asks for, and sets the measured overlap/normal ratio next to the ideal (G+C)/max
 Then checks what a speed-up must never cost: identical tokens and a whole KV pool.
 """
 
-from common import (console, demo_pairs, figure, header, median, ms, notice, parse_args, pct, rounds, run, section,
-                    side_by_side)
+from common import (console, demo_pairs, figure, header, lesson_main, median, ms, notice, parse_args, pct, rounds, run,
+                    section, side_by_side)
 
 from minisgl import SamplingParams
 from minisgl.observe.trace import ideal_ratio, pipeline_metrics, realised_share, request_metrics
@@ -123,4 +123,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)
