@@ -1,4 +1,4 @@
-"""Lesson 0: a primer: the KV pool, the request table, the radix cache, continuous batching, chunked prefill.
+"""Lesson 0: a primer: KV pool and request table, radix cache, continuous batching, chunked prefill.
 
 What lessons 1-9 take for granted, shown on the demo model with the serial (normal) loop and
 counted, not timed: every figure here is the same on any machine.
