@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:  # `python lessons/lesson_N_x.py` from anywhere fi
     sys.path.insert(0, str(ROOT))
 
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import minisgl  # noqa: E402
@@ -274,7 +275,7 @@ def lesson_main(main) -> None:
         missing = unwritten_exercise(exc)
         if missing is None:
             raise
-        console.print(f"[yellow]This lesson needs code you have not written yet: {missing}[/]")
+        console.print(f"[yellow]This lesson needs code you have not written yet: {escape(str(missing))}[/]")
         console.print("It runs once that exercise passes (`make exercises` lists them; `make exercise-N`, or "
                       "`python lessons/exercises/make_exercise.py check N` without make, checks one).")
         sys.exit(0)
