@@ -81,9 +81,13 @@ def main() -> None:
         console.print(f"  delay {delay:g} ms: G {ms(g)}, C {ms(c)}, "
                       f"bubble {ms(normal.metrics['exposed_host_time_per_step_s'])}")
         figure(f"ideal (delay {delay:g} ms)", ideal, "{:.2f}")
+        if len(ratios) == 1:
+            figure(f"overlap/normal (delay {delay:g} ms)", got, "{:.2f}", "one round (--quick): a single, noisy ratio")
+            console.print("  share of the possible gain: not computed; one round shows nothing of the spread")
+            continue
         figure(f"overlap/normal (delay {delay:g} ms)", got, "{:.2f}",
                f"median of {len(ratios)} rounds, range {min(ratios):.2f}-{max(ratios):.2f}")
-        if len(ratios) > 1 and spread < ideal - 1:
+        if spread < ideal - 1:
             console.print(f"  share of the possible gain realised: {realised_share(got, ideal):.0%}")
         else:
             # (ratio - 1)/(ideal - 1) divides the noise by a small number: it would print -190 % or 600 %.
