@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:  # `python lessons/lesson_N_x.py` from anywhere fi
     sys.path.insert(0, str(ROOT))
 
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import minisgl  # noqa: E402
@@ -123,23 +124,34 @@ def run(label: str, prompts, params, loop: str = "overlap", disable=(), delay_ms
     return Run(label, llm, outs, time.perf_counter() - start, time.thread_time() - cpu)
 
 
-def best_of(reps: int, configs: dict, prompts, params) -> dict:
+def rounds(reps: int, configs: dict, prompts, params) -> dict[object, list[Run]]:
     """Short runs on a shared 2-core machine are noisy: run the configurations in turn, `reps`
-    rounds, and keep each one's fastest run (a burst of other work then hits all of them)."""
-    best: dict = {}
+    rounds, so that a burst of other work hits all of them; every run is kept, in round order
+    (round i of one configuration ran next to round i of the others)."""
+    runs: dict = {key: [] for key in configs}
     for _ in range(reps):
         for key, (label, kwargs) in configs.items():
-            r = run(label, prompts, params, **kwargs)
-            if key not in best or r.tok_per_s > best[key].tok_per_s:
-                best[key] = r
-    return best
+            runs[key].append(run(label, prompts, params, **kwargs))
+    return runs
+
+
+def best_of(reps: int, configs: dict, prompts, params) -> dict:
+    """`rounds`, keeping each configuration's fastest run."""
+    return {key: max(rs, key=lambda r: r.tok_per_s) for key, rs in rounds(reps, configs, prompts, params).items()}
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 # --------------------------------------------------------------------------- printing
 
 def header(number: int, title: str, read: list) -> None:
     """Lesson title, then where to read: each item an object (printed as file:line) or a string."""
-    console.rule(f"[bold]Lesson {number}: {title}")
+    console.rule()
+    console.print(f"[bold]Lesson {number}: {title}[/]")  # printed, not in the rule: a rule cuts a long title
     console.print(f"model: {model_path()}")
     for item in read:
         console.print(f"  read  {where(item) if not isinstance(item, str) else item}")
@@ -160,13 +172,23 @@ def where(obj) -> str:
 
 def section(text: str) -> None:
     console.print()
-    console.rule(text, style="cyan", align="left")
+    console.print(f"[bold cyan]{text}[/]")  # wraps at the terminal's width (a rule would cut it)
 
 
 def figure(name: str, value: float | int, fmt: str = "{:.3f}", note: str = "") -> float:
     """Print a key figure on its own line: `» name = value  (note)`. Returns the value."""
     console.print(f"» {name} = {fmt.format(value)}" + (f"   [dim]({note})[/]" if note else ""))
     return value
+
+
+def busy_change(serial: Run, pipelined: Run) -> str:
+    """The device-busy change from `serial` to `pipelined`, worded so that a notice never claims
+    more than this run's figures show (on a loaded machine one short run can invert them)."""
+    before, after = (r.metrics["device_busy_fraction"] for r in (serial, pipelined))
+    if after > before:
+        return f"device busy {before:.0%} -> {after:.0%}"
+    return (f"device busy did not rise in this run ({before:.0%} -> {after:.0%}): other programs delayed the "
+            "two threads by more than the bubble costs; the counts still hold, rerun on a quieter machine")
 
 
 def notice(text: str) -> None:
@@ -206,6 +228,18 @@ def side_by_side(title: str, runs: list[Run], rows: dict) -> None:
     console.print(table)
 
 
+def per_run(title: str, runs: list[Run], columns: dict) -> None:
+    """A table: one row per run, one column per figure (for many runs and few figures, where one
+    column per run would not fit 80 columns); `columns` maps a short header to fn(run) -> str."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("run")
+    for name in columns:
+        table.add_column(name, justify="right")
+    for r in runs:
+        table.add_row(r.label, *(fn(r) for fn in columns.values()))
+    console.print(table)
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
@@ -219,9 +253,40 @@ def differing(tokens: list[list[int]], reference: list[list[int]]) -> int:
     return sum(a != b for a, b in zip(tokens, reference))
 
 
-def parse_args(doc: str, delay_ms: float) -> argparse.Namespace:
+def unwritten_exercise(exc: BaseException) -> NotImplementedError | None:
+    """The NotImplementedError behind `exc` (itself, or a cause or context of it, e.g. raised on
+    the device thread and re-raised by the host), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, NotImplementedError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def lesson_main(main) -> None:
+    """Run a lesson's main(). In the student edition an exercise region not written yet raises
+    NotImplementedError naming its exercise: say which exercise unlocks the lesson and exit 0,
+    instead of a traceback from deep inside the engine."""
+    try:
+        main()
+    except Exception as exc:  # noqa: BLE001 - re-raised unless it is an unwritten exercise
+        missing = unwritten_exercise(exc)
+        if missing is None:
+            raise
+        console.print(f"[yellow]This lesson needs code you have not written yet: {escape(str(missing))}[/]")
+        console.print("It runs once that exercise passes (`make exercises` lists them; `make exercise-N`, or "
+                      "`python lessons/exercises/make_exercise.py check N` without make, checks one).")
+        sys.exit(0)
+
+
+def parse_args(doc: str, delay_ms: float, extra=None) -> argparse.Namespace:
+    """--quick and --delay-ms for every lesson; `extra(parser)` adds a lesson's own options."""
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests (CI)")
     ap.add_argument("--delay-ms", type=float, default=delay_ms,
                     help=f"emulated device time per forward, ms (default {delay_ms:g}; CPU teaching aid)")
+    if extra:
+        extra(ap)
     return ap.parse_args()

@@ -4,8 +4,8 @@ Runs the normal (serial) loop on demo prompts, shows the timeline and measures t
 the device idles while the host commits batch n and schedules batch n+1.
 """
 
-from common import (answers, console, demo_pairs, figure, header, ms, notice, parse_args, pct, run, section, side_by_side,
-                    timeline)
+from common import (answers, console, demo_pairs, figure, header, lesson_main, ms, notice, parse_args, pct, run,
+                    section, side_by_side, timeline)
 
 from minisgl import SamplingParams
 from minisgl.scheduler import Scheduler
@@ -54,4 +54,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

@@ -2,13 +2,13 @@
 
 A stream is an ordered queue of device work the host does not wait for; an event marks a
 point in it. On CPU the stream is a worker thread (minisgl/streams.py, CpuStream). We time
-launch() against copy_done.synchronize(), bare and then inside the real engine.
+launch() against the wait for copy_done, bare and then inside the real engine.
 """
 
 import sys
 import time
 
-from common import console, figure, header, make_llm, notice, parse_args, section
+from common import console, figure, header, lesson_main, make_llm, notice, parse_args, section
 
 from minisgl import SamplingParams
 from minisgl.engine import Engine
@@ -45,26 +45,24 @@ def bare_stream(kernel_ms: float) -> None:
     a.close(), b.close()
 
 
-def engine_batches(delay_ms: float, steps: int) -> None:
+def engine_batches(delay_ms: float, steps: int) -> tuple[float, float]:
+    """Returns the median launch() time and the median time to copy_done, in ms."""
     section(f"2. the real engine (device delay {delay_ms:g} ms): launch() vs copy_done, batch by batch")
     llm = make_llm(loop="normal", delay_ms=delay_ms)
     sched = llm.scheduler
     llm.add_request("count 3 to 9:", SamplingParams(max_new_tokens=steps))
     rows = []
-    while True:
-        # This is normal_loop() taken apart, with a stopwatch between the pieces.
-        planned = sched.schedule()
-        if planned is None:
-            break
+    # This is normal_loop() taken apart, with a stopwatch between the pieces.
+    while (planned := sched.schedule()) is not None:
         t0 = time.perf_counter()
         result = sched.launch(planned)
         t_launch = ms_since(t0)
-        # Poison the host buffer the device will fill (as SGLang's CI poisons FutureMap
+        # Poison the host buffer the device will fill (as SGLang's CI poisons device
         # buffers): reading it before copy_done shows the poison, not a token.
         result.next_tokens_host.fill_(-1)
         early = result.next_tokens_host.tolist()
         ready_early = result.copy_done.query()
-        sched.commit(InFlight(planned.view, result))  # copy_done.synchronize(), then commit
+        sched.commit(InFlight(planned.view, result))  # waits for copy_done, then commits
         after = result.next_tokens_host.tolist()
         rows.append((planned.forward.batch_id, "prefill" if planned.forward.is_prefill else "decode", t_launch,
                      ms_since(t0), ready_early, early, f"{after} {llm.tokenizer.decode(after)!r}"))
@@ -77,10 +75,13 @@ def engine_batches(delay_ms: float, steps: int) -> None:
     done = sorted(r[3] for r in rows)[len(rows) // 2]
     figure("launch returned ms", launch, "{:.3f}", "median over batches")
     figure("copy_done ms", done, "{:.2f}", "median: device delay + forward + copy")
-    figure("copy_done / launch", done / launch, "{:.0f}")
+    figure("copy_done / launch", done / launch, "{:.0f}", "how many launches fit in one batch's time")
+    figure("batches not done when launch() returned", sum(not r[4] for r in rows), "{:d}",
+           f"of {len(rows)}: query() was False right after launch")
     console.print(f"  the stream thread runs with inference_mode and one torch thread; "
                   f"sys.getswitchinterval() = {sys.getswitchinterval():g} s (CPython's default is 0.005)")
     llm.close()
+    return launch, done
 
 
 def main() -> None:
@@ -89,10 +90,10 @@ def main() -> None:
            [CpuStream, CpuStream.launch, CpuStream.record_event, Engine.launch, Scheduler.commit,
             "lessons/readings §3, §12 (000 「Overlap Scheduler 的执行时间线」; 001 「同步点分析」)"])
     bare_stream(50.0)
-    engine_batches(args.delay_ms, 3 if args.quick else 6)
-    notice("launch() returns in a fraction of a millisecond, long before the batch has run: only "
-           "copy_done.synchronize() makes next_tokens_host safe to read (before it you read the poison -1).")
+    launch, done = engine_batches(args.delay_ms, 3 if args.quick else 6)
+    notice(f"launch() returns long before the batch has run (median {launch:.2f} ms against {done:.0f} ms): only "
+           "waiting for copy_done makes next_tokens_host safe to read (before it you read the poison -1).")
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

@@ -5,8 +5,8 @@ the device resolved them to. Then switches the future_map mechanism off: the hos
 commit batch n before it can write batch n+1's input ids, and the bubble comes back.
 """
 
-from common import (console, demo_pairs, figure, header, make_llm, ms, notice, parse_args, pct, run, section,
-                    side_by_side, timeline)
+from common import (busy_change, console, demo_pairs, figure, header, lesson_main, make_llm, ms, notice, parse_args,
+                    pct, run, section, side_by_side, timeline)
 
 from minisgl import SamplingParams
 from minisgl.future_map import FutureMap, placeholder
@@ -81,9 +81,9 @@ def main() -> None:
     figure("batches (future_map off)", off.stats.batches, "{:d}")
     figure("outputs identical", int(on.tokens == off.tokens), "{:d}")
     notice("without the FutureMap the host has to wait for batch n's tokens to write batch n+1's input ids: "
-           "every batch is synced first and the red gaps come back: device busy drops, idle per forward "
-           "grows, and not a token changes (tok/s is too noisy here to show it reliably).")
+           "every batch is synced first (one early commit per batch) and the red gaps come back. From off to on, "
+           f"{busy_change(off, on)}. Not a token changes (tok/s is too noisy here to show the bubble).")
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

@@ -5,7 +5,7 @@ a batch is still in flight. With batch_snapshot off the result queue holds the l
 and batch n's tokens are zipped with batch n+1's requests.
 """
 
-from common import BAD, OK, console, demo_pairs, figure, header, make_llm, notice, parse_args, run, section
+from common import BAD, OK, console, demo_pairs, figure, header, lesson_main, make_llm, notice, parse_args, run, section
 
 from minisgl import SamplingParams
 from minisgl.scheduler import BatchView, RunningBatch, Scheduler
@@ -78,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

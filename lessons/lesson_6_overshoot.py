@@ -6,7 +6,7 @@ length_lookahead (don't plan a step known to be past max_new_tokens) and release
 (free KV by allocated length, which covers the overshoot slot). We switch each one off.
 """
 
-from common import (console, demo_pairs, figure, header, make_llm, notice, parse_args, run, section,
+from common import (console, demo_pairs, figure, header, lesson_main, make_llm, notice, parse_args, run, section,
                     side_by_side)
 
 from minisgl import SamplingParams
@@ -87,4 +87,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

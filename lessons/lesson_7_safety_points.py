@@ -6,8 +6,8 @@ buffers of batch metadata (staging_double_buffer, staging_war_wait: the article'
 protections; either one alone is enough here, both off gives wrong tokens).
 """
 
-from common import (BAD, OK, console, demo_pairs, differing, figure, header, make_llm, notice, parse_args, run,
-                    section, side_by_side)
+from common import (BAD, OK, console, demo_pairs, differing, figure, header, lesson_main, make_llm, notice, parse_args,
+                    per_run, run, section)
 
 from minisgl import SamplingParams
 from minisgl.scheduler import Scheduler
@@ -27,12 +27,15 @@ def commit_point_and_staging(pairs, delay_ms: float) -> None:
             run("two buffers, no wait", prompts, params, disable=("staging_war_wait",), delay_ms=delay_ms),
             run("staging both off", prompts, params, disable=("staging_double_buffer", "staging_war_wait"),
                 delay_ms=delay_ms)]
-    side_by_side(f"{len(prompts)} requests, max_new_tokens 2..6", runs, {
-        "outputs that differ from normal": lambda r: f"{differing(r.tokens, ref.tokens)} / {len(prompts)}",
-        "host waits for a staging read": lambda r: str(r.llm.scheduler.staging.waits),
-        "rewrites of an unread buffer": lambda r: str(r.llm.scheduler.staging.unread_overwrites),
-        "first request's text": lambda r: repr(r.outs[0].text),
-    })
+    per_run(f"{len(prompts)} requests, max_new_tokens 2..6; wrong = outputs that differ from the normal loop's",
+            runs, {
+                "wrong": lambda r: f"{differing(r.tokens, ref.tokens)}/{len(prompts)}",
+                "staging waits": lambda r: str(r.llm.scheduler.staging.waits),
+                "unread rewrites": lambda r: str(r.llm.scheduler.staging.unread_overwrites),
+                "first text": lambda r: repr(r.outs[0].text),
+            })
+    console.print("  staging waits: the host waited for the device to read a buffer; unread rewrites: it "
+                  "rewrote one the device had not read yet")
     for r in runs:
         figure(f"wrong outputs ({r.label})", differing(r.tokens, ref.tokens), "{:d}")
         figure(f"unread overwrites ({r.label})", r.llm.scheduler.staging.unread_overwrites, "{:d}")
@@ -44,16 +47,19 @@ def row_reuse(delay_ms: float) -> None:
     # A is short and stops on EOS; its overshoot step writes its next slot into row[pos], a
     # position inside D's cached prefix if the row has already changed hands.
     d_prompt, a_prompt = "reverse cat dog owl fox bee cow:", "reverse sun moon:"
-    for label, disable in (("deferred_row_free on", ()), ("deferred_row_free off", ("deferred_row_free",)),
-                           ("row_generation_check off too", ("deferred_row_free", "row_generation_check"))):
+    console.print(f"  A = {a_prompt!r}, D = {d_prompt!r} (D's right answer: ' cow bee fox owl dog cat')")
+    # What the stale-result count means in each run: the check can only count a row reuse that happened.
+    cases = (("deferred_row_free on", (), "no row was reused early: nothing to detect"),
+             ("deferred_row_free off", ("deferred_row_free",), "the ABA, detected by the row's generation"),
+             ("row_generation_check off too", ("deferred_row_free", "row_generation_check"),
+              "the ABA happened, but nobody checks: not counted"))
+    for label, disable, meaning in cases:
         llm = make_llm("overlap", disable, delay_ms, max_running_requests=1)
         llm.generate([d_prompt], SamplingParams(max_new_tokens=2))  # E: puts D's prefix in the radix cache
         a, d = llm.generate([a_prompt, d_prompt], SamplingParams(max_new_tokens=40))
         good = d.text == " cow bee fox owl dog cat"
-        console.print(f"  {label:22} A {a_prompt!r} → {a.text!r} ({a.finish_reason});  "
-                      f"D {d_prompt!r} → {d.text!r} {OK if good else BAD}")
-        figure(f"stale row results ({label})", llm.stats.stale_row_results, "{:d}",
-               "late results whose row generation no longer matches: the ABA, detected")
+        console.print(f"  {label}: A → {a.text!r} ({a.finish_reason}); D → {d.text!r} {OK if good else BAD}")
+        figure(f"stale row results ({label})", llm.stats.stale_row_results, "{:d}", meaning)
         figure(f"wrong D ({label})", int(not good), "{:d}")
         llm.close()
 
@@ -72,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

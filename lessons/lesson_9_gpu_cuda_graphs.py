@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import (answers, console, demo_pairs, figure, header, ms, notice, parse_args, pct, run, section,
-                    side_by_side, timeline)
+from common import (answers, console, demo_pairs, figure, header, lesson_main, ms, notice, parse_args, pct, run,
+                    section, side_by_side, timeline)
 
 from minisgl import SamplingParams
 
@@ -100,4 +100,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lesson_main(main)

@@ -53,13 +53,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
     pairs = demo_prompts(8, seed=0)
     delay = args.device_delay_ms or 4.0
-    timelines, tokens = [], {}
+    timelines, tokens, busy = [], {}, {}
     for loop in ("normal", "overlap"):
         llm = build_llm(args, loop=loop, device_delay_ms=delay, trace=True)
         outs = llm.generate([p for p, _ in pairs], SamplingParams(max_new_tokens=48))
         spans = llm.engine.tracer.resolve()
         metrics = pipeline_metrics(spans)
         tokens[loop] = [o.token_ids for o in outs]
+        busy[loop] = metrics["device_busy_fraction"]
         if loop == "normal":
             table = Table(title=f"demo model, {loop} loop")
             for col in ("prompt", "expected", "generated", "ok", "finish"):
@@ -76,6 +77,13 @@ def run_demo(args: argparse.Namespace) -> int:
     same = sum(a == b for a, b in zip(tokens["normal"], tokens["overlap"]))
     verdict = "[green]identical[/]" if same == len(pairs) else f"[red]different in {len(pairs) - same} of {len(pairs)}[/]"
     console.print(f"Tokens of the two loops: {verdict} ({len(pairs)} prompts, token ids compared).")
-    console.print("Notice: in the normal loop the device lane has a gap after every forward while the host "
-                  "works; in the overlap loop the host's work sits under the device's forward.")
+    # The notice follows this run's figures: on a loaded machine one short run can invert them.
+    if busy["overlap"] > busy["normal"]:
+        console.print("Notice: in the normal loop the device lane has a gap after every forward while the host "
+                      f"works; in the overlap loop the host's work sits under the device's forward (device busy "
+                      f"{busy['normal']:.0%} -> {busy['overlap']:.0%}).")
+    else:
+        console.print(f"Notice: in this run the overlap loop's device was not busier ({busy['normal']:.0%} normal, "
+                      f"{busy['overlap']:.0%} overlap): other programs on this machine took the CPU from the emulated "
+                      "device and the host in turns, more than the bubble costs. Run it again on a quieter machine.")
     return 0

@@ -3,7 +3,7 @@
 `render_timeline(spans, title)` draws, at the console's width, one row per lane (the host,
 then each device stream) on a shared time axis in milliseconds, for a few steady-state
 iterations taken from the middle of the run. Read it column by column: whatever is stacked in one column happened at
-the same time.
+the same time. `export_timelines(timelines, "x.svg")` (or "x.html") saves them as a picture for slides.
 
 - normal loop: after each forward the device row shows a red gap (the bubble) exactly
   where the host row commits, schedules and launches (C, S, L). The device waits for them.
@@ -18,6 +18,9 @@ that (the stream's own per-forward overhead) are not.
 """
 
 from __future__ import annotations
+
+import io
+from pathlib import Path
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.panel import Panel
@@ -237,6 +240,25 @@ def render_timeline(spans: list[Span], title: str, width: int | None = None, max
     """A Gantt-like rich renderable of `spans`, at most `width` columns wide (panel border
     included; default: the console's width)."""
     return Timeline(spans, title, width, max_iterations)
+
+
+def export_timelines(timelines: list[Timeline], path: str | Path, width: int = 100) -> Path:
+    """Draw `timelines` one above the other, as on a terminal `width` columns wide, into a picture
+    for slides: an SVG when `path` ends in .svg, a self-contained HTML page when it ends in .html
+    (rich's recording console; the colours are the terminal's)."""
+    path = Path(path)
+    if path.suffix not in (".svg", ".html"):
+        raise ValueError(f"{path}: a timeline is exported to .svg or .html, not {path.suffix or 'no suffix'!r}")
+    # A recording console of its own: nothing reaches the real terminal, and the picture does
+    # not depend on the width or colour support of the terminal the command ran in.
+    recorder = Console(record=True, width=width, file=io.StringIO(), color_system="truecolor", highlight=False)
+    for timeline in timelines:
+        recorder.print(timeline)
+    if path.suffix == ".svg":
+        recorder.save_svg(str(path), title=" / ".join(tl.title for tl in timelines))
+    else:
+        recorder.save_html(str(path))
+    return path
 
 
 def _panel(spans: list[Span], title: str, width: int, max_iterations: int) -> Panel:
