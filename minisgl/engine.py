@@ -44,7 +44,7 @@ from .models.sampler import sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
 from .models.decoder import DETERMINISTIC_ROWS, load_model, set_fixed_rows
-from .observe.trace import Tracer
+from .tracer import BatchRecord, SpanName, Tracer
 
 
 @dataclass
@@ -73,19 +73,6 @@ class ForwardResult:
     next_tokens: torch.Tensor  # [B] on the device
     next_tokens_host: torch.Tensor  # [B] on the host, valid after copy_done
     copy_done: Event
-
-
-@dataclass
-class BatchRecord:
-    """One launched batch as the run-level breakdown needs it (recorded only while tracing)."""
-
-    batch_id: int
-    is_prefill: bool
-    num_reqs: int
-    num_tokens: int  # new tokens
-    kv_tokens: int  # positions attended over, all requests together
-    attention_pairs: int  # sum over requests of new tokens x positions: prefill attention work
-    padded_reqs: int  # rows actually computed: the CUDA-graph size a decode batch is padded to
 
 
 # CUDA engines not yet closed (weak: a dropped engine leaves the set by itself).
@@ -123,7 +110,6 @@ class Engine:
         self.tracer = Tracer(enabled=False)
         if device.type == "cuda":
             _LIVE_CUDA_ENGINES.add(self)
-        self.batch_log: list[BatchRecord] = []  # filled while tracing: what observe/breakdown.py attributes
 
     def bytes_per_token(self) -> int:
         m = self.model
@@ -167,7 +153,7 @@ class Engine:
         iteration = self.tracer.iteration
         if self.tracer.enabled:
             padded = self.graphs.padded_size(B) if self.graphs is not None and not batch.is_prefill else B
-            self.batch_log.append(BatchRecord(batch.batch_id, batch.is_prefill, B, batch.num_tokens,
+            self.tracer.batches.append(BatchRecord(batch.batch_id, batch.is_prefill, B, batch.num_tokens,
                                               sum(batch.kv_lens), sum(q * k for q, k in zip(batch.qo_lens, batch.kv_lens)),
                                               padded))
         # The engine first waits for the scheduler's stream, so that everything the scheduler
@@ -178,7 +164,7 @@ class Engine:
         # <<< exercise 8
 
         def copy_in() -> None:
-            span.append(self.tracer.device_begin(self.stream.name, self.device))
+            span.append(self.tracer.device_begin(self.device))
             if self.device_delay_s:
                 self._emulated_delay()
             inputs.append(batch.staging.to_device(batch.num_tokens, B))
@@ -189,7 +175,7 @@ class Engine:
 
         def forward() -> None:
             self._forward_and_sample(batch, inputs.pop(), next_tokens, next_tokens_host)
-            self.tracer.device_end(span.pop(), "forward", self.stream.name, self.device, iteration, batch.batch_id)
+            self.tracer.device_end(span.pop(), SpanName.FORWARD, self.stream.name, self.device, iteration, batch.batch_id)
 
         self.stream.launch(forward)
         copy_done = self.stream.record_event()

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minisgl import LLM, SamplingParams
+from minisgl.tracer import SpanName
 
 from .conftest import assert_pool_whole
 from .test_parity import NEW_TOKENS, PROMPTS, hf_greedy
@@ -154,8 +155,8 @@ def test_pinned_copy_off_blocks_the_host_at_launch(qwen3):
         llm = LLM(qwen3, device="cuda", loop="overlap", disable=disable, device_delay_ms=20, trace=True)
         llm.generate(["hello"] * 4, SamplingParams(max_new_tokens=8, ignore_eos=True))
         spans = llm.engine.tracer.resolve()
-        launch = sorted(s.duration for s in spans if s.name == "launch")
-        forward = sorted(s.duration for s in spans if s.name == "forward")
+        launch = sorted(s.duration for s in spans if s.name == SpanName.LAUNCH)
+        forward = sorted(s.duration for s in spans if s.name == SpanName.FORWARD)
         ratio = launch[len(launch) // 2] / forward[len(forward) // 2]
         print(f"pinned_copy {'off' if disable else 'on'}: median launch / median forward = {ratio:.2f}")
         return ratio

@@ -12,6 +12,7 @@ import pytest
 from minisgl import LLM, MECHANISMS, SamplingParams
 from minisgl.invariants import InvariantError
 from minisgl.kv_pool import KVAccountingError
+from minisgl.tracer import SpanName
 
 from .conftest import assert_pool_whole
 from .workloads import random_workload, run, with_stops
@@ -60,10 +61,10 @@ def test_future_map_off_brings_the_bubble_back(qwen3):
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     # Off: every batch is committed before the next one is launched, exactly like normal_loop.
     pos = {e: i for i, e in enumerate(off.stats.events)}
-    assert all(pos[("commit", n - 1)] < pos[("launch", n)] for n in range(1, off.stats.batches))
+    assert all(pos[(SpanName.COMMIT, n - 1)] < pos[(SpanName.LAUNCH, n)] for n in range(1, off.stats.batches))
     assert off.stats.early_commits == off.stats.batches
     pos = {e: i for i, e in enumerate(on.stats.events)}
-    assert all(pos[("launch", n)] < pos[("commit", n - 1)] for n in range(1, on.stats.batches))
+    assert all(pos[(SpanName.LAUNCH, n)] < pos[(SpanName.COMMIT, n - 1)] for n in range(1, on.stats.batches))
 
 
 def test_batch_snapshot_off_results_land_on_wrong_requests(qwen3):
@@ -193,7 +194,7 @@ def test_staging_two_buffers_without_the_wait_hold_while_n_commits_before_n_plus
     assert llm.scheduler.staging.unread_overwrites == 0
     events = llm.stats.events
     pos = {e: i for i, e in enumerate(events)}
-    assert all(pos[("commit", n)] < pos[("launch", n + 2)] for n in range(llm.stats.batches - 2))
+    assert all(pos[(SpanName.COMMIT, n)] < pos[(SpanName.LAUNCH, n + 2)] for n in range(llm.stats.batches - 2))
 
 
 def test_length_lookahead_off_wastes_overshoot_steps(qwen3):
