@@ -8,10 +8,12 @@ Every test also runs the same workload with the mechanism on, which must match `
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minisgl import LLM, MECHANISMS, SamplingParams
 from minisgl.invariants import InvariantError
 from minisgl.kv_pool import KVAccountingError
+from minisgl.staging import StagingBuffer, TokenColumns
 from minisgl.tracer import SpanName
 
 from .conftest import assert_pool_whole
@@ -195,6 +197,28 @@ def test_staging_two_buffers_without_the_wait_hold_while_n_commits_before_n_plus
     events = llm.stats.events
     pos = {e: i for i, e in enumerate(events)}
     assert all(pos[(SpanName.COMMIT, n)] < pos[(SpanName.LAUNCH, n + 2)] for n in range(llm.stats.batches - 2))
+
+
+def test_staging_write_refuses_a_missing_or_short_column():
+    # A column the scheduler forgot (or wrote short) would be read with the previous batch's
+    # values: write() must refuse the batch instead.
+    buf = StagingBuffer(max_tokens=8, max_reqs=4, device=torch.device("cpu"))
+    tokens = TokenColumns()
+    tokens.add(row=0, input_ids=[5, 6], start=0, out_slots=[1, 2])
+    requests = {"rows": [0], "kv_lens": [2], "top_k": [-1], "seeds": [0], "sample_steps": [0], "qo_indptr": [0, 2],
+                "kv_indptr": [0, 2], "temperature": [0.0], "top_p": [1.0]}
+    buf.write(tokens, **requests)
+    inputs = buf.to_device(num_tokens=2, num_reqs=1)
+    assert inputs.input_ids.tolist() == [5, 6] and inputs.kv_indptr.tolist() == [0, 2]
+    assert inputs.top_p.dtype == torch.float32 and inputs.top_p.tolist() == [1.0]
+    for name in requests:
+        with pytest.raises(AssertionError, match=name):
+            buf.write(tokens, **{k: v for k, v in requests.items() if k != name})
+    with pytest.raises(AssertionError, match="kv_indptr"):
+        buf.write(tokens, **{**requests, "kv_indptr": [0]})
+    tokens.positions.pop()
+    with pytest.raises(AssertionError, match="positions"):
+        buf.write(tokens, **requests)
 
 
 def test_length_lookahead_off_wastes_overshoot_steps(qwen3):
