@@ -37,6 +37,7 @@ import torch
 from .models.attention import AttentionBackend, AttentionMetadata, KVCache, TorchAttentionBackend
 from .gpu.cuda_graph import CudaGraphRunner
 from .gpu.flashinfer_backend import FlashInferBackend, flashinfer_available
+from .gpu.fused_ops import decoder_kernels
 from .future_map import FutureMap
 from .kv_pool import ReqToTokenPool
 from .mechanisms import Mechanisms
@@ -97,6 +98,7 @@ class Engine:
         self.mechanisms = mechanisms
         self.num_rows = num_rows
         self.model, self.config = load_model(model_path, dtype, device)
+        self.model.kernels = decoder_kernels(device, dtype)  # fused GPU kernels, or the torch reference
         if deterministic:
             set_fixed_rows(self.model, DETERMINISTIC_ROWS)
         self.device_delay_s = device_delay_ms / 1000.0
