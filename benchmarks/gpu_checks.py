@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from minisgl import LLM, SamplingParams
 from minisgl.observe.breakdown import ModelCost, measure_ceilings
 from minisgl.observe.trace import pipeline_metrics
+from minisgl.tracer import HOST_LANE, SpanName
 
 WATCH = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
          "cudaMemcpy", "cudaStreamWaitEvent", "cudaEventQuery", "cudaHostAlloc", "cudaMalloc", "cudaFree",
@@ -143,7 +144,7 @@ def eager_ab(model: str) -> None:
             outs = llm.generate(prompts, params)
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
-            spans = [s for s in llm.engine.tracer.resolve() if s.lane == "host" and s.name == "launch"]
+            spans = [s for s in llm.engine.tracer.resolve() if s.lane == HOST_LANE and s.name == SpanName.LAUNCH]
             if rep:  # the first pair warms up
                 results[loop].append((sum(len(o.token_ids) for o in outs) / wall,
                                       statistics.median(s.duration for s in spans) * 1000))

@@ -14,6 +14,7 @@ import argparse
 import statistics
 
 from minisgl import LLM, SamplingParams
+from minisgl.tracer import HOST_LANE, HOST_WORK
 
 
 def host_ms_per_step(model: str, loop: str, device: str, requests: int, steps: int) -> dict[str, float]:
@@ -32,15 +33,15 @@ def host_ms_per_step(model: str, loop: str, device: str, requests: int, steps: i
         llm.step()
     by_iteration: dict[int, dict[str, float]] = {}
     for span in llm.engine.tracer.resolve():
-        if span.lane == "host":
+        if span.lane == HOST_LANE:
             parts = by_iteration.setdefault(span.iteration, {})
             parts[span.name] = parts.get(span.name, 0.0) + span.duration * 1000
     while llm.has_unfinished():
         llm.step()
     llm.close()
     rows = list(by_iteration.values())
-    out = {name: statistics.median(r.get(name, 0.0) for r in rows) for name in ("schedule", "launch", "commit")}
-    out["host"] = statistics.median(sum(r.get(n, 0.0) for n in ("schedule", "launch", "commit")) for r in rows)
+    out = {name: statistics.median(r.get(name, 0.0) for r in rows) for name in HOST_WORK}
+    out["host"] = statistics.median(sum(r.get(n, 0.0) for n in HOST_WORK) for r in rows)
     return out
 
 

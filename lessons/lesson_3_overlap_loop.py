@@ -15,18 +15,19 @@ from minisgl import SamplingParams
 from minisgl.observe.timeline import export_timelines, render_timeline
 from minisgl.observe.trace import ideal_ratio
 from minisgl.scheduler import InFlight, Scheduler
+from minisgl.tracer import SpanName
 
 
-def event_string(events: Iterable[tuple[str, int]], n: int = 14) -> str:
-    """("launch", 7) -> L7, ("commit", 7) -> C7: the order the host did them in."""
+def event_string(events: Iterable[tuple[SpanName, int]], n: int = 14) -> str:
+    """(LAUNCH, 7) -> L7, (COMMIT, 7) -> C7: the order the host did them in."""
     return " ".join(f"{kind[0].upper()}{bid}" for kind, bid in islice(events, n)) + " ..."
 
 
-def max_in_flight(events: list[tuple[str, int]]) -> int:
+def max_in_flight(events: list[tuple[SpanName, int]]) -> int:
     """Most batches launched and not yet committed at any moment: the pipeline depth."""
     depth = best = 0
     for kind, _ in events:
-        depth += 1 if kind == "launch" else -1
+        depth += 1 if kind == SpanName.LAUNCH else -1
         best = max(best, depth)
     return best
 

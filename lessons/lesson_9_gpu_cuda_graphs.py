@@ -14,6 +14,7 @@ from common import (answers, console, demo_pairs, figure, header, lesson_main, m
                     section, side_by_side, timeline)
 
 from minisgl import SamplingParams
+from minisgl.tracer import SpanName
 
 GPU_MESSAGE = "Lesson 9 needs an NVIDIA GPU (torch.cuda.is_available() is False here): nothing to run, exiting."
 
@@ -25,7 +26,7 @@ def median(values: list[float]) -> float:
 
 def launch_ms(r) -> float:
     """Median host time inside launch(): queueing the forward (and, pinned_copy off, waiting for it)."""
-    return median([s.duration for s in r.spans if s.name == "launch"]) * 1e3
+    return median([s.duration for s in r.spans if s.name == SpanName.LAUNCH]) * 1e3
 
 
 def correctness(quick: bool) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .engine import ForwardBatch, ForwardResult
 from .request import Req
+from .tracer import SpanName
 
 
 @dataclass
@@ -88,5 +89,5 @@ class SchedulerStats:
     stale_row_results: int = 0  # late results whose row had been recycled (ABA, detected by generation)
     cached_tokens: int = 0  # prompt tokens served from the radix cache at admission
     early_commits: int = 0  # batch n-1 committed before batch n launched (future_map off, prefill_sync)
-    # ("launch"|"commit", batch_id) in order: the latest 65536 only, so a long run's memory stays flat.
-    events: deque[tuple[str, int]] = field(default_factory=lambda: deque(maxlen=1 << 16))
+    # (LAUNCH | COMMIT, batch_id) in order: the latest 65536 only, so a long run's memory stays flat.
+    events: deque[tuple[SpanName, int]] = field(default_factory=lambda: deque(maxlen=1 << 16))

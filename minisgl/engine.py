@@ -37,13 +37,14 @@ from .models.attention import AttentionBackend, AttentionMetadata, KVCache, Torc
 from .gpu.cuda_graph import CudaGraphRunner
 from .config import EngineConfig
 from .gpu.flashinfer_backend import FlashInferBackend
+from .gpu.fused_ops import decoder_kernels
 from .future_map import FutureMap
 from .kv_pool import KVPool, ReqToTokenPool
 from .models.sampler import sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
 from .models.decoder import DETERMINISTIC_ROWS, load_model, set_fixed_rows
-from .observe.trace import Tracer
+from .tracer import BatchRecord, SpanName, Tracer
 
 
 @dataclass
@@ -74,19 +75,6 @@ class ForwardResult:
     copy_done: Event
 
 
-@dataclass
-class BatchRecord:
-    """One launched batch as the run-level breakdown needs it (recorded only while tracing)."""
-
-    batch_id: int
-    is_prefill: bool
-    num_reqs: int
-    num_tokens: int  # new tokens
-    kv_tokens: int  # positions attended over, all requests together
-    attention_pairs: int  # sum over requests of new tokens x positions: prefill attention work
-    padded_reqs: int  # rows actually computed: the CUDA-graph size a decode batch is padded to
-
-
 # CUDA engines not yet closed (weak: a dropped engine leaves the set by itself).
 _LIVE_CUDA_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
@@ -112,6 +100,7 @@ class Engine:
         self.dtype = config.dtype
         self.mechanisms = config.mechanisms
         self.model = load_model(config.model_path, config.dtype, device)[0]
+        self.model.kernels = decoder_kernels(device, config.dtype)  # fused GPU kernels, or the torch reference
         if config.deterministic:
             # Batch-invariant kernels: a request's tokens then do not depend on which other
             # requests share its batches (see models/decoder.py Linear).
@@ -137,7 +126,6 @@ class Engine:
         self.tracer = Tracer(enabled=False)
         if device.type == "cuda":
             _LIVE_CUDA_ENGINES.add(self)
-        self.batch_log: list[BatchRecord] = []  # filled while tracing: what observe/breakdown.py attributes
 
     def _make_backend(self) -> AttentionBackend:
         """The attention backend the config resolved ("auto" is already torch or flashinfer)."""
@@ -162,7 +150,7 @@ class Engine:
         iteration = self.tracer.iteration
         if self.tracer.enabled:
             padded = self.graphs.padded_size(B) if self.graphs is not None and not batch.is_prefill else B
-            self.batch_log.append(BatchRecord(batch.batch_id, batch.is_prefill, B, batch.num_tokens,
+            self.tracer.batches.append(BatchRecord(batch.batch_id, batch.is_prefill, B, batch.num_tokens,
                                               sum(batch.kv_lens), sum(q * k for q, k in zip(batch.qo_lens, batch.kv_lens)),
                                               padded))
         # The engine first waits for the scheduler's stream, so that everything the scheduler
@@ -173,7 +161,7 @@ class Engine:
         # <<< exercise 8
 
         def copy_in() -> None:
-            span.append(self.tracer.device_begin(self.stream.name, self.device))
+            span.append(self.tracer.device_begin(self.device))
             if self.device_delay_s:
                 self._emulated_delay()
             inputs.append(batch.staging.to_device(batch.num_tokens, B))
@@ -184,7 +172,7 @@ class Engine:
 
         def forward() -> None:
             self._forward_and_sample(batch, inputs.pop(), next_tokens, next_tokens_host)
-            self.tracer.device_end(span.pop(), "forward", self.stream.name, self.device, iteration, batch.batch_id)
+            self.tracer.device_end(span.pop(), SpanName.FORWARD, self.stream.name, self.device, iteration, batch.batch_id)
 
         self.stream.launch(forward)
         copy_done = self.stream.record_event()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .checks import INT64_MAX, INT64_MIN, check_bool, check_int, check_real, check_token_ids, is_int
 
@@ -77,7 +77,26 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # RequestTimes.latency()
+
+
+@dataclass
+class RequestTimes:
+    """When a request arrived and when each of its output tokens was committed (seconds,
+    time.perf_counter() clock). What TTFT, TPOT and the online bench's ITL are computed from."""
+
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+
+    def latency(self) -> dict[str, float]:
+        """The RequestOutput.metrics: ttft and e2e once a token is committed, tpot from two on."""
+        if not self.token_times:
+            return {}
+        first, last = self.token_times[0], self.token_times[-1]
+        latency = {"ttft": first - self.arrival, "e2e": last - self.arrival}
+        if len(self.token_times) > 1:
+            latency["tpot"] = (last - first) / (len(self.token_times) - 1)
+        return latency
 
 
 class Req:
@@ -113,7 +132,7 @@ class Req:
         self.reserved_tokens = 0  # KV slots this request may still need (admission promise)
         self.released = False  # KV, cache lock and row given back (exactly once)
 
-        self.metrics: dict[str, Any] = {"arrival": time.perf_counter(), "token_times": []}
+        self.times = RequestTimes(arrival=time.perf_counter())
 
     # --- derived lengths: properties, so they can never drift apart -------------------------
     @property
@@ -157,7 +176,7 @@ class Req:
     def commit_token(self, token: int) -> None:
         """Append a committed token and decide whether the request is finished."""
         self.output_ids.append(token)
-        self.metrics["token_times"].append(time.perf_counter())
+        self.times.token_times.append(time.perf_counter())
         if token in self.stop_ids:
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.max_new_tokens:

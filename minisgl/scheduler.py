@@ -34,6 +34,7 @@ from .radix_cache import RadixCache
 from .request import Req
 from .staging import StagingRing, TokenColumns
 from .streams import make_host_stream
+from .tracer import SpanName
 
 
 class Scheduler:
@@ -163,7 +164,7 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling (planning)
     def schedule(self) -> Planned | None:
         """Plan batch n from committed state plus what is in flight. Prefill first."""
-        with self.tracer.host("schedule"):
+        with self.tracer.host(SpanName.SCHEDULE):
             self._handle_aborts()
             self.running.reqs[:] = [r for r in self.running.reqs if not r.finished]  # filter_batch
             planned = self._schedule_prefill() or self._schedule_decode()
@@ -308,12 +309,12 @@ class Scheduler:
     # ------------------------------------------------------------------ launch and commit
     def launch(self, planned: Planned) -> ForwardResult:
         forward = planned.forward
-        with self.tracer.host("launch", forward.batch_id):
+        with self.tracer.host(SpanName.LAUNCH, forward.batch_id):
             result = self.engine.launch(forward, after=self.stream)
         for row in planned.view.rows:
             self._row_last_launch[row] = forward.batch_id
         self.stats.batches += 1
-        self.stats.events.append(("launch", forward.batch_id))
+        self.stats.events.append((SpanName.LAUNCH, forward.batch_id))
         return result
 
     def commit(self, inflight: InFlight, early: bool = False) -> None:
@@ -322,16 +323,16 @@ class Scheduler:
         `early`: batch n-1 is committed before batch n launches, at a sync boundary."""
         view, result = inflight.view, inflight.result
         self.stats.early_commits += early
-        with self.tracer.host("wait", result.batch_id):
+        with self.tracer.host(SpanName.WAIT, result.batch_id):
             # >>> exercise 8: the host waits for copy_done
             result.copy_done.synchronize()  # the host may read the tokens, and the batch's device work is done
             # <<< exercise 8
-        with self.tracer.host("commit", result.batch_id):
+        with self.tracer.host(SpanName.COMMIT, result.batch_id):
             self._commit_results(view, result)
 
     def _commit_results(self, view: BatchView | RunningBatch, result: ForwardResult) -> None:
         self._device_done_id = max(self._device_done_id, result.batch_id)
-        self.stats.events.append(("commit", result.batch_id))
+        self.stats.events.append((SpanName.COMMIT, result.batch_id))
         tokens = result.next_tokens_host.tolist()
         for req, row, generation, sampled, qo_len, token in zip(view.reqs, view.rows, view.generations,
                                                                 view.samples, view.qo_lens, tokens):

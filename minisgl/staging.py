@@ -18,22 +18,55 @@ itself, whether or not it happened to change a token (lessons/readings §4).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import Enum
 
 import torch
 
 from .mechanisms import Mechanisms
 from .streams import Event
 
-TOKEN_FIELDS = ("input_ids", "positions", "out_slots", "token_rows")
-REQUEST_FIELDS = ("rows", "kv_lens", "top_k", "seeds", "sample_steps")
-INDPTR_FIELDS = ("qo_indptr", "kv_indptr")
-FLOAT_FIELDS = ("temperature", "top_p")
+
+class Length(Enum):
+    """How many entries of a staging column one batch uses."""
+
+    TOKENS = "tokens"  # one per new token
+    REQUESTS = "requests"  # one per request
+    INDPTR = "indptr"  # one per request, plus the leading 0
+
+
+def column(length: Length, dtype: torch.dtype = torch.int64):
+    """A DeviceInputs field that is also a staging column: its length and its host dtype."""
+    return field(metadata={"length": length, "dtype": dtype})
+
+
+@dataclass
+class DeviceInputs:
+    """A batch's metadata after the host-to-device copy, as the forward reads it. Every field
+    is a staging column (`column`): the buffers, write() and to_device() are built from these."""
+
+    input_ids: torch.Tensor = column(Length.TOKENS)  # token ids, or FutureMap placeholders
+    positions: torch.Tensor = column(Length.TOKENS)
+    out_slots: torch.Tensor = column(Length.TOKENS)  # KV slot each token's K/V is written to
+    token_rows: torch.Tensor = column(Length.TOKENS)  # request-pool row of each token
+    rows: torch.Tensor = column(Length.REQUESTS)
+    kv_lens: torch.Tensor = column(Length.REQUESTS)
+    top_k: torch.Tensor = column(Length.REQUESTS)
+    seeds: torch.Tensor = column(Length.REQUESTS)
+    sample_steps: torch.Tensor = column(Length.REQUESTS)
+    qo_indptr: torch.Tensor = column(Length.INDPTR)
+    kv_indptr: torch.Tensor = column(Length.INDPTR)
+    temperature: torch.Tensor = column(Length.REQUESTS, torch.float32)
+    top_p: torch.Tensor = column(Length.REQUESTS, torch.float32)
+
+
+COLUMNS: dict[str, Length] = {f.name: f.metadata["length"] for f in fields(DeviceInputs)}
+COLUMN_DTYPES: dict[str, torch.dtype] = {f.name: f.metadata["dtype"] for f in fields(DeviceInputs)}
 
 
 @dataclass
 class TokenColumns:
-    """One batch's per-token metadata, built by the scheduler (the TOKEN_FIELDS of a buffer)."""
+    """One batch's per-token metadata, built by the scheduler (the TOKENS columns of a buffer)."""
 
     input_ids: list[int] = field(default_factory=list)  # token ids, or FutureMap placeholders
     positions: list[int] = field(default_factory=list)
@@ -48,37 +81,26 @@ class TokenColumns:
         self.token_rows += [row] * len(input_ids)
 
 
-@dataclass
-class DeviceInputs:
-    """A batch's metadata after the host-to-device copy, as the forward reads it."""
+# write() stores TokenColumns' lists into the columns of the same names: the two must agree.
+assert [f.name for f in fields(TokenColumns)] == [n for n, length in COLUMNS.items() if length is Length.TOKENS]
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    out_slots: torch.Tensor
-    token_rows: torch.Tensor
-    rows: torch.Tensor
-    kv_lens: torch.Tensor
-    top_k: torch.Tensor
-    seeds: torch.Tensor
-    sample_steps: torch.Tensor
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    temperature: torch.Tensor
-    top_p: torch.Tensor
+
+def batch_length(length: Length, num_tokens: int, num_reqs: int) -> int:
+    return {Length.TOKENS: num_tokens, Length.REQUESTS: num_reqs, Length.INDPTR: num_reqs + 1}[length]
 
 
 class StagingBuffer:
-    """One set of host columns, big enough for the largest batch: views into two blocks (int64,
-    float32), so that the device copy is two transfers, not one per column."""
+    """One set of host columns, big enough for the largest batch: views into one block per dtype
+    (int64, float32), so that the device copy is two transfers, not one per column."""
 
     def __init__(self, max_tokens: int, max_reqs: int, device: torch.device) -> None:
         self.device = device
         pin = device.type == "cuda"
-        int_sizes = {**{f: max_tokens for f in TOKEN_FIELDS}, **{f: max_reqs for f in REQUEST_FIELDS},
-                     **{f: max_reqs + 1 for f in INDPTR_FIELDS}}
         self.blocks: dict[torch.dtype, torch.Tensor] = {}
         self.host: dict[str, torch.Tensor] = {}  # each column a view of its block (offset: storage_offset())
-        for dtype, sizes in ((torch.int64, int_sizes), (torch.float32, {f: max_reqs for f in FLOAT_FIELDS})):
+        for dtype in dict.fromkeys(COLUMN_DTYPES.values()):
+            sizes = {name: batch_length(length, max_tokens, max_reqs) for name, length in COLUMNS.items()
+                     if COLUMN_DTYPES[name] == dtype}
             self.blocks[dtype] = torch.zeros(sum(sizes.values()), dtype=dtype, pin_memory=pin)
             self.host.update(zip(sizes, self.blocks[dtype].split(list(sizes.values()))))
         # numpy views of the same (pinned) memory: a Python list is written into them about 3x
@@ -87,7 +109,15 @@ class StagingBuffer:
         self.consumed: Event | None = None  # recorded on the engine stream after the device copy
 
     def write(self, tokens: TokenColumns, **columns: list[int] | list[float]) -> None:
-        for name, values in {**vars(tokens), **columns}.items():
+        """Write one batch's metadata: every column, each with the batch's length. A column left
+        out, or left short, would make the forward read the previous batch's values there."""
+        written = {**vars(tokens), **columns}
+        assert written.keys() == COLUMNS.keys(), f"staging columns missing: {sorted(COLUMNS.keys() - written.keys())}, " \
+                                                 f"unknown: {sorted(written.keys() - COLUMNS.keys())}"
+        num_tokens, num_reqs = len(tokens.input_ids), len(columns["rows"])
+        for name, values in written.items():
+            expected = batch_length(COLUMNS[name], num_tokens, num_reqs)
+            assert len(values) == expected, f"staging column {name} has {len(values)} values, the batch needs {expected}"
             self._host_np[name][: len(values)] = values
 
     def to_device(self, num_tokens: int, num_reqs: int) -> DeviceInputs:
@@ -95,12 +125,11 @@ class StagingBuffer:
         on_device = {dtype: block.to(self.device, non_blocking=True) if self.device.type == "cuda" else block.clone()
                      for dtype, block in self.blocks.items()}
 
-        def column(name: str) -> torch.Tensor:
-            n = num_tokens if name in TOKEN_FIELDS else num_reqs + (name in INDPTR_FIELDS)
+        def device_column(name: str) -> torch.Tensor:
             host = self.host[name]
             start = host.storage_offset()
-            return on_device[host.dtype][start:start + n]
-        return DeviceInputs(**{name: column(name) for name in self.host})
+            return on_device[host.dtype][start:start + batch_length(COLUMNS[name], num_tokens, num_reqs)]
+        return DeviceInputs(**{name: device_column(name) for name in COLUMNS})
 
 
 class StagingRing:

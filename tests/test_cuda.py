@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minisgl import LLM, SamplingParams
+from minisgl.tracer import SpanName
 
 from .conftest import assert_pool_whole
 from .test_parity import NEW_TOKENS, PROMPTS, hf_greedy
@@ -154,8 +155,8 @@ def test_pinned_copy_off_blocks_the_host_at_launch(qwen3):
         llm = LLM(qwen3, device="cuda", loop="overlap", disable=disable, device_delay_ms=20, trace=True)
         llm.generate(["hello"] * 4, SamplingParams(max_new_tokens=8, ignore_eos=True))
         spans = llm.engine.tracer.resolve()
-        launch = sorted(s.duration for s in spans if s.name == "launch")
-        forward = sorted(s.duration for s in spans if s.name == "forward")
+        launch = sorted(s.duration for s in spans if s.name == SpanName.LAUNCH)
+        forward = sorted(s.duration for s in spans if s.name == SpanName.FORWARD)
         ratio = launch[len(launch) // 2] / forward[len(forward) // 2]
         print(f"pinned_copy {'off' if disable else 'on'}: median launch / median forward = {ratio:.2f}")
         return ratio
@@ -167,7 +168,8 @@ def test_pinned_copy_off_blocks_the_host_at_launch(qwen3):
 def test_fused_ops_match_torch_reference(gpu_models, monkeypatch):
     """The fused kernels (FlashInfer's RMSNorm and SiLU-and-mul, our q/k/v epilogue: q/k norm, rotary,
     K/V writes) give the torch reference's logits (bf16)."""
-    from minisgl.gpu import fused_ops
+    from minisgl.gpu.fused_ops import FusedKernels
+    from minisgl.models.decoder import TorchKernels
 
     llm = LLM(gpu_models["qwen3"], device="cuda", disable=("cuda_graph",))
     ids = llm.tokenizer.encode(PROMPTS[3])
@@ -179,9 +181,10 @@ def test_fused_ops_match_torch_reference(gpu_models, monkeypatch):
                              qo_indptr=torch.tensor([0, len(ids)], dtype=torch.int32, device="cuda"),
                              kv_indptr=torch.tensor([0, len(ids)], dtype=torch.int32, device="cuda"),
                              kv_indices=positions + 1, qo_lens=[len(ids)], kv_lens=[len(ids)])
+    assert isinstance(model.kernels, FusedKernels)
     with torch.inference_mode():
         fused = model(torch.tensor(ids, device="cuda"), meta, kv, TorchAttentionBackend())
-        monkeypatch.setattr(fused_ops, "ENABLED", False)
+        monkeypatch.setattr(model, "kernels", TorchKernels())
         reference = model(torch.tensor(ids, device="cuda"), meta, kv, TorchAttentionBackend())
     torch.testing.assert_close(fused, reference, atol=0.1, rtol=0.05)
     assert fused.argmax(-1).item() == reference.argmax(-1).item()
@@ -223,7 +226,7 @@ def test_deterministic_decode_rows_do_not_depend_on_the_batch(qwen3, component):
         def rows(kv_lens: list[int]) -> torch.Tensor:
             n = len(kv_lens)
             if component == "rmsnorm":
-                return layer.input_layernorm(x[:n])
+                return model.kernels.rms_norm(layer.input_layernorm, x[:n])  # what the model runs (fused)
             if component == "linear":
                 return layer.mlp.gate_up_proj(x[:n])
             meta = decode_meta(kv_lens)

@@ -17,7 +17,8 @@ from minisgl.frontend.cli import main
 from minisgl.observe.bench import print_ratios, print_results
 from minisgl.observe.lab import host_delay_for, lab_table, render_chart, steps_for
 from minisgl.observe.timeline import render_timeline
-from minisgl.observe.trace import Span, ideal_ratio, realised_share
+from minisgl.observe.trace import ideal_ratio, realised_share
+from minisgl.tracer import Span, SpanName
 
 POINT_KEYS = {"c_over_g", "ideal", "ratio_median", "ratio_min", "ratio_max", "busy_normal", "busy_overlap"}
 
@@ -127,9 +128,11 @@ def test_timeline_keeps_short_host_spans_visible_and_fits_the_console():
     spans = []
     for i in range(6):
         t = 10.0 * i
-        spans += [S("commit", "host", t, t + 0.05, i + 1, i - 1), S("schedule", "host", t + 0.05, t + 0.1, i + 1),
-                  S("launch", "host", t + 0.1, t + 0.15, i + 1, i), S("wait", "host", t + 0.15, t + 9.0, i + 1, i),
-                  S("forward", "engine", t + 0.2, t + 9.0, i + 1, i)]
+        spans += [S(SpanName.COMMIT, "host", t, t + 0.05, i + 1, i - 1),
+                  S(SpanName.SCHEDULE, "host", t + 0.05, t + 0.1, i + 1),
+                  S(SpanName.LAUNCH, "host", t + 0.1, t + 0.15, i + 1, i),
+                  S(SpanName.WAIT, "host", t + 0.15, t + 9.0, i + 1, i),
+                  S(SpanName.FORWARD, "engine", t + 0.2, t + 9.0, i + 1, i)]
     for width in (80, 120):
         text = _render(render_timeline(spans, "short spans"), width)
         assert max(map(len, text.splitlines())) <= width

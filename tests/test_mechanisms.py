@@ -8,10 +8,13 @@ Every test also runs the same workload with the mechanism on, which must match `
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minisgl import LLM, MECHANISMS, SamplingParams
 from minisgl.invariants import InvariantError
 from minisgl.kv_pool import KVAccountingError
+from minisgl.staging import StagingBuffer, TokenColumns
+from minisgl.tracer import SpanName
 
 from .conftest import assert_pool_whole
 from .workloads import random_workload, run, with_stops
@@ -60,10 +63,10 @@ def test_future_map_off_brings_the_bubble_back(qwen3):
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     # Off: every batch is committed before the next one is launched, exactly like normal_loop.
     pos = {e: i for i, e in enumerate(off.stats.events)}
-    assert all(pos[("commit", n - 1)] < pos[("launch", n)] for n in range(1, off.stats.batches))
+    assert all(pos[(SpanName.COMMIT, n - 1)] < pos[(SpanName.LAUNCH, n)] for n in range(1, off.stats.batches))
     assert off.stats.early_commits == off.stats.batches
     pos = {e: i for i, e in enumerate(on.stats.events)}
-    assert all(pos[("launch", n)] < pos[("commit", n - 1)] for n in range(1, on.stats.batches))
+    assert all(pos[(SpanName.LAUNCH, n)] < pos[(SpanName.COMMIT, n - 1)] for n in range(1, on.stats.batches))
 
 
 def test_batch_snapshot_off_results_land_on_wrong_requests(qwen3):
@@ -193,7 +196,29 @@ def test_staging_two_buffers_without_the_wait_hold_while_n_commits_before_n_plus
     assert llm.scheduler.staging.unread_overwrites == 0
     events = llm.stats.events
     pos = {e: i for i, e in enumerate(events)}
-    assert all(pos[("commit", n)] < pos[("launch", n + 2)] for n in range(llm.stats.batches - 2))
+    assert all(pos[(SpanName.COMMIT, n)] < pos[(SpanName.LAUNCH, n + 2)] for n in range(llm.stats.batches - 2))
+
+
+def test_staging_write_refuses_a_missing_or_short_column():
+    # A column the scheduler forgot (or wrote short) would be read with the previous batch's
+    # values: write() must refuse the batch instead.
+    buf = StagingBuffer(max_tokens=8, max_reqs=4, device=torch.device("cpu"))
+    tokens = TokenColumns()
+    tokens.add(row=0, input_ids=[5, 6], start=0, out_slots=[1, 2])
+    requests = {"rows": [0], "kv_lens": [2], "top_k": [-1], "seeds": [0], "sample_steps": [0], "qo_indptr": [0, 2],
+                "kv_indptr": [0, 2], "temperature": [0.0], "top_p": [1.0]}
+    buf.write(tokens, **requests)
+    inputs = buf.to_device(num_tokens=2, num_reqs=1)
+    assert inputs.input_ids.tolist() == [5, 6] and inputs.kv_indptr.tolist() == [0, 2]
+    assert inputs.top_p.dtype == torch.float32 and inputs.top_p.tolist() == [1.0]
+    for name in requests:
+        with pytest.raises(AssertionError, match=name):
+            buf.write(tokens, **{k: v for k, v in requests.items() if k != name})
+    with pytest.raises(AssertionError, match="kv_indptr"):
+        buf.write(tokens, **{**requests, "kv_indptr": [0]})
+    tokens.positions.pop()
+    with pytest.raises(AssertionError, match="positions"):
+        buf.write(tokens, **requests)
 
 
 def test_length_lookahead_off_wastes_overshoot_steps(qwen3):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minisgl import LLM
+from minisgl.tracer import SpanName
 
 from .conftest import assert_pool_whole
 from .workloads import random_workload, run, with_stops
@@ -49,11 +50,12 @@ def test_overlap_pipelines_launches_ahead_of_commits(qwen3):
     llm.generate(["hello there", "the lazy dog"], None)
     pos = {event: i for i, event in enumerate(llm.stats.events)}
     batches = llm.stats.batches
-    ahead = sum(pos[("launch", n)] < pos[("commit", n - 1)] for n in range(1, batches))
+    ahead = sum(pos[(SpanName.LAUNCH, n)] < pos[(SpanName.COMMIT, n - 1)] for n in range(1, batches))
     assert batches >= 16 and ahead == batches - 1
     normal = LLM(qwen3, loop="normal")
     normal.generate(["hello there", "the lazy dog"], None)
     ev = normal.stats.events
-    assert all(ev[i] == ("launch", ev[i][1]) and ev[i + 1] == ("commit", ev[i][1]) for i in range(0, len(ev), 2))
+    assert all(ev[i] == (SpanName.LAUNCH, ev[i][1]) and ev[i + 1] == (SpanName.COMMIT, ev[i][1])
+               for i in range(0, len(ev), 2))
     llm.close()
     normal.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minisgl.gpu import fused_ops, qkv_epilogue
+from minisgl.gpu import qkv_epilogue
 from minisgl.models.decoder import RMSNorm, RotaryEmbedding
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,16 +46,13 @@ def compare(device: str) -> None:
                                       norms[0].weight if qk_norm else None, norms[1].weight if qk_norm else None,
                                       1e-6, out_slots, k_pool, v_pool)
 
-        fused_ops.ENABLED = False  # the reference: the model's own modules, plain torch
-        try:
-            ref_q, ref_k, ref_v = qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
-            ref_q = ref_q.reshape(tokens, num_q, head_dim)
-            ref_k = ref_k.reshape(tokens, num_kv, head_dim)
-            if qk_norm:
-                ref_q, ref_k = norms[0](ref_q), norms[1](ref_k)
-            ref_q, ref_k = rotary(positions, dtype)(ref_q, ref_k)
-        finally:
-            fused_ops.ENABLED = True
+        # the reference: the model's own modules, plain torch
+        ref_q, ref_k, ref_v = qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
+        ref_q = ref_q.reshape(tokens, num_q, head_dim)
+        ref_k = ref_k.reshape(tokens, num_kv, head_dim)
+        if qk_norm:
+            ref_q, ref_k = norms[0](ref_q), norms[1](ref_k)
+        ref_q, ref_k = rotary(positions, dtype)(ref_q, ref_k)
 
         case = f"(Hq {num_q}, Hkv {num_kv}, D {head_dim}, qk_norm {qk_norm}, {dtype})"
         # A few units in the last place of a value of ~6: the reference rounds rotary's

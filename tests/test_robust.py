@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from minisgl import LLM, SamplingParams
 from minisgl.frontend.cli import main as cli
 from minisgl.streams import DeviceError
+from minisgl.tracer import SpanName
 
 from .conftest import assert_pool_whole, drain, no_thread_left_behind
 
@@ -321,7 +322,7 @@ def test_event_log_is_bounded(llm):
     llm.generate(["hello"], GREEDY)
     events = llm.stats.events
     assert getattr(events, "maxlen", None) is not None and len(events) <= events.maxlen
-    assert ("commit", 0) not in events or list(events).index(("commit", 0)) > list(events).index(("launch", 0))
+    assert (SpanName.COMMIT, 0) not in events or list(events).index((SpanName.COMMIT, 0)) > list(events).index((SpanName.LAUNCH, 0))
 
 
 def test_concurrent_generate_from_two_threads_refused(qwen3):

@@ -16,7 +16,8 @@ from rich.console import Console
 from minisgl import LLM, SamplingParams
 from minisgl.request import RequestOutput
 from minisgl.observe.timeline import render_timeline
-from minisgl.observe.trace import Span, merge_intervals, pipeline_metrics, request_metrics, to_chrome_trace, write_chrome_trace
+from minisgl.observe.trace import merge_intervals, pipeline_metrics, request_metrics, to_chrome_trace, write_chrome_trace
+from minisgl.tracer import HOST_LANE, Span, SpanName
 
 pytest.importorskip("transformers")
 
@@ -28,20 +29,23 @@ def S(name, lane, start, end, iteration, batch_id=-1):
 
 
 def hand_spans():
-    """Four iterations; two device lanes; forwards b0 and b1 overlap on the device."""
+    """Four iterations; two device lanes; forwards b0 and b1 overlap on the device, and so do
+    b2 and a forward on a second stream."""
+    schedule, launch, wait, commit, forward = (SpanName.SCHEDULE, SpanName.LAUNCH, SpanName.WAIT, SpanName.COMMIT,
+                                               SpanName.FORWARD)
     return [
-        S("schedule", "host", 0, 1, 1), S("launch", "host", 1, 2, 1, 0),
-        S("schedule", "host", 2, 2.5, 2), S("launch", "host", 2.5, 3, 2, 1),
-        S("wait", "host", 3, 9, 2, 0), S("commit", "host", 9, 9.5, 2, 0),
-        S("schedule", "host", 9.5, 10, 3), S("launch", "host", 10, 10.5, 3, 2),
-        S("wait", "host", 10.5, 14, 3, 1), S("commit", "host", 14, 15, 3, 1),
-        S("schedule", "host", 15, 16, 4), S("launch", "host", 16, 17, 4, 3),
-        S("wait", "host", 17, 20, 4, 2), S("commit", "host", 20, 21, 4, 2),
-        S("forward", "engine", 2, 6, 1, 0),
-        S("forward", "engine", 5, 9, 2, 1),  # overlaps b0 by 1: counted once
-        S("forward", "engine", 10, 14, 3, 2),
-        S("copy", "aux", 13, 15, 3, 2),  # another stream, overlapping b2
-        S("forward", "engine", 17, 20, 4, 3),
+        S(schedule, "host", 0, 1, 1), S(launch, "host", 1, 2, 1, 0),
+        S(schedule, "host", 2, 2.5, 2), S(launch, "host", 2.5, 3, 2, 1),
+        S(wait, "host", 3, 9, 2, 0), S(commit, "host", 9, 9.5, 2, 0),
+        S(schedule, "host", 9.5, 10, 3), S(launch, "host", 10, 10.5, 3, 2),
+        S(wait, "host", 10.5, 14, 3, 1), S(commit, "host", 14, 15, 3, 1),
+        S(schedule, "host", 15, 16, 4), S(launch, "host", 16, 17, 4, 3),
+        S(wait, "host", 17, 20, 4, 2), S(commit, "host", 20, 21, 4, 2),
+        S(forward, "engine", 2, 6, 1, 0),
+        S(forward, "engine", 5, 9, 2, 1),  # overlaps b0 by 1: counted once
+        S(forward, "engine", 10, 14, 3, 2),
+        S(forward, "aux", 13, 15, 3, 2),  # another stream, overlapping b2
+        S(forward, "engine", 17, 20, 4, 3),
     ]
 
 
@@ -65,18 +69,18 @@ def test_pipeline_metrics_hand_computed():
     assert m["idle_gap_total_s"] == approx(3.0)
     assert m["idle_gap_mean_s"] == approx(1.5)
     assert m["idle_gap_median_s"] == approx(1.5)
-    assert m["num_forwards"] == 4  # "copy" is device time, not a forward
-    assert m["device_time_per_forward_s"] == approx((4 + 4 + 4 + 3) / 4)  # G
-    # C: host time per iteration without "wait": 2, 1.5, 2, 3.
+    assert m["num_forwards"] == 5  # every forward span counts, on any stream
+    assert m["device_time_per_forward_s"] == approx((4 + 4 + 4 + 2 + 3) / 5)  # G
+    # C: host time per iteration without WAIT: 2, 1.5, 2, 3.
     assert m["num_iterations"] == 4
     assert m["host_time_per_iteration_s"] == approx(8.5 / 4)
-    assert m["exposed_host_time_per_step_s"] == approx(3.0 / 4)
+    assert m["exposed_host_time_per_step_s"] == approx(3.0 / 5)
     assert m["host_wait_fraction"] == approx((6 + 3.5 + 3) / 21)
 
 
 def test_pipeline_metrics_degenerate():
     assert pipeline_metrics([])["num_forwards"] == 0
-    m = pipeline_metrics([S("forward", "engine", 0, 2, 1, 0)])
+    m = pipeline_metrics([S(SpanName.FORWARD, "engine", 0, 2, 1, 0)])
     assert m["device_busy_fraction"] == 1.0 and m["idle_gap_total_s"] == 0.0
     assert m["host_time_per_iteration_s"] == 0.0
 
@@ -130,7 +134,7 @@ def check_chrome(trace, spans):
 def test_chrome_trace_hand_spans(tmp_path):
     spans = hand_spans()
     events = check_chrome(to_chrome_trace(spans), spans)
-    b1 = next(e for e in events if e["ph"] == "X" and e["args"]["batch_id"] == 1 and e["args"]["kind"] == "forward")
+    b1 = next(e for e in events if e["ph"] == "X" and e["args"]["batch_id"] == 1 and e["args"]["kind"] == SpanName.FORWARD.value)
     assert b1["ts"] == pytest.approx(5e6) and b1["dur"] == pytest.approx(4e6)  # microseconds
     path = tmp_path / "trace.json"
     write_chrome_trace(spans, path)
@@ -178,11 +182,11 @@ def retry(measure, check, first=None, attempts=4):
 
 
 def forwards_by_batch(spans):
-    return {sp.batch_id: sp for sp in spans if sp.lane != "host" and sp.name == "forward"}
+    return {sp.batch_id: sp for sp in spans if sp.lane != HOST_LANE and sp.name == SpanName.FORWARD}
 
 
 def launches_by_batch(spans):
-    return {sp.batch_id: sp for sp in spans if sp.lane == "host" and sp.name == "launch"}
+    return {sp.batch_id: sp for sp in spans if sp.lane == HOST_LANE and sp.name == SpanName.LAUNCH}
 
 
 def test_real_run_records_every_batch(runs):
@@ -222,8 +226,8 @@ def test_normal_never_launches_while_device_runs(runs):
         assert not any(f.start < la.start < f.end for f in fwd), la
     # The bubble *is* the host's work: between forward n and n+1 lie commit n and schedule n+1.
     by_batch = forwards_by_batch(spans)
-    commits = {sp.batch_id: sp for sp in spans if sp.lane == "host" and sp.name == "commit"}
-    schedules = {sp.iteration: sp for sp in spans if sp.lane == "host" and sp.name == "schedule"}
+    commits = {sp.batch_id: sp for sp in spans if sp.lane == HOST_LANE and sp.name == SpanName.COMMIT}
+    schedules = {sp.iteration: sp for sp in spans if sp.lane == HOST_LANE and sp.name == SpanName.SCHEDULE}
     for n in sorted(by_batch)[:-1]:
         gap_start, gap_end = by_batch[n].end, by_batch[n + 1].start
         sched = schedules[by_batch[n + 1].iteration]
@@ -270,9 +274,10 @@ def test_timeline_hand_spans_show_bubbles_and_labels():
     engine = next(line for line in text.splitlines() if line.strip("│ ").startswith("engine"))
     assert "·" in engine  # the device gaps 9->10 and 15->17 are drawn
     assert "b2" in engine  # forwards are labelled with their batch id
-    no_gaps = [S("schedule", "host", 0, 1, 1), S("launch", "host", 1, 2, 1, 0),
-               S("schedule", "host", 2, 3, 2), S("launch", "host", 3, 4, 2, 1),
-               S("forward", "engine", 2, 12, 1, 0), S("forward", "engine", 12, 22, 2, 1)]
+    schedule, launch, forward = SpanName.SCHEDULE, SpanName.LAUNCH, SpanName.FORWARD
+    no_gaps = [S(schedule, "host", 0, 1, 1), S(launch, "host", 1, 2, 1, 0),
+               S(schedule, "host", 2, 3, 2), S(launch, "host", 3, 4, 2, 1),
+               S(forward, "engine", 2, 12, 1, 0), S(forward, "engine", 12, 22, 2, 1)]
     engine = next(line for line in render_text(no_gaps).splitlines() if line.strip("│ ").startswith("engine"))
     assert "·" not in engine and "b0" in engine and "b1" in engine
 

@@ -294,8 +294,7 @@ class LLM:
         """Zero the scheduler's counters and drop recorded spans (e.g. after a warm-up)."""
         with self._use():
             self.scheduler.stats = type(self.scheduler.stats)()
-            self.engine.tracer.clear()
-            self.engine.batch_log.clear()
+            self.engine.tracer.clear()  # its batch records too
 
     @property
     def mechanisms(self) -> Mechanisms:
@@ -320,14 +319,8 @@ class LLM:
 
     def _output(self, req: Req) -> RequestOutput:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else ""
-        times = req.metrics["token_times"]
-        metrics = {}
-        if times:
-            metrics = {"ttft": times[0] - req.metrics["arrival"], "e2e": times[-1] - req.metrics["arrival"]}
-            if len(times) > 1:
-                metrics["tpot"] = (times[-1] - times[0]) / (len(times) - 1)
         return RequestOutput(req.rid, req.prompt_ids, list(req.output_ids), text, req.finish_reason or "abort",
-                             metrics)
+                             req.times.latency())
 
 
 _IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"

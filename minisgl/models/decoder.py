@@ -12,6 +12,11 @@ q/k/v become one `qkv_proj` matmul and gate/up become one `gate_up_proj` matmul.
 The model never sees padding or per-request tensors: it works on the flat list of
 T new tokens of a batch, and the attention backend uses AttentionMetadata to
 know which tokens belong to which request (see attention.py).
+
+Plain torch throughout. The elementwise steps (RMSNorm, the residual add, SiLU-and-mul,
+rotary, everything between the q/k/v projection and attention) go through one kernels
+object, `CausalLM.kernels`: `TorchKernels` below, the reference, unless the engine hands
+the model faster ones (minisgl/gpu/fused_ops.py) that compute the same.
 """
 
 from __future__ import annotations
@@ -19,13 +24,13 @@ from __future__ import annotations
 import math
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..gpu import fused_ops
 from .attention import AttentionBackend, AttentionMetadata, KVCache
 from .checkpoint import FAMILY_OF_ARCHITECTURE, load_config, open_all, read_tensor, rope_parameters, safetensors_files
 
@@ -79,18 +84,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_ops.active(x):
-            return fused_ops.rms_norm(x, self.weight, self.eps)
         # The mean of squares is computed in float32: in bf16 it loses too many digits.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + x, its RMSNorm): the residual stream's add and the next norm. On the GPU
-        one fused kernel that overwrites both inputs (the callers own them); here the reference."""
-        if fused_ops.active(x):
-            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        """(residual + x, its RMSNorm): the residual stream's add and the next norm."""
         residual = residual + x
         return residual, self(residual)
 
@@ -117,23 +117,19 @@ def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
 
 
+Rotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (q, k) -> rotated (q, k)
+
+
 class Rotation:
     """The rotary embedding of one batch's positions: built once per forward, shared by all layers.
-    Called as rotation(q, k) -> (q, k); the fused GPU kernels read `positions` and the table."""
+    Called as rotation(q, k) -> (q, k)."""
 
     def __init__(self, positions: torch.Tensor, dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
-        self.positions = positions
-        self.fused = fused_ops.active(torch.empty(0, dtype=dtype, device=positions.device))
-        if self.fused:
-            self.cos_sin_cache = rotary.cos_sin_cache()
-        else:
-            angles = positions.float()[:, None] * rotary.inv_freq.float()[None, :]  # [T, head_dim/2]
-            angles = torch.cat((angles, angles), dim=-1)  # both halves of a head share one angle
-            self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        angles = positions.float()[:, None] * rotary.inv_freq.float()[None, :]  # [T, head_dim/2]
+        angles = torch.cat((angles, angles), dim=-1)  # both halves of a head share one angle
+        self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused:
-            return fused_ops.apply_rope(q, k, self.positions, self.cos_sin_cache)
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
@@ -164,6 +160,44 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated_half * sin[:, None, :]
 
 
+class TorchKernels:
+    """The decoder's elementwise steps in plain torch: the reference, and the only path on CPU and
+    in float32. gpu/fused_ops.py's FusedKernels overrides each step with fused GPU kernels that
+    compute the same; a model reads its kernels from `CausalLM.kernels`."""
+
+    def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x)
+
+    def add_rms_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its RMSNorm). Fused versions may overwrite both inputs: callers own them."""
+        return norm.add_and_norm(x, residual)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotation(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Rotate:
+        """The rotary of one batch's positions, made once per forward and passed to every layer's
+        qkv_epilogue (the same kernels object's)."""
+        return rotary(positions, dtype)
+
+    def qkv_epilogue(self, attn: Attention, qkv: torch.Tensor, rotation: Rotate, out_slots: torch.Tensor,
+                     k_pool: torch.Tensor, v_pool: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Everything between attn's q/k/v projection and attention: split into heads, q/k norm
+        (Qwen3), rotary. Returns (q, k, v); here the K/V pool writes are left to the attention
+        backend (a fused version writes them itself and returns k = v = None)."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = q.reshape(num_tokens, attn.num_heads, attn.head_dim)
+        k = k.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
+        v = v.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
+        if attn.qk_norm:
+            q, k = self.rms_norm(attn.q_norm, q), self.rms_norm(attn.k_norm, k)
+        q, k = rotation(q, k)
+        return q, k, v
+
+
 class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, head_dim: int) -> None:
         super().__init__()
@@ -185,23 +219,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
-    def forward(self, x, rope: Rotation, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend):
+    def forward(self, x, rope: Rotate, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend,
+                kernels: TorchKernels):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if fused_ops.qkv_epilogue_active(qkv, self.head_dim):
-            # One kernel for split, q/k norm, rotary and the K/V pool writes (seven otherwise);
-            # the backend is told the new K/V are in the pool already (k = v = None).
-            q = fused_ops.qkv_epilogue(qkv, self, rope, meta.out_slots, kv.k[self.layer_id], kv.v[self.layer_id])
-            out = backend.forward(q, None, None, self.layer_id, meta, kv)
-        else:  # the reference
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = rope(q, k)
-            out = backend.forward(q, k, v, self.layer_id, meta, kv)
+        # k = v = None when the kernels already wrote the new K/V into the pool.
+        q, k, v = kernels.qkv_epilogue(self, qkv, rope, meta.out_slots, kv.k[self.layer_id], kv.v[self.layer_id])
+        out = backend.forward(q, k, v, self.layer_id, meta, kv)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -212,12 +236,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if fused_ops.active(gate_up):
-            return self.down_proj(fused_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, kernels: TorchKernels) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -228,18 +248,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, residual: torch.Tensor | None, rope: Rotation, meta: AttentionMetadata, kv: KVCache,
-                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h, residual: torch.Tensor | None, rope: Rotate, meta: AttentionMetadata, kv: KVCache,
+                backend: AttentionBackend, kernels: TorchKernels) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm residual blocks, residual + attn(norm(...)) then residual + mlp(norm(...)), with the
         residual stream carried beside `h` (the previous block's output, not added yet), so that
         every add is fused with the norm after it. `residual` is None at the first layer."""
         if residual is None:
-            residual, x = h, self.input_layernorm(h)
+            residual, x = h, kernels.rms_norm(self.input_layernorm, h)
         else:
-            residual, x = self.input_layernorm.add_and_norm(h, residual)
-        h = self.self_attn(x, rope, meta, kv, backend)
-        residual, x = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(x), residual
+            residual, x = kernels.add_rms_norm(self.input_layernorm, h, residual)
+        h = self.self_attn(x, rope, meta, kv, backend, kernels)
+        residual, x = kernels.add_rms_norm(self.post_attention_layernorm, h, residual)
+        return self.mlp(x, kernels), residual
 
 
 class Decoder(nn.Module):
@@ -263,6 +283,7 @@ class CausalLM(nn.Module):
         self.vocab_size: int = config.vocab_size
         self.model = Decoder(config, self.head_dim)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.kernels = TorchKernels()  # the engine may hand the model fused GPU ones instead
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend
@@ -270,13 +291,14 @@ class CausalLM(nn.Module):
         """input_ids [T] (the new tokens of all requests) -> logits [B, vocab] in the model's dtype,
         one row per request, for its last new token (the one that predicts the next token)."""
         h, residual = self.model.embed_tokens(input_ids), None
-        rope = self.model.rotary(meta.positions, h.dtype)  # computed once, shared by all layers
+        kernels = self.kernels
+        rope = kernels.rotation(self.model.rotary, meta.positions, h.dtype)  # computed once, shared by all layers
         for layer in self.model.layers:
-            h, residual = layer(h, residual, rope, meta, kv, backend)
+            h, residual = layer(h, residual, rope, meta, kv, backend, kernels)
         # Only the last new token of each request needs logits; the vocab projection is
         # the largest matmul in small models, so skip it for all other prompt tokens.
         last_rows = meta.qo_indptr[1:].long() - 1
-        _, h = self.model.norm.add_and_norm(h[last_rows], residual[last_rows])
+        _, h = kernels.add_rms_norm(self.model.norm, h[last_rows], residual[last_rows])
         # Not cast to float32 here: a greedy step only needs the argmax, which is the same in bf16,
         # and the cast would write and read [B, vocab] float32 each step; sample() casts if it samples.
         return self.lm_head(h)

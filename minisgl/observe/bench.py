@@ -111,7 +111,7 @@ def measure(args: argparse.Namespace, workload: Workload, loop: str, delay_ms: f
     result["_spans"] = spans
     if getattr(args, "breakdown", False):
         hbm, flops = args.ceilings
-        result["breakdown"] = breakdown(spans, llm.engine.batch_log, ModelCost.from_config(args.model), hbm, flops,
+        result["breakdown"] = breakdown(spans, llm.engine.tracer.batches, ModelCost.from_config(args.model), hbm, flops,
                                         llm.config.max_running_requests)
     llm.close()
     del llm

@@ -1,6 +1,6 @@
 """Where a whole run's device time went, phase by phase, each against its own floor.
 
-`bench --breakdown` records every launched batch (`Engine.batch_log`: prefill or decode, how
+`bench --breakdown` records every launched batch (`Tracer.batches`: prefill or decode, how
 many requests and tokens, how much KV it reads, the CUDA-graph size it was padded to) and its
 device span, then attributes the run:
 
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .trace import HOST_LANE, Span, merge_intervals
+from ..tracer import HOST_LANE, BatchRecord, Span, SpanName
+from .trace import merge_intervals
 
 TAIL_BUCKETS = (8, 32, 64, 128)  # upper bounds of the tail's batch-size buckets; the rest up to full
 
@@ -104,14 +105,14 @@ def phase_of(num_reqs: int, is_prefill: bool, full: int) -> str:
     return f"decode, tail {low}-{full - 1}"
 
 
-def breakdown(spans: list[Span], batch_log: list, cost: ModelCost, hbm: float, flops: float,
+def breakdown(spans: list[Span], batches: list[BatchRecord], cost: ModelCost, hbm: float, flops: float,
               full_batch: int) -> list[dict]:
     """Rows {phase, batches, device_s, floor_s, (slots)}: phases, then padding, idle and the total."""
-    forwards = {sp.batch_id: sp for sp in spans if sp.lane != HOST_LANE and sp.name == "forward"}
+    forwards = {sp.batch_id: sp for sp in spans if sp.lane != HOST_LANE and sp.name == SpanName.FORWARD}
     rows: dict[str, dict] = {}
     pad_slots = pad_rows = 0
     pad_time = 0.0
-    for rec in batch_log:
+    for rec in batches:
         span = forwards.get(rec.batch_id)
         if span is None:  # launched before the trace was cleared (the warm-up)
             continue

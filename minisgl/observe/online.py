@@ -13,7 +13,8 @@ from __future__ import annotations
 import random
 import time
 
-from .trace import HOST_LANE, _percentile, merge_intervals
+from ..tracer import HOST_LANE
+from .trace import _percentile, merge_intervals
 
 
 def poisson_arrivals(num: int, rate: float, seed: int = 0) -> list[float]:
@@ -42,7 +43,7 @@ def run_online(llm, prompts: list[list[int]], params: list, rate: float, seed: i
             req = llm.scheduler.waiting[-1]
             # The request arrived at its Poisson time; the driver only sees it at the next turn
             # of this loop, and that wait is part of its latency.
-            req.metrics["arrival"] = start + arrivals[i]
+            req.times.arrival = start + arrivals[i]
             reqs.append(req)
             i += 1
         if llm.has_unfinished():
@@ -50,8 +51,8 @@ def run_online(llm, prompts: list[list[int]], params: list, rate: float, seed: i
         elif i < len(prompts):
             time.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
     end = time.perf_counter()
-    times = [r.metrics["token_times"] for r in reqs]
-    ttft = [t[0] - r.metrics["arrival"] for r, t in zip(reqs, times) if t]
+    times = [r.times.token_times for r in reqs]
+    ttft = [t[0] - r.times.arrival for r, t in zip(reqs, times) if t]
     itl = [b - a for t in times for a, b in zip(t, t[1:])]
     spans = llm.engine.tracer.resolve()
     busy = sum(e - s for s, e in merge_intervals([(sp.start, sp.end) for sp in spans if sp.lane != HOST_LANE]))

@@ -26,20 +26,23 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.panel import Panel
 from rich.text import Text
 
-from .trace import HOST_LANE, Span, lanes_of, pipeline_metrics
+from ..tracer import HOST_LANE, HOST_WORK, Span, SpanName
+from .trace import lanes_of, pipeline_metrics
 
+# Keyed by span name, plus three cell kinds that are no span: the odd batches' forwards, the
+# batch label drawn inside a forward, and a device gap.
 STYLES = {
-    "schedule": "bold black on dodger_blue2",
-    "launch": "bold black on magenta",
-    "commit": "bold black on yellow",
-    "wait": "grey50",
-    "forward": "green3",
+    SpanName.SCHEDULE: "bold black on dodger_blue2",
+    SpanName.LAUNCH: "bold black on magenta",
+    SpanName.COMMIT: "bold black on yellow",
+    SpanName.WAIT: "grey50",
+    SpanName.FORWARD: "green3",
     "forward_alt": "green4",
     "label": "bold white on dark_green",
     "idle": "bold red",
 }
-GLYPHS = {"schedule": "S", "launch": "L", "commit": "C", "wait": "░", "forward": "█", "forward_alt": "▓", "idle": "·"}
-HOST_WORK = ("schedule", "launch", "commit")  # host spans that are work; "wait" is not
+GLYPHS = {SpanName.SCHEDULE: "S", SpanName.LAUNCH: "L", SpanName.COMMIT: "C", SpanName.WAIT: "░",
+          SpanName.FORWARD: "█", "forward_alt": "▓", "idle": "·"}
 GAP_CELL_FRACTION = 0.25  # a device gap covering this much of a cell is drawn
 
 
@@ -144,7 +147,7 @@ def _device_row(cells: list[Span | str | None]) -> Text:
             j += 1
         assert isinstance(cell, Span)
         n = j - i
-        kind = "forward" if cell.batch_id % 2 == 0 else "forward_alt"  # neighbours stay apart
+        kind = SpanName.FORWARD if cell.batch_id % 2 == 0 else "forward_alt"  # neighbours stay apart
         style, glyph = STYLES[kind], GLYPHS[kind]
         label = f"b{cell.batch_id}" if cell.batch_id >= 0 else cell.name[:3]
         if n >= len(label) + 2:  # room for the label with a block either side
@@ -164,7 +167,7 @@ def _marker_row(layout: list[Span | None]) -> Text:
     chars = [" "] * width
     last = -1
     for col, sp in enumerate(layout):
-        if sp is None or sp.name != "launch" or (col > 0 and layout[col - 1] is sp) or col <= last:
+        if sp is None or sp.name != SpanName.LAUNCH or (col > 0 and layout[col - 1] is sp) or col <= last:
             continue
         label = f"▲b{sp.batch_id}" if sp.batch_id >= 0 else "▲"
         if col + len(label) > width:
@@ -200,11 +203,11 @@ def _axis(t0: float, t1: float, origin: float, width: int, pad: int) -> Text:
 
 def _legend() -> Text:
     legend = Text("  ")
-    for name in ("schedule", "launch", "commit", "wait"):
+    for name in (*HOST_WORK, SpanName.WAIT):
         legend.append(GLYPHS[name], STYLES[name])
         legend.append(f" {name}  ")
     legend.append("\n  ")
-    legend.append("███", STYLES["forward"])
+    legend.append("███", STYLES[SpanName.FORWARD])
     legend.append("b7", STYLES["label"])
     legend.append(" forward of batch 7  ")
     legend.append("···", STYLES["idle"])
@@ -265,7 +268,7 @@ def _panel(spans: list[Span], title: str, width: int, max_iterations: int) -> Pa
     if not spans:
         return Panel(Text("no spans recorded: run with LLM(..., trace=True)"), title=title, width=width)
     lanes = lanes_of(spans)
-    pad = max(len("launch"), *(len(lane) for lane in lanes)) + 1
+    pad = max(len(SpanName.LAUNCH), *(len(lane) for lane in lanes)) + 1
     bar = max(10, width - 4 - pad)  # panel border and padding take 4 columns
     origin = min(sp.start for sp in spans)
     chosen, t0, t1 = pick_window(spans, max_iterations)
@@ -280,7 +283,7 @@ def _panel(spans: list[Span], title: str, width: int, max_iterations: int) -> Pa
         if lane == HOST_LANE:
             layout = _host_layout(lane_spans, edges)
             rows.append(Text(lane.ljust(pad), style="bold") + _host_row(lane_spans, layout, edges))
-            rows.append(Text("launch".ljust(pad), style="dim") + _marker_row(layout))
+            rows.append(Text(SpanName.LAUNCH.ljust(pad), style="dim") + _marker_row(layout))
         else:
             every = [sp for sp in spans if sp.lane == lane]
             cells = _device_cells(lane_spans, edges, min(sp.start for sp in every), max(sp.end for sp in every))

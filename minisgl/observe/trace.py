@@ -1,11 +1,5 @@
-"""Recording where time goes: host spans on the scheduler, device spans on the engine stream.
+"""Reading a finished trace: the spans that `minisgl/tracer.py` recorded.
 
-Recording is off unless asked for (`LLM(..., trace=True)`), and cheap when on: a span is
-one tuple appended to a list. Host spans are timed on the scheduler thread. Device spans
-are timed where the work really runs: on the CPU stream's worker thread, or, on CUDA, by a
-pair of CUDA events resolved after the run (so recording never syncs the device).
-
-Reading a finished trace (below the Tracer):
 - `to_chrome_trace` / `write_chrome_trace`: open the run in Perfetto or chrome://tracing.
 - `pipeline_metrics`: device busy fraction, the idle gaps between forwards (the bubble),
   G (device time per forward) and C (host work per iteration: schedule + launch + commit
@@ -14,108 +8,16 @@ Reading a finished trace (below the Tracer):
   loop's about max(G, C): `ideal_ratio`, and `realised_share` of a measured ratio.
 - `request_metrics`: TTFT, TPOT and end-to-end latency over finished requests.
 `minisgl.observe.timeline.render_timeline` draws the same spans in the terminal.
+
+Everything here reads a finished list of spans (call `Tracer.resolve()` first on CUDA).
 """
 
 from __future__ import annotations
 
 import json
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-import torch
-
-
-@dataclass
-class Span:
-    name: str  # receive | schedule | launch | wait | commit | forward | ...
-    lane: str  # "host" or the device stream's name
-    start: float  # seconds, time.perf_counter() clock
-    end: float
-    iteration: int
-    batch_id: int = -1
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
-class Tracer:
-    def __init__(self, enabled: bool = False) -> None:
-        self.enabled = enabled
-        self.spans: list[Span] = []
-        self.iteration = 0
-        self._cuda_pending: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event, int, int]] = []
-        self._cuda_origin: tuple[torch.cuda.Event, float] | None = None
-
-    @contextmanager
-    def host(self, name: str, batch_id: int = -1) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.spans.append(Span(name, "host", start, time.perf_counter(), self.iteration, batch_id))
-
-    def device_begin(self, stream_name: str, device: torch.device) -> object:
-        """Call where device work starts (inside the stream's closure on CPU)."""
-        if not self.enabled:
-            return None
-        if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            if self._cuda_origin is None:
-                self._cuda_origin = (event, time.perf_counter())
-            return event
-        return time.perf_counter()
-
-    def device_end(self, token: object, name: str, stream_name: str, device: torch.device, iteration: int,
-                   batch_id: int) -> None:
-        if token is None:
-            return
-        if device.type == "cuda":
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._cuda_pending.append((name, stream_name, token, end, iteration, batch_id))  # type: ignore[arg-type]
-        else:
-            self.spans.append(Span(name, stream_name, token, time.perf_counter(), iteration, batch_id))  # type: ignore[arg-type]
-
-    def resolve(self) -> list[Span]:
-        """Turn pending CUDA event pairs into spans on the host clock (syncs once, at the end)."""
-        if self._cuda_pending and self._cuda_origin is not None:
-            torch.cuda.synchronize()
-            origin_event, origin_time = self._cuda_origin
-            for name, lane, start, end, iteration, batch_id in self._cuda_pending:
-                s = origin_time + origin_event.elapsed_time(start) / 1000.0
-                e = origin_time + origin_event.elapsed_time(end) / 1000.0
-                self.spans.append(Span(name, lane, s, e, iteration, batch_id))
-            self._cuda_pending.clear()
-        self.spans.sort(key=lambda sp: sp.start)
-        return self.spans
-
-    def metrics(self) -> dict:
-        """`pipeline_metrics` of everything recorded so far."""
-        return pipeline_metrics(self.resolve())
-
-    def write_chrome_trace(self, path: str | Path) -> None:
-        write_chrome_trace(self.resolve(), path)
-
-    def clear(self) -> None:
-        self.spans.clear()
-        self._cuda_pending.clear()
-        self._cuda_origin = None
-
-
-# --------------------------------------------------------------------------- export and metrics
-#
-# Everything below reads a finished list of spans (call `Tracer.resolve()` first on CUDA).
-# Lanes: "host" is the scheduler thread; every other lane is a device stream.
-
-HOST_LANE = "host"
+from ..tracer import HOST_LANE, Span, SpanName
 
 
 def lanes_of(spans: list[Span]) -> list[str]:
@@ -144,14 +46,14 @@ def to_chrome_trace(spans: list[Span]) -> dict:
         events.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid, "args": {"sort_index": tid}})
     for sp in sorted(spans, key=lambda s: (s.start, s.end)):
         events.append({
-            "name": sp.name if sp.batch_id < 0 else f"{sp.name} b{sp.batch_id}",
+            "name": sp.name.value if sp.batch_id < 0 else f"{sp.name.value} b{sp.batch_id}",
             "cat": "host" if sp.lane == HOST_LANE else "device",
             "ph": "X",
             "pid": 1,
             "tid": tids[sp.lane],
             "ts": round((sp.start - origin) * 1e6, 3),
             "dur": round(max(0.0, sp.end - sp.start) * 1e6, 3),
-            "args": {"kind": sp.name, "iteration": sp.iteration, "batch_id": sp.batch_id},
+            "args": {"kind": sp.name.value, "iteration": sp.iteration, "batch_id": sp.batch_id},
         })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -180,13 +82,13 @@ def pipeline_metrics(spans: list[Span]) -> dict:
       device window (first device start to last device end). Overlapping spans count once.
     - idle_gap_total_s / idle_gap_mean_s / idle_gap_median_s / num_idle_gaps: the gaps
       between consecutive intervals of that union: the bubbles.
-    - num_forwards, device_time_per_forward_s (G): count and mean length of "forward" spans.
+    - num_forwards, device_time_per_forward_s (G): count and mean length of FORWARD spans.
     - num_iterations, host_time_per_iteration_s (C): mean, over the iterations that did any
-      host work, of that iteration's host span time excluding "wait" (waiting is not work).
+      host work, of that iteration's host span time excluding WAIT (waiting is not work).
     - exposed_host_time_per_step_s: device idle time per forward (idle_gap_total_s /
       num_forwards): the part of the host's work the device had to sit through. The serial
       loop exposes about C per step; the overlap loop close to nothing while G > C.
-    - host_wait_fraction: time the host spent in "wait" spans, over wall_s.
+    - host_wait_fraction: time the host spent in WAIT spans, over wall_s.
     """
     out: dict[str, float | int] = {
         "wall_s": 0.0, "device_busy_fraction": 0.0, "idle_gap_total_s": 0.0, "idle_gap_mean_s": 0.0,
@@ -211,7 +113,7 @@ def pipeline_metrics(spans: list[Span]) -> dict:
             out["idle_gap_median_s"] = _percentile(gaps, 50)
             out["num_idle_gaps"] = len(gaps)
 
-    forwards = [sp.duration for sp in spans if sp.lane != HOST_LANE and sp.name == "forward"]
+    forwards = [sp.duration for sp in spans if sp.lane != HOST_LANE and sp.name == SpanName.FORWARD]
     out["num_forwards"] = len(forwards)
     if forwards:
         out["device_time_per_forward_s"] = sum(forwards) / len(forwards)
@@ -222,7 +124,7 @@ def pipeline_metrics(spans: list[Span]) -> dict:
     for sp in spans:
         if sp.lane != HOST_LANE:
             continue
-        if sp.name == "wait":
+        if sp.name == SpanName.WAIT:
             wait += sp.duration
         else:
             per_iteration[sp.iteration] = per_iteration.get(sp.iteration, 0.0) + sp.duration

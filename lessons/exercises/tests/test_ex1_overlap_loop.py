@@ -2,6 +2,7 @@
 so that the first failure tells the learner what to think about (readings §3, lesson 3)."""
 
 from minisgl import LLM, SamplingParams
+from minisgl.tracer import SpanName
 
 FOUR = SamplingParams(max_new_tokens=4, ignore_eos=True)
 LONG_PROMPTS = [f"prompt number {i} is a little longer than the chunk" for i in range(3)]
@@ -47,7 +48,7 @@ def test_the_batch_in_flight_is_committed_even_when_nothing_new_is_planned(qwen3
     llm.scheduler.check_each_step = False  # the ownership audit would report the symptom (leaked slots) first
     done = stepped(llm, ["hello there", "the lazy dog"], FOUR)
     events = set(llm.stats.events)
-    uncommitted = [n for n in range(llm.stats.batches) if ("commit", n) not in events]
+    uncommitted = [n for n in range(llm.stats.batches) if (SpanName.COMMIT, n) not in events]
     # Two mistakes lose results here; the events tell them apart, so that the message names the right one.
     assert not uncommitted, ("the batch in flight must still be committed when schedule() plans nothing: "
                              f"batches launched but never committed: {uncommitted}")
@@ -62,7 +63,7 @@ def test_batch_n_is_launched_before_batch_n_minus_1_is_committed(qwen3):
     llm = LLM(qwen3, loop="overlap")
     stepped(llm, ["hello there", "the lazy dog"], FOUR)
     pos = order(llm)
-    serial = [n for n in range(1, llm.stats.batches) if pos[("launch", n)] > pos[("commit", n - 1)]]
+    serial = [n for n in range(1, llm.stats.batches) if pos[(SpanName.LAUNCH, n)] > pos[(SpanName.COMMIT, n - 1)]]
     assert not serial, ("overlap_loop must launch batch n before it commits batch n-1 (that is the whole "
                         f"point: commit n-1 while n runs); batches launched after the previous commit: {serial}")
 
@@ -73,7 +74,7 @@ def test_two_prefills_in_a_row_commit_the_first_before_launching_the_second(qwen
     pos, kind = order(llm), llm.batch_kinds
     pairs = [n for n in range(1, len(kind)) if kind[n - 1] == kind[n] == "P"]
     assert pairs, "the workload should produce consecutive prefill batches"
-    late = [n for n in pairs if pos[("commit", n - 1)] > pos[("launch", n)]]
+    late = [n for n in pairs if pos[(SpanName.COMMIT, n - 1)] > pos[(SpanName.LAUNCH, n)]]
     assert not late, ("prefill_sync: when batch n and batch n-1 are both prefills, batch n-1 must be committed "
                       f"BEFORE batch n is launched (its first tokens come out one batch sooner); batches {late} "
                       "were launched first. Where is the early commit placed relative to launch()?")
@@ -88,7 +89,7 @@ def test_a_prefill_after_a_decode_still_overlaps(qwen3):
     pos, kind = order(llm), llm.batch_kinds
     after_decode = [n for n in range(1, len(kind)) if kind[n - 1] == "D" and kind[n] == "P"]
     assert after_decode, "the workload should produce a prefill right after a decode"
-    synced = [n for n in after_decode if pos[("commit", n - 1)] < pos[("launch", n)]]
+    synced = [n for n in after_decode if pos[(SpanName.COMMIT, n - 1)] < pos[(SpanName.LAUNCH, n)]]
     assert not synced and llm.stats.early_commits == 0, (
         "prefill_sync applies only to two prefills in a row: a prefill that follows a DECODE batch must still "
         f"be launched before that decode is committed (batches {synced} were synced, "

@@ -5,6 +5,7 @@ lesson 7). The row rule is checked first, so that the first failure names it."""
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.tracer import SpanName
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -29,7 +30,7 @@ def one_row_run(model: str, *disabled: str):
     a_last = max(bid for bid, rids in batches.items() if a.rid in rids)  # A's overshoot step
     b_first = min(bid for bid, rids in batches.items() if b.rid in rids)
     order = {event: i for i, event in enumerate(llm.stats.events)}
-    return llm, a, b, order[("commit", a_last)] < order[("launch", b_first)]
+    return llm, a, b, order[(SpanName.COMMIT, a_last)] < order[(SpanName.LAUNCH, b_first)]
 
 
 def test_row_is_reused_only_after_the_overshoot_step_commits(qwen3):

@@ -1,0 +1,124 @@
+"""Recording where time goes: host spans on the scheduler, device spans on the engine stream.
+
+Recording is off unless asked for (`LLM(..., trace=True)`), and cheap when on: a span is
+one tuple appended to a list. Host spans are timed on the scheduler thread. Device spans
+are timed where the work really runs: on the CPU stream's worker thread, or, on CUDA, by a
+pair of CUDA events resolved after the run (so recording never syncs the device).
+
+Reading a finished trace (Perfetto export, G and C, the terminal timeline, the run-level
+breakdown) is the business of `minisgl/observe/`, which reads what is recorded here.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Iterator
+
+import torch
+
+
+class SpanName(StrEnum):
+    """What a span times. The scheduler's stats.events use LAUNCH and COMMIT too."""
+
+    SCHEDULE = "schedule"  # host: plan the next batch
+    LAUNCH = "launch"  # host: queue its forward on the engine stream
+    WAIT = "wait"  # host: block until a batch's copy_done (waiting, not work)
+    COMMIT = "commit"  # host: apply a batch's sampled tokens
+    FORWARD = "forward"  # device: copy-in, forward and sampling of one batch
+
+
+HOST_WORK = (SpanName.SCHEDULE, SpanName.LAUNCH, SpanName.COMMIT)  # host spans that are work; WAIT is not
+HOST_LANE = "host"  # the scheduler thread; every other lane is a device stream
+
+
+@dataclass
+class Span:
+    name: SpanName
+    lane: str  # HOST_LANE or the device stream's name
+    start: float  # seconds, time.perf_counter() clock
+    end: float
+    iteration: int
+    batch_id: int = -1
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class BatchRecord:
+    """One launched batch as the run-level breakdown needs it (recorded only while tracing)."""
+
+    batch_id: int
+    is_prefill: bool
+    num_reqs: int
+    num_tokens: int  # new tokens
+    kv_tokens: int  # positions attended over, all requests together
+    attention_pairs: int  # sum over requests of new tokens x positions: prefill attention work
+    padded_reqs: int  # rows actually computed: the CUDA-graph size a decode batch is padded to
+
+
+class Tracer:
+    def __init__(self, enabled: bool = False) -> None:
+        self.enabled = enabled
+        self.spans: list[Span] = []
+        self.batches: list[BatchRecord] = []  # every batch launched while enabled
+        self.iteration = 0
+        self._cuda_pending: list[tuple[SpanName, str, torch.cuda.Event, torch.cuda.Event, int, int]] = []
+        self._cuda_origin: tuple[torch.cuda.Event, float] | None = None
+
+    @contextmanager
+    def host(self, name: SpanName, batch_id: int = -1) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append(Span(name, HOST_LANE, start, time.perf_counter(), self.iteration, batch_id))
+
+    def device_begin(self, device: torch.device) -> object:
+        """Call where device work starts (inside the stream's closure on CPU)."""
+        if not self.enabled:
+            return None
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            if self._cuda_origin is None:
+                self._cuda_origin = (event, time.perf_counter())
+            return event
+        return time.perf_counter()
+
+    def device_end(self, token: object, name: SpanName, stream_name: str, device: torch.device, iteration: int,
+                   batch_id: int) -> None:
+        if token is None:
+            return
+        if device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._cuda_pending.append((name, stream_name, token, end, iteration, batch_id))  # type: ignore[arg-type]
+        else:
+            self.spans.append(Span(name, stream_name, token, time.perf_counter(), iteration, batch_id))  # type: ignore[arg-type]
+
+    def resolve(self) -> list[Span]:
+        """Turn pending CUDA event pairs into spans on the host clock (syncs once, at the end)."""
+        if self._cuda_pending and self._cuda_origin is not None:
+            torch.cuda.synchronize()
+            origin_event, origin_time = self._cuda_origin
+            for name, lane, start, end, iteration, batch_id in self._cuda_pending:
+                s = origin_time + origin_event.elapsed_time(start) / 1000.0
+                e = origin_time + origin_event.elapsed_time(end) / 1000.0
+                self.spans.append(Span(name, lane, s, e, iteration, batch_id))
+            self._cuda_pending.clear()
+        self.spans.sort(key=lambda sp: sp.start)
+        return self.spans
+
+    def clear(self) -> None:
+        self.spans.clear()
+        self.batches.clear()
+        self._cuda_pending.clear()
+        self._cuda_origin = None
