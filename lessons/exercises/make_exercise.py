@@ -65,7 +65,7 @@ PYTEST_INI = """\
 [pytest]
 markers =
     cuda: needs an NVIDIA GPU (skipped when torch.cuda.is_available() is false)
-    slow: takes more than a few seconds
+    full: only in the full tier (make test-all)
 addopts = -p no:cacheprovider
 """
 
