@@ -145,10 +145,29 @@ def regions(lines: list[str]) -> list[Region]:
     return found
 
 
-def skeleton_raise(region: Region) -> list[str]:
-    """What replaces a region in a skeleton: the part's name and where the hints are, no more."""
+def names_used_below(lines: list[str], region: Region) -> list[str]:
+    """The names the region's reference assigns that the rest of its block reads: without them the
+    code after the region cannot run, so the skeleton must say that the region defines them."""
+    body = textwrap.dedent("".join(lines[region.first + 1:region.last]))
+    targets = [node.target if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else t
+               for node in ast.walk(ast.parse(body)) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [None])]
+    assigned = sorted({name.id for t in targets for name in ast.walk(t)
+                       if isinstance(name, ast.Name) and isinstance(name.ctx, ast.Store)})
+    rest = []
+    for line in lines[region.last + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) < len(region.indent):
+            break  # the block ends
+        rest.append(line.split("#")[0])
+    return [name for name in assigned if re.search(rf"\b{name}\b", "".join(rest))]
+
+
+def skeleton_raise(region: Region, defines: list[str] = ()) -> list[str]:
+    """What replaces a region in a skeleton: the part's name and where the hints are, and the names
+    the code below needs from it (exercise 5 defines `written` for the release after it), no more."""
     message = f"exercise {region.number}: {region.name} (make hint-{region.number} for hints)"
-    return [f"{region.indent}raise NotImplementedError({message!r})\n"]
+    needs = [f"{region.indent}# define {', '.join(defines)} here: the code after this region uses it\n"] if defines else []
+    return [*needs, f"{region.indent}raise NotImplementedError({message!r})\n"]
 
 
 def replace_regions(source: str, number: int, wrong: Wrong | None = None,
@@ -164,7 +183,7 @@ def replace_regions(source: str, number: int, wrong: Wrong | None = None,
             continue
         out += lines[pos:region.first]
         if wrong is None:
-            body = skeleton_raise(region)
+            body = skeleton_raise(region, names_used_below(lines, region))
         else:
             code = textwrap.dedent(wrong.regions[region.name]).strip("\n") + "\n"
             body = textwrap.indent(code, region.indent).splitlines(keepends=True)

@@ -47,8 +47,10 @@ def repository_files(root: Path = ROOT) -> list[str]:
 
 
 def without_answers(source: str) -> str:
-    """Every exercise region's body replaced by its skeleton raise, the markers kept."""
-    for number in EXERCISES:
+    """Every exercise region's body replaced by its skeleton raise, the markers kept. Later
+    exercises first: a skeleton names what the reference code below it reads (exercise 5's
+    `written`, read by exercise 4's region), which must still be there when it is made."""
+    for number in sorted(EXERCISES, reverse=True):
         source, _ = replace_regions(source, number, keep_markers=True)
     return source
 
