@@ -18,7 +18,12 @@ def published(rows: list[int], tokens: list[int], num_rows: int = 8) -> FutureMa
 
 
 def check(fm: FutureMap, ids: list[int], expected: list[int], rule: str) -> None:
-    got = fm.resolve(torch.tensor(ids)).tolist()
+    try:
+        got = fm.resolve(torch.tensor(ids)).tolist()
+    except (IndexError, RuntimeError) as exc:
+        raise AssertionError(f"{rule}: resolve({ids}) raised {type(exc).__name__}: {exc}. The mailbox may be indexed "
+                             "only by rows: the row -id - 1 of a real id is no row (negative, or past the end), so "
+                             "real ids must not index it (clamp their rows, or pick them out first)") from None
     assert got == expected, f"{rule}: resolved {ids} to {got}, expected {expected}"
 
 

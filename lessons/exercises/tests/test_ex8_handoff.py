@@ -108,3 +108,31 @@ def test_a_commit_waits_for_its_own_batch_only(qwen3):
         "commit() must wait for the copy_done event of the batch it commits, not for the whole engine stream: "
         "waiting for the stream also waits for the batch launched after it, and the overlap is gone; batch n was "
         f"still running during the commit of batch n-1 in {sum(next_busy)} of {len(next_busy)} commits")
+
+
+def test_a_fault_in_the_devices_work_is_raised_on_the_host_and_nothing_of_it_is_committed(qwen3):
+    """The engine's work fails on its stream; copy_done.synchronize() re-raises the failure on the
+    host. A host that reads on without that wait commits whatever the empty token buffer held."""
+    llm = LLM(qwen3, loop="overlap", device_delay_ms=5)
+    forward, failing_batch = llm.engine._forward_and_sample, []
+
+    def fails_on_the_third_batch(batch, *args):
+        if batch.batch_id == 2:
+            failing_batch.append(batch.batch_id)
+            raise RuntimeError("injected device fault")
+        return forward(batch, *args)
+
+    llm.engine._forward_and_sample = fails_on_the_third_batch
+    raised = None
+    try:
+        llm.generate(["hello there", "the lazy dog"], SIX)
+    except Exception as exc:  # noqa: BLE001 - which exception came out is what is checked
+        raised = exc
+    committed = [n for kind, n in llm.stats.events if kind == "commit"]
+    assert failing_batch and 2 not in committed, (
+        "the host must wait for a batch's copy_done before it reads the tokens: the wait is where a failure of "
+        "the device's work reaches the host; batch 2 failed on the device and was committed anyway (its tokens "
+        f"are whatever the empty buffer held); committed batches {committed}")
+    assert isinstance(raised, DeviceError) and "injected device fault" in str(raised), (
+        "a failure of the device's work must reach the caller as the DeviceError that copy_done.synchronize() "
+        f"raises, naming the fault; got {raised!r}")
