@@ -24,10 +24,14 @@ def live_batch_and_snapshot():
     return snap, (a, b, c)
 
 
-def test_the_snapshot_is_not_the_live_batch():
-    snap, _ = live_batch_and_snapshot()
+def test_the_snapshot_is_a_batch_view_not_the_live_batch_or_a_copy_of_it():
+    live = RunningBatch()
+    live.reqs[:] = [make_req(0, row=10, generation=0)]
+    snap = live.snapshot()
+    assert snap is not live, "snapshot() must return a BatchView frozen at launch, not the live batch itself"
     assert isinstance(snap, BatchView) and not isinstance(snap, RunningBatch), (
-        f"snapshot() must return a BatchView frozen at launch, not the live batch itself (got {type(snap).__name__})")
+        "snapshot() must build a BatchView of the values at launch; a copy of the RunningBatch (copy.copy) shares "
+        f"the live request list and its fields are computed when read, not at launch (got {type(snap).__name__})")
 
 
 def test_the_request_list_is_copied():

@@ -15,7 +15,14 @@ def outputs(model: str, prompts, params, *disabled: str, loop: str = "overlap") 
     llm.scheduler.check_each_step = False
     try:
         outs = llm.generate(prompts, params)
-    except (KVAccountingError, InvariantError) as exc:
+    except (RuntimeError, InvariantError) as exc:
+        if "can no longer be scheduled" in str(exc):
+            raise AssertionError(
+                "length lookahead: leave out of the decode batch only the requests whose LAUNCHED samples already "
+                "reach max_new_tokens (Req.will_finish_by_length); one left out before its last token was launched "
+                f"never finishes ({exc})") from None
+        if not isinstance(exc, (KVAccountingError, InvariantError)):
+            raise
         raise AssertionError(
             "a late result of a request that already finished is not an output: skip it at the commit (and count "
             f"it), or the request is finished and released a second time ({type(exc).__name__}: {exc})") from None
@@ -85,3 +92,30 @@ def test_skip_finished_off_shows_its_symptom(qwen3):
         "keep the switch: with skip_finished off the late result must be committed like any other (a token "
         "after the stop token, then a second finish, which _release reports as a double free); "
         f"got {raised!r}")
+
+
+def test_an_abort_while_the_last_token_is_in_flight_comes_out_once(qwen3):
+    """Aborted once its last token is launched: the abort finishes it at the next commit, and the
+    result still in flight is a late result like any other."""
+    twelve = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    llm = LLM(qwen3, loop="overlap", device_delay_ms=5)
+    llm.scheduler.check_each_step = False
+    keep, gone = llm.add_request("hello there", twelve), llm.add_request("the lazy dog", twelve)
+    req = llm.scheduler.waiting[-1]
+    outs = {}
+    try:
+        while not req.will_finish_by_length():  # its last token launched, not committed
+            outs.update({o.rid: o for o in llm.step()})
+        llm.abort(gone)
+        while llm.has_unfinished():
+            outs.update({o.rid: o for o in llm.step()})
+    except (KVAccountingError, InvariantError) as exc:
+        raise AssertionError(
+            "a request aborted while its last token is in flight is finished by the abort; the late result is then "
+            f"not an output: skip it at the commit and count it ({type(exc).__name__}: {exc})") from None
+    assert gone in outs and outs[gone].finish_reason == "abort", (
+        "a request aborted while its last token is in flight must come out once, with finish_reason 'abort': "
+        f"got {outs.get(gone)!r}")
+    assert keep in outs and llm.stats.overshoot_tokens >= 1 and leaked(llm) == 0, (
+        "the aborted request's late result must be skipped and counted in overshoot_tokens, and its slots freed "
+        f"up to the allocated length (overshoot_tokens {llm.stats.overshoot_tokens}, leaked {leaked(llm)})")

@@ -24,6 +24,10 @@ def generate(llm: LLM, prompts, params):
         if "no longer be scheduled" in str(exc):
             raise AssertionError("a request that commit_token() finished must be reported: append it to "
                                  f"self.finished (the caller never got it: {exc})") from None
+        if "double free of KV slots" in str(exc):
+            raise AssertionError("free your own copies of the positions the tree already had, and only those: "
+                                 "slots[cached_len:present]; the first cached_len slots are the tree's, borrowed at "
+                                 f"admission, and freeing them frees them twice ({exc})") from None
         if "tokens but" not in str(exc):
             raise
         raise AssertionError("checkpoint only the positions whose KV committed batches wrote, min(kv_committed_len, "
