@@ -54,5 +54,8 @@ def test_per_row_fields_are_frozen_at_launch():
                samples=snap.samples, qo_lens=snap.qo_lens)
     expected = dict(batch_id=7, is_prefill=False, rows=[10, 11, 12], generations=[0, 1, 2], samples=[True] * 3,
                     qo_lens=[1] * 3)
-    assert got == expected, ("every field the commit reads must be the value at launch, not computed later from "
-                             f"the live batch or its requests: got {got}, expected {expected}")
+    wrong = [name for name in expected if got[name] != expected[name]]
+    assert not wrong, (f"wrong fields in the snapshot: {', '.join(wrong)}. Each field the commit reads must be the value "
+                       "at launch, taken from the batch when snapshot() is called, and given to BatchView in its order "
+                       f"(batch_id, is_prefill, reqs, rows, generations, samples, qo_lens); got {got}, expected "
+                       f"{expected}")

@@ -2,6 +2,8 @@
 its switch off. Each assertion names its rule. The per-step ownership audit is off here, so
 that a leak is reported by the rule it breaks rather than by the audit."""
 
+import pytest
+
 from minisgl import LLM, SamplingParams
 from minisgl.invariants import InvariantError
 from minisgl.kv_pool import KVAccountingError
@@ -119,3 +121,24 @@ def test_an_abort_while_the_last_token_is_in_flight_comes_out_once(qwen3):
     assert keep in outs and llm.stats.overshoot_tokens >= 1 and leaked(llm) == 0, (
         "the aborted request's late result must be skipped and counted in overshoot_tokens, and its slots freed "
         f"up to the allocated length (overshoot_tokens {llm.stats.overshoot_tokens}, leaked {leaked(llm)})")
+
+
+@pytest.mark.parametrize("phase", ["a prefill chunk", "a decode step"])
+def test_the_late_result_of_an_aborted_request_counts_all_its_positions(qwen3, phase):
+    """Aborted while `phase` of it is in flight (release_allocated off: each dropped position's slot
+    stays allocated, so the leak measures what was dropped)."""
+    llm = LLM(qwen3, loop="overlap", chunk_size=4, device_delay_ms=5, disable=("release_allocated",))
+    llm.scheduler.check_each_step = False  # the leak is the measurement
+    gone = llm.add_request("the quick brown fox jumps over the lazy dog while the cat sleeps",
+                           SamplingParams(max_new_tokens=12, ignore_eos=True))
+    req = llm.scheduler.waiting[-1]
+    while (req.launched_len == 0) if phase == "a prefill chunk" else (len(req.output_ids) < 2):
+        llm.step()
+    in_flight = req.launched_len - req.kv_committed_len  # positions of the batch still in flight
+    llm.abort(gone)
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.stats.overshoot_tokens == in_flight == leaked(llm) > 0, (
+        "count each dropped late result by its positions (qo_len), not once per result: the late result of "
+        f"{phase} of an aborted request had {in_flight} positions in flight (and {leaked(llm)} slots stayed "
+        f"allocated), counted {llm.stats.overshoot_tokens}")
