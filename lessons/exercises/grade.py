@@ -193,7 +193,12 @@ def grade_student(entry: Path, base: Path, numbers: list[int]) -> list[Grade]:
                 continue
             work = scratch / f"ex{number}"
             wrong = Wrong(number, student, "the submission", "", code.get(number, {}))
-            generate(number, work, force=True, wrong=wrong)
+            try:
+                generate(number, work, force=True, wrong=wrong)
+            except SyntaxError as exc:
+                grades.append(Grade(student, number, 0.0, 0, 0, False,
+                                    [f"the code between the exercise {number} markers is not valid Python: {exc}"]))
+                continue
             report = run_checks(work, number)
             passed = sum(o.outcome == "passed" for o in report.outcomes)
             total = max(len(report.outcomes), 1)
