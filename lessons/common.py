@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import re
 import sys
 import tempfile
 import time
@@ -33,6 +34,40 @@ from minisgl.observe.trace import pipeline_metrics, request_metrics  # noqa: E40
 # The terminal's width (80 when output is not a terminal); LESSON_WIDTH overrides it.
 console = Console(width=int(os.environ["LESSON_WIDTH"]) if os.environ.get("LESSON_WIDTH") else None, highlight=False)
 OK, BAD = "✓", "✗"
+
+
+# --------------------------------------------------------------------------- a part not written yet
+
+MISSING_PART = re.compile(r"exercise (?P<number>\d+): (?P<part>[^(]+?) \(make hint-")
+
+
+def missing_exercise(error: BaseException | None) -> re.Match | None:
+    """The skeleton's NotImplementedError("exercise N: ...") behind `error`, if any. It may come
+    wrapped: work that failed on the engine's stream is re-raised on the host as a DeviceError."""
+    while error is not None:
+        found = MISSING_PART.search(str(error))
+        if found:
+            return found
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _say_which_exercise_unlocks_it(kind, error, tb) -> None:
+    """In the student edition a lesson can reach a part the learner has not written yet: say which
+    exercise that is and end cleanly (status 0), instead of a traceback. Any other error is
+    reported as usual."""
+    found = missing_exercise(error)
+    if found is None:
+        sys.__excepthook__(kind, error, tb)
+        return
+    console.print(f"this lesson needs exercise {found['number']} ({found['part']}): write it in minisgl/, "
+                  f"check it with `python lessons/exercises/make_exercise.py check {found['number']}`, then "
+                  "run this lesson again")
+    sys.stdout.flush()
+    os._exit(0)  # not sys.exit: the engine's worker threads of the unfinished run must not be waited for
+
+
+sys.excepthook = _say_which_exercise_unlocks_it  # every lesson imports this module before it runs
 
 
 # --------------------------------------------------------------------------- the model

@@ -13,6 +13,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,15 +23,16 @@ TOOL = ROOT / "lessons" / "exercises" / "make_exercise.py"
 WRONG_LIMIT_S = 60  # a wrong solution must be reported within a minute, a hang included
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("make_exercise", TOOL)
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, TOOL.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["make_exercise"] = module  # dataclasses look the module up by name
+    sys.modules[name] = module  # dataclasses look the module up by name
     spec.loader.exec_module(module)
     return module
 
 
-tool = _load_tool()
+tool = _load("make_exercise")
+runner = _load("runner")
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -132,19 +134,53 @@ def test_every_exercise_keeps_at_least_four_wrong_solutions():
     assert len({(w.exercise, w.name) for w in tool.WRONG}) == len(tool.WRONG)
 
 
-@pytest.mark.parametrize("wrong", tool.WRONG, ids=lambda w: f"ex{w.exercise}-{w.name}")
+def _sampled(wrongs):
+    """The fast tier checks each exercise's first known-wrong solution; the full tier all of them."""
+    firsts = {w.exercise: w for w in reversed(wrongs)}
+    return [pytest.param(w, id=f"ex{w.exercise}-{w.name}", marks=() if firsts[w.exercise] is w else pytest.mark.full)
+            for w in wrongs]
+
+
+@pytest.mark.parametrize("wrong", _sampled(tool.WRONG))
 def test_known_wrong_solution_is_caught_with_a_message_that_names_the_rule(tmp_path, wrong):
     """Put the wrong solution into a copy of the reference and run the exercise's teaching tests
-    (the first file of its selection) until the first failure."""
+    (the first file of its selection) until the first failure, in this process (runner.py)."""
+    teaching = tool.EXERCISES[wrong.exercise].tests[0]
+    tool.generate(wrong.exercise, tmp_path, force=True, wrong=wrong)
+    started = time.monotonic()
+    report = runner.run_checks(tmp_path, wrong.exercise, tests=[teaching], stop_at_first_failure=True)
+    assert time.monotonic() - started < WRONG_LIMIT_S
+    assert report.minisgl == (tmp_path / "minisgl").resolve()  # the copy, not the reference, was tested
+    assert report.exit_code == 1 and report.first_failure is not None, report
+    said = report.first_failure.message
+    assert wrong.expect in said, f"expected the first failure to say {wrong.expect!r}; it said: {said[:1500]}"
+    if "HANG" in said:
+        assert "most recent call first" in said  # every thread's stack, in the message
+
+
+def test_runner_puts_the_callers_minisgl_back_and_reports_each_test(tmp_path):
+    import minisgl
+    import minisgl.future_map
+
+    before = (sys.modules["minisgl"], sys.modules["minisgl.future_map"])
+    tool.generate(None, tmp_path, force=True)  # the reference: every test passes
+    report = runner.run_checks(tmp_path, 2, tests=[tool.EXERCISES[2].tests[0]])
+    assert report.passed and report.first_failure is None, report
+    teaching = {o.nodeid for o in report.outcomes}
+    assert len(teaching) >= 3 and all(n.startswith(tool.EXERCISES[2].tests[0] + "::") for n in teaching)
+    assert (sys.modules["minisgl"], sys.modules["minisgl.future_map"]) == before
+    assert minisgl.__file__ == str(tool.PACKAGE / "__init__.py")
+
+
+def test_cli_shows_a_wrong_solution_the_same_first_failure(tmp_path):
+    """make exercise-wrong-N NAME=... runs pytest in a subprocess: the learner's view of a mistake."""
+    wrong = tool.WRONG[0]
     teaching = tool.EXERCISES[wrong.exercise].tests[0]
     done = cli("check", str(wrong.exercise), "--wrong", wrong.name, "--dest", str(tmp_path), "--", "-x",
                "-k", Path(teaching).stem, timeout=WRONG_LIMIT_S + 60)
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-3000:]
-    said = first_failure(out)
-    assert wrong.expect in said, f"expected the first failure to say {wrong.expect!r}; it said: {said[:1500]}"
-    if "HANG" in said:
-        assert "most recent call first" in said  # every thread's stack, in the normal output
+    assert wrong.expect in first_failure(out), first_failure(out)[:1500]
 
 
 def test_teachers_guide_lists_every_wrong_solution_and_what_it_is_told():

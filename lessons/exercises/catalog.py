@@ -42,11 +42,12 @@ EXERCISES = {e.number: e for e in (
         "`last` are both prefills. Unlike normal_loop, the InFlight must hold a snapshot of the view "
         "(planned.view.snapshot(): schedule() changes the live batch before the commit, lesson 5); "
         "with batch_snapshot off, the live view.",
-        "if self._must_commit_first(last, None): commit(last, early=True); last = None. "
-        "planned = self.schedule(). if self._must_commit_first(last, planned): the same. "
-        "inflight = None; if planned: result = self.launch(planned); inflight = InFlight(view, result) "
-        "where view = planned.view.snapshot() if self.on('batch_snapshot') else planned.view. "
-        "if last is not None: self.commit(last). return inflight.",
+        "First the boundary check with no plan yet (if it says so: an early commit of last, which is then "
+        "gone); then schedule(); then the same check with the plan. If there is a plan, launch it and keep an "
+        "InFlight of (its view's snapshot, or the live view when batch_snapshot is off; the result). Then the "
+        "usual commit of last, if any is left, and hand the new InFlight back. The boundary function: False "
+        "without a batch in flight; before planning, whether future_map is off; after planning, whether the "
+        "planned batch and last are both prefills while prefill_sync is on.",
     )),
     Exercise(2, "FutureMap publish and resolve (future_map.py)", 4, (
         "tests/test_ex2_future_map.py",
@@ -59,8 +60,9 @@ EXERCISES = {e.number: e for e in (
         "resolve: a negative id -(row+1) names a row: replace it by that row's token; keep real ids "
         "(>= 0). Both run on the device, as tensor operations: no Python loop over values, no .item() "
         "or .tolist() (that would make the host wait), and resolve must not modify its input.",
-        "publish: self.tokens[rows] = next_tokens. resolve: is_future = input_ids < 0; rows = "
-        "(-input_ids - 1).clamp(min=0); return torch.where(is_future, self.tokens[rows], input_ids).",
+        "publish: one indexed assignment into self.tokens, the rows as the index. resolve: a boolean mask of "
+        "the negative ids; the rows they name, -id - 1, clamped at 0 so that real ids index safely too; then "
+        "torch.where picks, position by position, the mailbox token or the id itself.",
     )),
     Exercise(3, "snapshot the running batch for the result queue (batch.py)", 5, (
         "tests/test_ex3_snapshot.py",
@@ -73,8 +75,8 @@ EXERCISES = {e.number: e for e in (
         "Return a BatchView that freezes what the commit reads: the batch id, is_prefill False, a new "
         "list holding the same Req objects (not copies of them: the commit writes into them), and the "
         "per-row lists rows, generations, samples and qo_lens as they are now.",
-        "return BatchView(self.batch_id, False, list(self.reqs), self.rows, self.generations, "
-        "self.samples, self.qo_lens)  (the properties already build new lists).",
+        "One BatchView(...) call: the batch id, False, a fresh list() around the request list, and the "
+        "properties rows, generations, samples and qo_lens (each already builds a new list).",
     )),
     Exercise(4, "overshoot: skip late results, look ahead by length, release by allocated length "
                 "(scheduler.py, 3 places)", 6, (
@@ -92,10 +94,11 @@ EXERCISES = {e.number: e for e in (
         "that already finished is not an output: count its positions in stats.overshoot_tokens and "
         "move on. Release: free the private tail from the KV-committed length up to the allocated "
         "length, which covers the overshoot slot. Each only while its switch is on.",
-        "if self.on('length_lookahead'): self.running.reqs[:] = [r for r in self.running.reqs if not "
-        "r.will_finish_by_length()]. In _commit_results: if req.finished and self.on('skip_finished'): "
-        "self.stats.overshoot_tokens += qo_len; continue. In _release: end = req.allocated_len if "
-        "self.on('release_allocated') else written; self.kv_pool.free(req.slot_ids[written:end]).",
+        "Lookahead: while the switch is on, rebuild running.reqs in place (slice assignment) keeping the "
+        "requests for which Req.will_finish_by_length() is false. Skip: inside the commit loop, for a request "
+        "already finished and with skip_finished on, add qo_len to the overshoot_tokens statistic and go to "
+        "the next request. Release: the end of the freed tail is allocated_len with the switch on, else the "
+        "written length; free the request's slot ids between the written length and that end.",
     )),
     Exercise(5, "the radix-cache checkpoint at the safe point: the commit (scheduler.py, 2 places)", 7, (
         "tests/test_ex5_checkpoint.py",
@@ -111,11 +114,12 @@ EXERCISES = {e.number: e for e in (
         "_release hands to the cache only the positions committed batches wrote "
         "(min(kv_committed_len, committed_len)), frees its own copies of positions the tree already "
         "had, and unlocks the prefix it locked at admission.",
-        "if req.finished: if finished_before or not req.released: self._release(req); "
-        "self.finished.append(req). In _release: written = min(req.kv_committed_len, "
-        "req.committed_len); slots = req.slot_ids[:written]; present = self.cache.insert("
-        "req.committed_ids()[:written], torch.tensor(slots, dtype=torch.int64)); "
-        "self.kv_pool.free(slots[req.cached_len:present]); self.cache.unlock(req.prefix_node).",
+        "At the commit point: for a finished request, release it when it finished before (so that _release "
+        "reports the double free) or is not released yet, then append it to the finished list. In _release "
+        "define `written` (the code below the region uses it): the smaller of the KV-committed and committed "
+        "lengths. Insert that many committed ids with their slot ids (an int64 tensor) into the cache; insert "
+        "returns how many leading positions the tree already held: free your slots from cached_len up to "
+        "that count; unlock the prefix node locked at admission.",
     )),
     Exercise(6, "reuse a request row only after its last in-flight batch (scheduler.py, 2 places)", 7, (
         "tests/test_ex6_rows.py",
@@ -129,9 +133,10 @@ EXERCISES = {e.number: e for e in (
         "copy_done (the scheduler records the last batch launched per row and the last batch "
         "committed); otherwise park it. At every commit, free the parked rows whose last batch has "
         "now passed copy_done, and keep the others. With deferred_row_free off, free at once.",
-        "_free_row: if self.on('deferred_row_free') and self._row_last_launch[row] > "
-        "self._device_done_id: self.deferred_rows.append(row) else: self.req_to_token.free(row). "
-        "_free_deferred_rows: keep the rows with _row_last_launch[row] > _device_done_id, free the rest.",
+        "_free_row: with the switch on and the row's last launched batch id beyond the last batch that passed "
+        "copy_done (_row_last_launch, _device_done_id), park the row in deferred_rows; otherwise free it in "
+        "req_to_token. _free_deferred_rows: build a new list of the rows still beyond that id, free every "
+        "other one, and store the new list (never remove from the list you are looping over).",
     )),
     Exercise(7, "the staging buffers' write-after-read wait (staging.py)", 7, (
         "tests/test_ex7_staging.py",
@@ -147,8 +152,9 @@ EXERCISES = {e.number: e for e in (
         "must wait for it when staging_war_wait is on, and count the wait in `waits`; when the "
         "switch is off, do not wait, and count the hazard in `unread_overwrites`. Wait for *this* "
         "buffer's event only, never for the whole stream.",
-        "if buf.consumed is not None and not buf.consumed.query(): if self.war_wait: self.waits += 1; "
-        "buf.consumed.synchronize() else: self.unread_overwrites += 1.",
+        "Only when the buffer has a consumed event that query() says has not passed: with war_wait on, count "
+        "one in waits and block on that event (its synchronize); with it off, count one in unread_overwrites "
+        "and go on.",
     )),
     Exercise(8, "the handoff between the streams: the engine waits for the scheduler stream, the host "
                 "waits for copy_done (engine.py, scheduler.py)", 2, (
@@ -164,6 +170,7 @@ EXERCISES = {e.number: e for e in (
         "Scheduler.commit, before the tokens are read, the host waits for that batch's copy_done "
         "event: only that event, not the whole engine stream, or the host would also wait for the "
         "batch launched after it.",
-        "Engine.launch: self.stream.wait_stream(after). Scheduler.commit: result.copy_done.synchronize().",
+        "Engine.launch: the engine stream's wait_stream, given `after` (a device-side wait). Scheduler.commit: "
+        "the synchronize of the batch result's copy_done event (the host waits for that event only).",
     )),
 )}

@@ -48,7 +48,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from catalog import EXERCISES  # noqa: E402
-from wrong_solutions import WRONG, Wrong  # noqa: E402
+try:
+    from wrong_solutions import WRONG, Wrong  # noqa: E402
+    STUDENT_EDITION = False
+except ModuleNotFoundError:  # the student edition (student_edition.py) ships no known-wrong solutions, and
+    WRONG, STUDENT_EDITION = [], True  # its learner writes every region in minisgl/ itself
 
 ROOT = HERE.parents[1]
 PACKAGE = ROOT / "minisgl"
@@ -61,7 +65,7 @@ PYTEST_INI = """\
 [pytest]
 markers =
     cuda: needs an NVIDIA GPU (skipped when torch.cuda.is_available() is false)
-    slow: takes more than a few seconds
+    full: only in the full tier (make test-all)
 addopts = -p no:cacheprovider
 """
 
@@ -141,15 +145,37 @@ def regions(lines: list[str]) -> list[Region]:
     return found
 
 
-def skeleton_raise(region: Region) -> list[str]:
-    """What replaces a region in a skeleton: the part's name and where the hints are, no more."""
+def names_used_below(lines: list[str], region: Region) -> list[str]:
+    """The names the region's reference assigns that the rest of its block reads: without them the
+    code after the region cannot run, so the skeleton must say that the region defines them."""
+    body = textwrap.dedent("".join(lines[region.first + 1:region.last]))
+    targets = [node.target if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else t
+               for node in ast.walk(ast.parse(body)) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [None])]
+    assigned = sorted({name.id for t in targets for name in ast.walk(t)
+                       if isinstance(name, ast.Name) and isinstance(name.ctx, ast.Store)})
+    rest = []
+    for line in lines[region.last + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) < len(region.indent):
+            break  # the block ends
+        rest.append(line.split("#")[0])
+    return [name for name in assigned if re.search(rf"\b{name}\b", "".join(rest))]
+
+
+def skeleton_raise(region: Region, defines: list[str] = ()) -> list[str]:
+    """What replaces a region in a skeleton: the part's name and where the hints are, and the names
+    the code below needs from it (exercise 5 defines `written` for the release after it), no more."""
     message = f"exercise {region.number}: {region.name} (make hint-{region.number} for hints)"
-    return [f"{region.indent}raise NotImplementedError({message!r})\n"]
+    needs = [f"{region.indent}# define {', '.join(defines)} here: the code after this region uses it\n"] if defines else []
+    return [*needs, f"{region.indent}raise NotImplementedError({message!r})\n"]
 
 
-def replace_regions(source: str, number: int, wrong: Wrong | None = None) -> tuple[str, int]:
+def replace_regions(source: str, number: int, wrong: Wrong | None = None,
+                    keep_markers: bool = False) -> tuple[str, int]:
     """Replace the regions of exercise `number`: by a raise, or by `wrong`'s code for the regions it
-    names (the others keep the reference). Returns (new source, regions replaced)."""
+    names (the others keep the reference). With keep_markers the marker lines stay around the new
+    body (the student edition: the learner writes there, the grader finds it there).
+    Returns (new source, regions replaced)."""
     lines = source.splitlines(keepends=True)
     out, pos, count = [], 0, 0
     for region in regions(lines):
@@ -157,10 +183,11 @@ def replace_regions(source: str, number: int, wrong: Wrong | None = None) -> tup
             continue
         out += lines[pos:region.first]
         if wrong is None:
-            out += skeleton_raise(region)
+            body = skeleton_raise(region, names_used_below(lines, region))
         else:
             code = textwrap.dedent(wrong.regions[region.name]).strip("\n") + "\n"
-            out += textwrap.indent(code, region.indent).splitlines(keepends=True)
+            body = textwrap.indent(code, region.indent).splitlines(keepends=True)
+        out += [lines[region.first], *body, lines[region.last]] if keep_markers else body
         pos, count = region.last + 1, count + 1
     out += lines[pos:]
     return "".join(out), count
@@ -318,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         print_wrong(args.number)
         return 0
     if args.command == "check" and args.number == "all":
-        if not args.reference:
+        if not (args.reference or STUDENT_EDITION):
             raise SystemExit("'check all' runs the reference only: add --reference")
         tests = list(dict.fromkeys(t for e in EXERCISES.values() for t in e.tests))
     else:
@@ -329,13 +356,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "hint":
         print_hint(args.number, args.level)
         return 0
+    if STUDENT_EDITION and args.command == "generate":
+        raise SystemExit("in the student edition you write each part in minisgl/ itself, between its markers: "
+                         f"run 'check {args.number}' to test it")
     if args.command == "generate":
         dest = args.dest or WORK / f"ex{args.number}"
         made = generate(args.number, dest, args.force)
         print(f"{'wrote' if made else 'kept your existing copy'}: {dest / 'minisgl'}"
               + ("" if made else "  (use --force to start over)"))
         return 0
-    if args.reference or args.wrong:
+    if args.reference or args.wrong or STUDENT_EDITION:  # the student edition: test minisgl/ as it is
         wrong = find_wrong(args.number, args.wrong) if args.wrong else None
         with tempfile.TemporaryDirectory(prefix="minisgl-reference-") as tmp:
             dest = args.dest or Path(tmp)

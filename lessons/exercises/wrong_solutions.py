@@ -324,3 +324,110 @@ WRONG += [
     Wrong(8, "waits-for-the-whole-stream", "waits for the whole engine stream instead of copy_done",
           "not for the whole engine stream", {"the host waits for copy_done": "self.engine.stream.synchronize()"}),
 ]
+
+# ---------------------------------------------------------------- a fresh pass (issue 23): written before reading
+# the tests, each confirmed a real bug (wrong tokens, a leak, or garbage committed) before the test that names it
+WRONG += [
+    Wrong(2, "resolve-without-clamp", "computes the rows of every id, real ones included, and indexes the mailbox "
+          "with them", "real ids must not index it", {"resolve": """
+is_future = input_ids < 0
+return torch.where(is_future, self.tokens[-input_ids - 1], input_ids)
+"""}),
+    Wrong(1, "early-commit-keeps-last", "commits the batch in flight early but keeps it as `last`, so it is "
+          "committed again at the end", "each batch is committed exactly once", {"overlap_loop": overlap_loop(
+              before_launch="""
+if self._must_commit_first(last, planned):
+    self.commit(last, early=True)
+""")}),
+    Wrong(1, "future-map-boundary-after-schedule", "makes the future_map-off early commit after schedule() instead "
+          "of before it", "committed BEFORE schedule() plans batch n", {"overlap_loop": """
+planned = self.schedule()
+if self._must_commit_first(last, planned=None):
+    self.commit(last, early=True)
+    last = None
+if self._must_commit_first(last, planned):
+    self.commit(last, early=True)
+    last = None
+inflight = None
+if planned is not None:
+    result = self.launch(planned)
+    inflight = InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
+if last is not None:
+    self.commit(last)
+return inflight
+"""}),
+    Wrong(2, "where-swapped", "gives torch.where its two choices the wrong way round", "came back as they were",
+          {"resolve": """
+is_future = input_ids < 0
+rows = (-input_ids - 1).clamp(min=0)
+return torch.where(is_future, input_ids, self.tokens[rows])
+"""}),
+    Wrong(3, "shallow-copy-of-the-batch", "returns copy.copy of the running batch", "a copy of the RunningBatch",
+          {"snapshot": """
+import copy
+return copy.copy(self)
+"""}),
+    Wrong(3, "rows-and-generations-swapped", "passes generations where BatchView takes rows, and rows where it takes "
+          "generations", "wrong fields in the snapshot: rows, generations", {"snapshot": """
+return BatchView(self.batch_id, False, list(self.reqs), self.generations, self.rows, self.samples, self.qo_lens)
+"""}),
+    Wrong(4, "lookahead-by-committed-plus-one", "leaves out a request once its committed outputs plus one reach "
+          "max_new_tokens, before its last token was launched", "only the requests whose LAUNCHED samples",
+          {"length lookahead": """
+if self.on("length_lookahead"):
+    self.running.reqs[:] = [r for r in self.running.reqs if len(r.output_ids) + 1 < r.max_new_tokens]
+"""}),
+    Wrong(4, "skip-counts-one", "counts a dropped late result once, whatever its number of positions",
+          "count each dropped late result by its positions", {"skip_finished": """
+if req.finished and self.on("skip_finished"):
+    self.stats.overshoot_tokens += 1
+    continue
+"""}),
+    Wrong(5, "report-only-if-released-here", "reports a finished request only when this commit releases it",
+          "must be reported", {"the commit point": """
+if req.finished and (finished_before or not req.released):
+    self._release(req)
+    self.finished.append(req)
+"""}),
+    Wrong(5, "free-copies-from-zero", "frees every slot up to what the tree held, the borrowed prefix included",
+          "and only those", {"checkpoint": checkpoint(free_copies="self.kv_pool.free(slots[:present])")}),
+    Wrong(7, "counts-both", "counts every unread buffer as an overwrite, also when it then waits",
+          "count a wait in `waits` only", {"staging write-after-read wait": """
+if buf.consumed is not None and not buf.consumed.query():
+    self.unread_overwrites += 1
+    if self.war_wait:
+        self.waits += 1
+        buf.consumed.synchronize()
+"""}),
+    Wrong(6, "frees-one-parked-row-per-commit", "frees at most the first parked row at each commit",
+          "also when several rows become free at the same commit", {"free deferred rows": """
+if self.deferred_rows and self._row_last_launch[self.deferred_rows[0]] <= self._device_done_id:
+    self.req_to_token.free(self.deferred_rows.pop(0))
+"""}),
+    Wrong(6, "switch-inverted", "parks the row only when deferred_row_free is OFF", "may be reused only after every batch",
+          {"deferred row free": """
+if not self.on("deferred_row_free") and self._row_last_launch[row] > self._device_done_id:
+    self.deferred_rows.append(row)
+else:
+    self.req_to_token.free(row)
+"""}),
+    Wrong(7, "always-waits-and-counts", "waits for the buffer's event (and counts it) whether the device has read "
+          "the buffer or not", "wait only while the buffer's consumed event has not passed",
+          {"staging write-after-read wait": """
+if buf.consumed is not None:
+    if self.war_wait:
+        self.waits += 1
+        buf.consumed.synchronize()
+    elif not buf.consumed.query():
+        self.unread_overwrites += 1
+"""}),
+    Wrong(8, "engine-stream-synchronize", "makes the host wait for the engine stream in launch(), instead of the "
+          "engine stream waiting for the scheduler stream", "must wait for the scheduler stream",
+          {"the engine stream waits for the scheduler stream": "self.stream.synchronize()"}),
+    Wrong(8, "poll-copy-done", "polls copy_done.query() until it passes instead of waiting on it: a failure "
+          "of the device's work is never raised", "where a failure of the device's work reaches the host",
+          {"the host waits for copy_done": """
+while not result.copy_done.query():
+    time.sleep(0.0005)
+"""}),
+]

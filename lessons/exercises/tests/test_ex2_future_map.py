@@ -18,7 +18,16 @@ def published(rows: list[int], tokens: list[int], max_running_requests: int = 8)
 
 
 def check(fm: FutureMap, ids: list[int], expected: list[int], rule: str) -> None:
-    got = fm.resolve(torch.tensor(ids)).tolist()
+    try:
+        got = fm.resolve(torch.tensor(ids)).tolist()
+    except (IndexError, RuntimeError) as exc:
+        raise AssertionError(f"{rule}: resolve({ids}) raised {type(exc).__name__}: {exc}. The mailbox may be indexed "
+                             "only by rows: the row -id - 1 of a real id is no row (negative, or past the end), so "
+                             "real ids must not index it (clamp their rows, or pick them out first)") from None
+    kept = [i for i, g in zip(ids, got) if i < 0 and g == i]
+    assert not kept, (f"every placeholder must be replaced by the token of the row it names; placeholders {kept} came "
+                      f"back as they were (resolved {ids} to {got}, expected {expected}): which value does the "
+                      "result take where an id is negative?")
     assert got == expected, f"{rule}: resolved {ids} to {got}, expected {expected}"
 
 

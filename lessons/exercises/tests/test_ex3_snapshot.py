@@ -24,10 +24,14 @@ def live_batch_and_snapshot():
     return snap, (a, b, c)
 
 
-def test_the_snapshot_is_not_the_live_batch():
-    snap, _ = live_batch_and_snapshot()
+def test_the_snapshot_is_a_batch_view_not_the_live_batch_or_a_copy_of_it():
+    live = RunningBatch()
+    live.reqs[:] = [make_req(0, row=10, generation=0)]
+    snap = live.snapshot()
+    assert snap is not live, "snapshot() must return a BatchView frozen at launch, not the live batch itself"
     assert isinstance(snap, BatchView) and not isinstance(snap, RunningBatch), (
-        f"snapshot() must return a BatchView frozen at launch, not the live batch itself (got {type(snap).__name__})")
+        "snapshot() must build a BatchView of the values at launch; a copy of the RunningBatch (copy.copy) shares "
+        f"the live request list and its fields are computed when read, not at launch (got {type(snap).__name__})")
 
 
 def test_the_request_list_is_copied():
@@ -50,5 +54,8 @@ def test_per_row_fields_are_frozen_at_launch():
                samples=snap.samples, qo_lens=snap.qo_lens)
     expected = dict(batch_id=7, is_prefill=False, rows=[10, 11, 12], generations=[0, 1, 2], samples=[True] * 3,
                     qo_lens=[1] * 3)
-    assert got == expected, ("every field the commit reads must be the value at launch, not computed later from "
-                             f"the live batch or its requests: got {got}, expected {expected}")
+    wrong = [name for name in expected if got[name] != expected[name]]
+    assert not wrong, (f"wrong fields in the snapshot: {', '.join(wrong)}. Each field the commit reads must be the value "
+                       "at launch, taken from the batch when snapshot() is called, and given to BatchView in its order "
+                       f"(batch_id, is_prefill, reqs, rows, generations, samples, qo_lens); got {got}, expected "
+                       f"{expected}")

@@ -2,6 +2,8 @@
 its switch off. Each assertion names its rule. The per-step ownership audit is off here, so
 that a leak is reported by the rule it breaks rather than by the audit."""
 
+import pytest
+
 from minisgl import LLM, SamplingParams
 from minisgl.invariants import InvariantError
 from minisgl.kv_pool import KVAccountingError
@@ -15,7 +17,14 @@ def outputs(model: str, prompts, params, *disabled: str, loop: str = "overlap") 
     llm.scheduler.check_each_step = False
     try:
         outs = llm.generate(prompts, params)
-    except (KVAccountingError, InvariantError) as exc:
+    except (RuntimeError, InvariantError) as exc:
+        if "can no longer be scheduled" in str(exc):
+            raise AssertionError(
+                "length lookahead: leave out of the decode batch only the requests whose LAUNCHED samples already "
+                "reach max_new_tokens (Req.will_finish_by_length); one left out before its last token was launched "
+                f"never finishes ({exc})") from None
+        if not isinstance(exc, (KVAccountingError, InvariantError)):
+            raise
         raise AssertionError(
             "a late result of a request that already finished is not an output: skip it at the commit (and count "
             f"it), or the request is finished and released a second time ({type(exc).__name__}: {exc})") from None
@@ -85,3 +94,51 @@ def test_skip_finished_off_shows_its_symptom(qwen3):
         "keep the switch: with skip_finished off the late result must be committed like any other (a token "
         "after the stop token, then a second finish, which _release reports as a double free); "
         f"got {raised!r}")
+
+
+def test_an_abort_while_the_last_token_is_in_flight_comes_out_once(qwen3):
+    """Aborted once its last token is launched: the abort finishes it at the next commit, and the
+    result still in flight is a late result like any other."""
+    twelve = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    llm = LLM(qwen3, loop="overlap", device_delay_ms=5)
+    llm.scheduler.check_each_step = False
+    keep, gone = llm.add_request("hello there", twelve), llm.add_request("the lazy dog", twelve)
+    req = llm.scheduler.waiting[-1]
+    outs = {}
+    try:
+        while not req.will_finish_by_length():  # its last token launched, not committed
+            outs.update({o.rid: o for o in llm.step()})
+        llm.abort(gone)
+        while llm.has_unfinished():
+            outs.update({o.rid: o for o in llm.step()})
+    except (KVAccountingError, InvariantError) as exc:
+        raise AssertionError(
+            "a request aborted while its last token is in flight is finished by the abort; the late result is then "
+            f"not an output: skip it at the commit and count it ({type(exc).__name__}: {exc})") from None
+    assert gone in outs and outs[gone].finish_reason == "abort", (
+        "a request aborted while its last token is in flight must come out once, with finish_reason 'abort': "
+        f"got {outs.get(gone)!r}")
+    assert keep in outs and llm.stats.overshoot_tokens >= 1 and leaked(llm) == 0, (
+        "the aborted request's late result must be skipped and counted in overshoot_tokens, and its slots freed "
+        f"up to the allocated length (overshoot_tokens {llm.stats.overshoot_tokens}, leaked {leaked(llm)})")
+
+
+@pytest.mark.parametrize("phase", ["a prefill chunk", "a decode step"])
+def test_the_late_result_of_an_aborted_request_counts_all_its_positions(qwen3, phase):
+    """Aborted while `phase` of it is in flight (release_allocated off: each dropped position's slot
+    stays allocated, so the leak measures what was dropped)."""
+    llm = LLM(qwen3, loop="overlap", chunk_size=4, device_delay_ms=5, disable=("release_allocated",))
+    llm.scheduler.check_each_step = False  # the leak is the measurement
+    gone = llm.add_request("the quick brown fox jumps over the lazy dog while the cat sleeps",
+                           SamplingParams(max_new_tokens=12, ignore_eos=True))
+    req = llm.scheduler.waiting[-1]
+    while (req.launched_len == 0) if phase == "a prefill chunk" else (len(req.output_ids) < 2):
+        llm.step()
+    in_flight = req.launched_len - req.kv_committed_len  # positions of the batch still in flight
+    llm.abort(gone)
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.stats.overshoot_tokens == in_flight == leaked(llm) > 0, (
+        "count each dropped late result by its positions (qo_len), not once per result: the late result of "
+        f"{phase} of an aborted request had {in_flight} positions in flight (and {leaked(llm)} slots stayed "
+        f"allocated), counted {llm.stats.overshoot_tokens}")

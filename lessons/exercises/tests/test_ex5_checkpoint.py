@@ -2,11 +2,16 @@
 exactly its committed KV to the radix cache (readings §9 and §7, lesson 7). Each assertion names
 its rule; the per-step ownership audit is off, so that the rule is named rather than the audit."""
 
+import pytest
+
 from minisgl import LLM, SamplingParams, demo_model_path, demo_prompts
 from minisgl.invariants import InvariantError
 from minisgl.kv_pool import KVAccountingError
 
 FIVE = SamplingParams(max_new_tokens=5, ignore_eos=True)
+ONLY_OUR_COPIES = ("free your own copies of the positions the tree already had, and only those: "
+                   "slots[cached_len:present]; the first cached_len slots are the tree's, borrowed at admission, "
+                   "and freeing them frees them twice")
 
 
 def engine(model: str, *disabled: str, loop: str = "overlap") -> LLM:
@@ -22,6 +27,8 @@ def generate(llm: LLM, prompts, params):
         if "no longer be scheduled" in str(exc):
             raise AssertionError("a request that commit_token() finished must be reported: append it to "
                                  f"self.finished (the caller never got it: {exc})") from None
+        if "double free of KV slots" in str(exc):
+            raise AssertionError(f"{ONLY_OUR_COPIES} ({exc})") from None
         if "tokens but" not in str(exc):
             raise
         raise AssertionError("checkpoint only the positions whose KV committed batches wrote, min(kv_committed_len, "
@@ -30,7 +37,12 @@ def generate(llm: LLM, prompts, params):
 
 
 def free_after_flush(llm: LLM) -> int:
-    llm.flush_cache()
+    try:
+        llm.flush_cache()
+    except KVAccountingError as exc:  # the tree evicts slots the request freed already
+        if "double free of KV slots" in str(exc):
+            raise AssertionError(f"{ONLY_OUR_COPIES} ({exc})") from None
+        raise
     mem = llm.memory_report()
     return mem["kv_total"] - mem["kv_free"]
 
@@ -123,3 +135,43 @@ def test_lesson_7_workload_overlap_equals_normal():
     outs = {loop: [o.token_ids for o in generate(LLM(demo_model_path(), loop=loop, kv_tokens=4096), prompts, params)]
             for loop in ("normal", "overlap")}
     assert outs["overlap"] == outs["normal"]
+
+
+LONG = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat"
+TWELVE = SamplingParams(max_new_tokens=12, ignore_eos=True)
+PHASES = {  # where the aborted request is when abort() is called
+    "prefilling in chunks": lambda req: 0 < req.launched_len < req.prompt_len,
+    "decoding": lambda req: len(req.output_ids) >= 2,
+    "decoding, nothing committed after it": lambda req: len(req.output_ids) >= 2,
+}
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_an_abort_in_every_phase_is_released_once_and_leaves_the_pools_whole(qwen3, phase):
+    expected_keep, expected_gone = (o.token_ids for o in LLM(qwen3, loop="normal").generate(["hello there", LONG],
+                                                                                             TWELVE))
+    llm = LLM(qwen3, loop="overlap", chunk_size=4, device_delay_ms=5)  # the ownership audit stays on
+    keep = None if phase.endswith("after it") else llm.add_request("hello there", TWELVE)
+    gone = llm.add_request(LONG, TWELVE)
+    req = llm.scheduler.waiting[-1]
+    outs = {}
+    try:
+        for _ in range(200):
+            if PHASES[phase](req):
+                break
+            outs.update({o.rid: o for o in llm.step()})
+        assert PHASES[phase](req), f"the workload never reached the phase '{phase}'"
+        llm.abort(gone)
+        while llm.has_unfinished():
+            outs.update({o.rid: o for o in llm.step()})
+    except (KVAccountingError, InvariantError) as exc:
+        raise AssertionError(
+            f"an aborted request (aborted while {phase}) must be released exactly once, at the commit point, and "
+            f"hand to the cache only the KV that committed batches wrote ({type(exc).__name__}: {exc})") from None
+    assert outs[gone].finish_reason == "abort" and outs[gone].token_ids == expected_gone[:len(outs[gone].token_ids)]
+    if keep is not None:
+        assert outs[keep].token_ids == expected_keep, "the abort changed another request's tokens"
+    mem = llm.memory_report()
+    assert mem["kv_free"] + mem["kv_cached"] == mem["kv_total"] and mem["rows_free"] == mem["rows_total"], (
+        f"after an abort while {phase} every KV slot must be free or cached and every row free: {mem}")
+    assert free_after_flush(llm) == 0, f"after an abort while {phase} the cache holds locked KV slots"

@@ -59,6 +59,9 @@ def test_acquire_waits_until_the_device_has_copied_the_buffer():
         "rewrites the buffer, or the batch in flight runs on the next batch's metadata")
     assert got and got[0] is ring.buffers[0] and ring.waits == 1, (
         f"after the wait acquire() must return the buffer and count the wait in `waits` (waits = {ring.waits})")
+    assert ring.unread_overwrites == 0, (
+        "count a wait in `waits` only: with staging_war_wait on no unread buffer is ever overwritten, so "
+        f"`unread_overwrites` stays 0 (lesson 7 prints both counters; got {ring.unread_overwrites})")
 
 
 def test_no_wait_when_the_device_has_already_copied_it():

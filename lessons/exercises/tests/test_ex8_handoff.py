@@ -53,6 +53,11 @@ def run(model: str, loop: str, scheduler_stream: CpuStream | None = None, **kwar
     llm = LLM(model, loop=loop, **kwargs)
     if scheduler_stream is not None:
         llm.scheduler.stream = scheduler_stream
+    return llm, generate_two(llm)
+
+
+def generate_two(llm: LLM) -> list[list[int]]:
+    """Two requests; a garbage token id (read before it was copied) is reported as that rule."""
     try:
         outs = llm.generate(["hello there", "the lazy dog"], SIX)
     except (DeviceError, IndexError, OverflowError, RuntimeError) as exc:
@@ -62,7 +67,7 @@ def run(model: str, loop: str, scheduler_stream: CpuStream | None = None, **kwar
             "the host read a batch's tokens before its copy_done event passed: next_tokens_host is made with "
             "torch.empty and holds whatever was in that memory until the copy lands, and those ids were committed "
             f"and fed to the next forward ({type(exc).__name__}: {exc})") from None
-    return llm, [o.token_ids for o in outs]
+    return [o.token_ids for o in outs]
 
 
 def test_the_host_waits_for_copy_done_before_reading_the_tokens(qwen3):
@@ -103,8 +108,37 @@ def test_a_commit_waits_for_its_own_batch_only(qwen3):
         return commit_results(view, result)
 
     llm.scheduler.launch, llm.scheduler._commit_results = spy_launch, spy_commit
-    llm.generate(["hello there", "the lazy dog"], SIX)
+    generate_two(llm)
     assert next_busy and sum(next_busy) >= len(next_busy) - 1, (
         "commit() must wait for the copy_done event of the batch it commits, not for the whole engine stream: "
         "waiting for the stream also waits for the batch launched after it, and the overlap is gone; batch n was "
         f"still running during the commit of batch n-1 in {sum(next_busy)} of {len(next_busy)} commits")
+
+
+def test_a_fault_in_the_devices_work_is_raised_on_the_host_and_nothing_of_it_is_committed(qwen3):
+    """The engine's work fails on its stream; copy_done.synchronize() re-raises the failure on the
+    host. A host that reads on without that wait commits whatever the empty token buffer held."""
+    llm = LLM(qwen3, loop="overlap", device_delay_ms=5)
+    forward, failing_batch = llm.engine._forward_and_sample, []
+
+    def fails_on_the_third_batch(batch, *args):
+        if batch.batch_id == 2:
+            failing_batch.append(batch.batch_id)
+            raise RuntimeError("injected device fault")
+        return forward(batch, *args)
+
+    llm.engine._forward_and_sample = fails_on_the_third_batch
+    raised = None
+    try:
+        llm.generate(["hello there", "the lazy dog"], SIX)
+    except Exception as exc:  # noqa: BLE001 - which exception came out is what is checked
+        raised = exc
+    committed = [n for kind, n in llm.stats.events if kind == "commit"]
+    assert failing_batch and 2 not in committed, (
+        "the host must wait for a batch's copy_done with copy_done.synchronize() before it reads the tokens: that "
+        "wait is where a failure of the device's work reaches the host (query() only says the event passed, "
+        "failed or not); batch 2 failed on the device and was committed anyway (its tokens are whatever the "
+        f"empty buffer held); committed batches {committed}")
+    assert isinstance(raised, DeviceError) and "injected device fault" in str(raised), (
+        "a failure of the device's work must reach the caller as the DeviceError that copy_done.synchronize() "
+        f"raises, naming the fault; got {raised!r}")

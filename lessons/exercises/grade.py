@@ -1,0 +1,256 @@
+"""Grade a class: every exercise of every submission, and whether code outside the regions changed.
+
+    python lessons/exercises/grade.py SUBMISSIONS_DIR --out DIR [--jobs 2] [--exercises 1 2]
+
+Each entry of SUBMISSIONS_DIR is one student (named by the entry): either a student-edition work
+tree (a folder, as written by student_edition.py and then edited), or a patch against the student
+edition (`NAME.patch` or `NAME.diff`, as `git diff` writes it in the student's tree).
+
+Per student and exercise N:
+- outside the regions: the submission must equal the student edition everywhere except between
+  the exercise markers. A change inside a function that holds regions costs those regions'
+  exercises their marks; any other change (another function or file, a marker, the tests)
+  costs every exercise its marks. The change is named in the failed rules.
+- the checks: exercise N's tests run against the reference package with only exercise N's
+  regions taken from the submission (make_exercise.generate, as for a known-wrong solution), so
+  that a mistake in one exercise costs no marks in another. All eight run in one process per
+  student (runner.run_checks, in-process pytest); --jobs students are graded at once.
+
+Writes DIR/grades.json and DIR/grades.csv: one row per student and exercise with the score
+(passed tests / tests of the exercise; 0 when flagged), and the failed rules (each failed test's
+message, which names the rule it checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import difflib
+import json
+import multiprocessing
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from catalog import EXERCISES  # noqa: E402
+from make_exercise import PACKAGE, Wrong, generate, marked_files, regions, replace_regions  # noqa: E402
+from student_edition import write_student_edition  # noqa: E402
+
+PATCH_SUFFIXES = (".patch", ".diff")
+IGNORED_PARTS = {".git", "__pycache__", ".pytest_cache", "work", ".venv"}  # work/: make_exercise's copies
+RULE_CHARS = 400  # a failure message is cut here in the report: it names its rule in its first sentence
+
+
+@dataclass(frozen=True)
+class Grade:
+    student: str
+    exercise: int
+    score: float  # passed tests / tests of the exercise; 0 when flagged
+    passed: int
+    total: int
+    flagged: bool  # code outside the exercise regions changed (no marks)
+    failed_rules: list[str]
+
+
+# --------------------------------------------------------------------------- what a tree holds
+
+def written_regions(tree: Path) -> dict[int, dict[str, str]]:
+    """exercise -> region name -> the code between its markers in tree/minisgl (dedented)."""
+    found: dict[int, dict[str, str]] = {}
+    for rel in marked_files(PACKAGE):
+        lines = (tree / "minisgl" / rel).read_text().splitlines(keepends=True)
+        for region in regions(lines):
+            found.setdefault(region.number, {})[region.name] = textwrap.dedent(
+                "".join(lines[region.first + 1:region.last]))
+    return found
+
+
+def put_regions(tree: Path, code: dict[int, dict[str, str]], dest: Path) -> Path:
+    """A copy of tree (its git history left out) in dest, with `code` between the markers of its
+    minisgl (the markers kept): e.g. the reference's regions put into the student edition."""
+    shutil.copytree(tree, dest, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc"))
+    for rel in marked_files(dest / "minisgl"):
+        path = dest / "minisgl" / rel
+        source = path.read_text()
+        for number, bodies in code.items():
+            source, _ = replace_regions(source, number, Wrong(number, "", "", "", bodies), keep_markers=True)
+        path.write_text(source)
+    return dest
+
+
+def tree_files(tree: Path) -> set[str]:
+    return {p.relative_to(tree).as_posix() for p in tree.rglob("*")
+            if p.is_file() and not IGNORED_PARTS & set(p.relative_to(tree).parts) and p.suffix != ".pyc"}
+
+
+# --------------------------------------------------------------------------- edits outside the regions
+
+def _outside(lines: list[str]) -> tuple[list[str], list[int]]:
+    """The file with each region's body folded into one line naming the region, and for each of
+    its lines the index of the line it came from."""
+    out, origin, pos = [], [], 0
+    for region in regions(lines):
+        out += lines[pos:region.first + 1] + [f"<body of exercise {region.number}: {region.name}>\n"]
+        origin += list(range(pos, region.first + 2))
+        pos = region.last
+    return out + lines[pos:], origin + list(range(pos, len(lines)))
+
+
+def _exercises_of_function(source: str, line: int) -> set[int]:
+    """The exercises with regions inside the innermost function around `line` (0-based), if any."""
+    spans = [(node.lineno - 1, node.end_lineno - 1) for node in ast.walk(ast.parse(source))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    inside = [span for span in spans if span[0] <= line <= span[1]]
+    if not inside:
+        return set()
+    first, last = min(inside, key=lambda span: span[1] - span[0])
+    return {r.number for r in regions(source.splitlines()) if first <= r.first and r.last <= last}
+
+
+def edits_outside_regions(base: Path, tree: Path) -> dict[int, list[str]]:
+    """exercise -> the edits outside the regions that cost it its marks (see the module's text)."""
+    every = set(EXERCISES)
+    flagged: dict[int, list[str]] = {}
+
+    def flag(numbers: set[int], what: str) -> None:
+        for number in sorted(numbers or every):
+            flagged.setdefault(number, []).append(f"edited outside the exercise regions: {what}")
+
+    base_files, tree_files_ = tree_files(base), tree_files(tree)
+    for name in sorted(base_files - tree_files_):
+        flag(every, f"{name} removed")
+    for name in sorted(tree_files_ - base_files):
+        if name.endswith(".py") or name.startswith(("minisgl/", "tests/")):
+            flag(every, f"{name} added")
+    for name in sorted(base_files & tree_files_):
+        if (base / name).read_bytes() == (tree / name).read_bytes():
+            continue
+        try:
+            before, after = (base / name).read_text(), (tree / name).read_text()
+            base_regions = [(r.number, r.name) for r in regions(before.splitlines())]
+            after_regions = [(r.number, r.name) for r in regions(after.splitlines())]
+        except (UnicodeDecodeError, ValueError):
+            flag(every, f"{name} changed (its exercise markers are broken)")
+            continue
+        if not base_regions:
+            flag(every, f"{name} changed")
+            continue
+        if after_regions != base_regions:
+            flag(every, f"{name}: exercise markers changed")
+            continue
+        outside_before, origin = _outside(before.splitlines(keepends=True))
+        outside_after, _ = _outside(after.splitlines(keepends=True))
+        matcher = difflib.SequenceMatcher(a=outside_before, b=outside_after, autojunk=False)
+        for tag, i1, _, _, _ in matcher.get_opcodes():
+            if tag != "equal":
+                line = origin[min(i1, len(origin) - 1)]
+                flag(_exercises_of_function(before, line), f"{name} line {line + 1} changed")
+    return flagged
+
+
+# --------------------------------------------------------------------------- grading
+
+def submission_tree(entry: Path, base: Path, scratch: Path) -> Path:
+    """The work tree of a submission: the folder itself, or the student edition with the patch applied."""
+    if entry.is_dir():
+        return entry
+    tree = scratch / "tree"
+    shutil.copytree(base, tree, ignore=shutil.ignore_patterns(".git"))
+    done = subprocess.run(["git", "apply", "--whitespace=nowarn", str(entry.resolve())], cwd=tree,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"the patch does not apply to the student edition: {done.stderr.strip()}")
+    return tree
+
+
+def grade_student(entry: Path, base: Path, numbers: list[int]) -> list[Grade]:
+    """Every exercise of one submission. Runs in its own process (one per student, see grade_class)."""
+    from runner import run_checks  # imports pytest and, through the tests, torch: only in the workers
+
+    student = entry.name.removesuffix(entry.suffix) if entry.suffix in PATCH_SUFFIXES else entry.name
+    with tempfile.TemporaryDirectory(prefix=f"minisgl-grade-{student}-") as tmp:
+        scratch = Path(tmp)
+        try:
+            tree = submission_tree(entry, base, scratch)
+            flagged = edits_outside_regions(base, tree)
+            code = written_regions(tree)
+        except (ValueError, FileNotFoundError, SyntaxError) as exc:
+            return [Grade(student, n, 0.0, 0, len(EXERCISES[n].tests), True, [f"not gradable: {exc}"])
+                    for n in numbers]
+        grades = []
+        for number in numbers:
+            if number in flagged:
+                grades.append(Grade(student, number, 0.0, 0, 0, True, flagged[number]))
+                continue
+            work = scratch / f"ex{number}"
+            wrong = Wrong(number, student, "the submission", "", code.get(number, {}))
+            try:
+                generate(number, work, force=True, wrong=wrong)
+            except SyntaxError as exc:
+                grades.append(Grade(student, number, 0.0, 0, 0, False,
+                                    [f"the code between the exercise {number} markers is not valid Python: {exc}"]))
+                continue
+            report = run_checks(work, number)
+            passed = sum(o.outcome == "passed" for o in report.outcomes)
+            total = max(len(report.outcomes), 1)
+            failed = [f"{o.nodeid}: {o.message[:RULE_CHARS]}" for o in report.outcomes if o.outcome == "failed"]
+            grades.append(Grade(student, number, round(passed / total, 3) if report.exit_code in (0, 1) else 0.0,
+                                passed, total, False, failed))
+    return grades
+
+
+def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int) -> list[Grade]:
+    entries = sorted(p for p in submissions.iterdir() if p.is_dir() or p.suffix in PATCH_SUFFIXES)
+    if not entries:
+        raise SystemExit(f"no submission (a folder, or a {' or '.join(PATCH_SUFFIXES)} file) in {submissions}")
+    with tempfile.TemporaryDirectory(prefix="minisgl-grade-base-") as tmp:
+        base = write_student_edition(Path(tmp) / "student-edition")  # what every submission started from
+        # a fresh process per student: torch, the engine's threads and the swapped modules of one
+        # student's run cannot reach the next one
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
+            futures = [pool.submit(grade_student, entry, base, numbers) for entry in entries]
+            grades = [g for future in futures for g in future.result()]
+    write_report(grades, out)
+    return grades
+
+
+def write_report(grades: list[Grade], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "grades.json").write_text(json.dumps([asdict(g) for g in grades], indent=1, ensure_ascii=False) + "\n")
+    with open(out / "grades.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["student", "exercise", "score", "passed", "total", "flagged", "failed_rules"])
+        for g in grades:
+            writer.writerow([g.student, g.exercise, g.score, g.passed, g.total, g.flagged, " | ".join(g.failed_rules)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("submissions", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--jobs", type=int, default=2, help="students graded at once (one process each)")
+    ap.add_argument("--exercises", type=int, nargs="+", default=sorted(EXERCISES), choices=sorted(EXERCISES))
+    args = ap.parse_args(argv)
+    start = time.monotonic()
+    grades = grade_class(args.submissions, args.out, args.exercises, args.jobs)
+    students = len({g.student for g in grades})
+    print(f"graded {students} submissions x {len(args.exercises)} exercises in {time.monotonic() - start:.0f} s: "
+          f"{args.out / 'grades.json'}, {args.out / 'grades.csv'}")
+    for g in grades:
+        print(f"{g.student:24} exercise {g.exercise}  score {g.score:.2f}{'  FLAGGED' if g.flagged else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

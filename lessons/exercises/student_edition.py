@@ -1,0 +1,90 @@
+"""Write the student edition: a repository to hand to a class, without the answers.
+
+    python lessons/exercises/student_edition.py DIR
+
+DIR gets every file of this repository except the teacher's ones (TEACHER_ONLY: the guide with
+the answers, the known-wrong solutions, the grader and the tests of these tools), with every
+exercise region of minisgl/ replaced by the skeleton's `raise NotImplementedError("exercise N:
+...")` (make_exercise.replace_regions, as `generate` does for one exercise, here for all of them).
+The marker lines stay around each raise: the learner writes each part there, in minisgl/ itself,
+and the grader (grade.py) finds it there. DIR becomes a fresh git repository with one commit, so
+that no history of the answers comes with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from catalog import EXERCISES  # noqa: E402
+from make_exercise import ROOT, marked_files, replace_regions  # noqa: E402
+
+# What only a teacher gets: the answers to the written questions, the known-wrong solutions (near
+# copies of the reference), and the tools and tests that need the reference to work.
+TEACHER_ONLY = frozenset({
+    "lessons/TEACHER.md",
+    "lessons/exercises/wrong_solutions.py",
+    "lessons/exercises/student_edition.py",
+    "lessons/exercises/grade.py",
+    "tests/test_exercises.py",
+    "tests/test_student_edition.py",
+    "tests/test_grading.py",
+})
+COMMIT_MESSAGE = "minisgl course: student edition (every exercise region raises NotImplementedError)"
+
+
+def repository_files(root: Path = ROOT) -> list[str]:
+    """The files git knows or would add here (tracked, and untracked but not ignored), that exist."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=root,
+                            check=True, capture_output=True, text=True).stdout.split("\0")
+    return sorted(name for name in set(listed) if name and (root / name).is_file())
+
+
+def without_answers(source: str) -> str:
+    """Every exercise region's body replaced by its skeleton raise, the markers kept. Later
+    exercises first: a skeleton names what the reference code below it reads (exercise 5's
+    `written`, read by exercise 4's region), which must still be there when it is made."""
+    for number in sorted(EXERCISES, reverse=True):
+        source, _ = replace_regions(source, number, keep_markers=True)
+    return source
+
+
+def write_student_edition(dest: Path) -> Path:
+    """Write the student edition to dest (which must not exist, or be empty) and commit it there."""
+    dest = Path(dest).resolve()
+    if dest.exists() and any(dest.iterdir()):
+        raise SystemExit(f"{dest} exists and is not empty")
+    marked = {f"minisgl/{rel.as_posix()}" for rel in marked_files()}
+    for name in repository_files():
+        if name in TEACHER_ONLY:
+            continue
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if name in marked:
+            source = without_answers((ROOT / name).read_text())
+            ast.parse(source, name)  # the skeleton must stay valid Python
+            target.write_text(source)
+        else:
+            shutil.copy2(ROOT / name, target)
+    git = ["git", "-c", "user.name=minisgl course", "-c", "user.email=course@minisgl.invalid"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", COMMIT_MESSAGE]):
+        subprocess.run([*git, *args], cwd=dest, check=True)
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dest", type=Path, help="a new (or empty) folder")
+    args = ap.parse_args(argv)
+    print(f"wrote the student edition: {write_student_edition(args.dest)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The grader (lessons/exercises/grade.py) on three submissions made from the student edition: the
+reference's regions put back (full marks), the student edition untouched (zero), and the reference
+with one line added outside a region, in the function that holds exercise 5's and 4's regions
+(those two flagged with no marks, the others graded as usual)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXERCISES_DIR = ROOT / "lessons" / "exercises"
+GRADED = [3, 5]  # one exercise the outside edit leaves alone, one it costs (each run takes a while)
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXERCISES_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+grade = _load("grade")
+edition = sys.modules["student_edition"]
+RELEASE_FLAG = "        req.released = True\n"  # a line of Scheduler._release, outside its regions
+
+
+@pytest.fixture(scope="module")
+def submissions(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("grading")
+    base = edition.write_student_edition(root / "edition")
+    subs = root / "submissions"
+    subs.mkdir()
+    grade.put_regions(base, grade.written_regions(ROOT), subs / "reference")
+    shutil.copytree(base, subs / "empty", ignore=shutil.ignore_patterns(".git"))
+    outside = grade.put_regions(base, grade.written_regions(ROOT), root / "outside")
+    scheduler = outside / "minisgl" / "scheduler.py"
+    assert scheduler.read_text().count(RELEASE_FLAG) == 1
+    scheduler.write_text(scheduler.read_text().replace(RELEASE_FLAG, RELEASE_FLAG + "        req.cached_len = 0\n"))
+    # this one is handed in as a patch against the student edition
+    shutil.copytree(base / ".git", outside / ".git")
+    diff = subprocess.run(["git", "diff"], cwd=outside, capture_output=True, text=True, check=True).stdout
+    (subs / "outside.patch").write_text(diff)
+    return subs
+
+
+@pytest.mark.full
+def test_reference_full_marks_empty_zero_outside_edit_flagged(submissions, tmp_path):
+    grade.main([str(submissions), "--out", str(tmp_path), "--jobs", "2", "--exercises", *map(str, GRADED)])
+    rows = {(g["student"], g["exercise"]): g for g in json.loads((tmp_path / "grades.json").read_text())}
+    assert set(rows) == {(s, n) for s in ("reference", "empty", "outside") for n in GRADED}
+    for n in GRADED:
+        ref, empty = rows["reference", n], rows["empty", n]
+        assert ref["score"] == 1.0 and ref["passed"] == ref["total"] > 0 and not ref["failed_rules"], ref
+        assert empty["score"] == 0.0 and not empty["flagged"], empty
+        assert all(f"exercise {n}:" in rule and "NotImplementedError" in rule for rule in empty["failed_rules"])
+    flagged, untouched = rows["outside", 5], rows["outside", 3]
+    assert flagged["flagged"] and flagged["score"] == 0.0, flagged
+    assert flagged["failed_rules"] == ["edited outside the exercise regions: minisgl/scheduler.py line "
+                                       f"{edited_line(submissions)} changed"], flagged
+    assert not untouched["flagged"] and untouched["score"] == 1.0, untouched
+    with open(tmp_path / "grades.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["student"], int(r["exercise"]), float(r["score"])) for r in table] == [
+        (g["student"], g["exercise"], g["score"]) for g in json.loads((tmp_path / "grades.json").read_text())]
+
+
+def edited_line(submissions: Path) -> int:
+    """The line of the student edition's scheduler.py after which the outside edit was added."""
+    lines = (submissions / "empty" / "minisgl" / "scheduler.py").read_text().splitlines(keepends=True)
+    return lines.index(RELEASE_FLAG) + 2
+
+
+def test_every_exercise_is_flagged_for_an_edit_of_the_tests(submissions, tmp_path):
+    tree = shutil.copytree(submissions / "reference", tmp_path / "tree")
+    test = tree / "lessons" / "exercises" / "tests" / "test_ex2_future_map.py"
+    test.write_text(test.read_text().replace("assert", "assert True or", 1))
+    flagged = grade.edits_outside_regions(submissions / "empty", tree)
+    assert sorted(flagged) == sorted(grade.EXERCISES), flagged
+    assert grade.edits_outside_regions(submissions / "empty", submissions / "reference") == {}

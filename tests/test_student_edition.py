@@ -1,0 +1,113 @@
+"""The student edition (lessons/exercises/student_edition.py): no answer in it, in code or text;
+no teacher's file and no history; the reference regions put back give the reference package
+(which passes every exercise: test_exercises.py); and a lesson that reaches a part not written
+yet says which exercise unlocks it."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXERCISES_DIR = ROOT / "lessons" / "exercises"
+MIN_REVEALING_CHARS = 21  # shorter lines (`continue`, `if last is not None:`) say nothing about the answer
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXERCISES_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+edition = _load("student_edition")
+grade = _load("grade")
+tool = sys.modules["make_exercise"]
+
+
+def squeeze(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory) -> Path:
+    return edition.write_student_edition(tmp_path_factory.mktemp("edition") / "course")
+
+
+def revealing_lines() -> dict[str, str]:
+    """Each reference line of a region that the package has nowhere outside the regions (a line
+    that normal_loop also has gives nothing away) -> 'file: exercise N: part'."""
+    found, outside = {}, []
+    for rel in sorted(tool.PACKAGE.rglob("*.py")):
+        lines = rel.read_text().splitlines()
+        inside = set()
+        for region in tool.regions(lines):
+            inside.update(range(region.first, region.last + 1))
+            for line in lines[region.first + 1:region.last]:
+                code = squeeze(line.split("  # ")[0])
+                if len(code) >= MIN_REVEALING_CHARS and not code.startswith("#"):
+                    found[code] = f"{rel.name}: exercise {region.number}: {region.name}"
+        outside += [line for i, line in enumerate(lines) if i not in inside]
+    outside_text = squeeze("\n".join(outside))
+    return {code: where for code, where in found.items() if code not in outside_text}
+
+
+def test_no_reference_line_of_any_region_appears_in_the_student_edition(student):
+    lines = revealing_lines()
+    assert len(lines) >= 20, "the regions' reference lines were not found: is the package marked?"
+    quoted = []
+    for path in sorted(p for p in student.rglob("*") if p.is_file() and ".git" not in p.relative_to(student).parts):
+        try:
+            text = squeeze(path.read_text())
+        except UnicodeDecodeError:
+            continue  # the checkpoint's weights
+        quoted += [f"{path.relative_to(student)} quotes {code!r} ({where})" for code, where in lines.items()
+                   if code in text]
+    assert not quoted, "\n".join(quoted)
+
+
+def test_the_teachers_files_and_the_history_are_left_out(student):
+    assert not [name for name in edition.TEACHER_ONLY if (student / name).exists()]
+    commits = subprocess.run(["git", "rev-list", "--count", "HEAD"], cwd=student, capture_output=True, text=True,
+                             check=True).stdout
+    assert commits.strip() == "1"
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=student, capture_output=True, text=True).stdout
+    assert dirty == "", dirty
+
+
+def test_every_region_raises_naming_its_exercise_and_the_reference_fits_back(student, tmp_path):
+    for rel in tool.marked_files():
+        text = (student / "minisgl" / rel).read_text()
+        for region in tool.regions(text.splitlines()):
+            body = [line.strip() for line in text.splitlines()[region.first + 1:region.last]]
+            assert body[-1:] == [f"raise NotImplementedError('exercise {region.number}: {region.name} "
+                                 f"(make hint-{region.number} for hints)')"] and all(
+                line.startswith("# define ") for line in body[:-1]), body
+            if (region.number, region.name) == (5, "checkpoint"):  # exercise 4's region below reads it
+                assert body[0] == "# define written here: the code after this region uses it", body
+    # the reference's region bodies, put into the student edition, give back the reference package
+    restored = grade.put_regions(student, grade.written_regions(ROOT), tmp_path / "restored")
+    for path in sorted(tool.PACKAGE.rglob("*.py")):
+        rel = path.relative_to(tool.PACKAGE)
+        assert (restored / "minisgl" / rel).read_text() == path.read_text(), rel
+
+
+def test_the_exercise_checker_tests_minisgl_in_place_in_the_student_edition(student):
+    done = subprocess.run([sys.executable, "lessons/exercises/make_exercise.py", "generate", "2"], cwd=student,
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "minisgl/ itself" in done.stderr, done.stderr
+
+
+def test_a_lesson_that_needs_a_missing_part_names_the_exercise_and_ends_cleanly(student):
+    done = subprocess.run([sys.executable, "lessons/lesson_1_serial_loop.py"], cwd=student, capture_output=True,
+                          text=True, timeout=300)
+    said = re.search(r"this lesson needs exercise (\d+)", done.stdout)
+    assert done.returncode == 0 and said and "Traceback" not in done.stderr, (done.stdout[-2000:], done.stderr[-2000:])
+    package = "".join(path.read_text() for path in (student / "minisgl").rglob("*.py"))
+    assert f"NotImplementedError('exercise {said[1]}: " in package, "it names an exercise that is not missing"
