@@ -18,7 +18,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.demo.paths import demo_model_path
 
-from .conftest import assert_pool_whole, drain, no_thread_left_behind
+from .conftest import GREEDY, assert_pool_whole, drain, no_thread_left_behind
 
 PROMPTS = ["hello there", "count 1 to 9:", "the quick brown fox jumps over the lazy dog"]
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 14, 10)]
@@ -127,3 +127,68 @@ def test_timer_interrupts_from_the_issue(loop):
         assert_whole(llm)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     llm.close()
+
+
+# Ctrl-C while finished requests were turned into outputs (detokenizing): the scheduler had
+# handed them over, the KeyboardInterrupt dropped them, and step() never returned them.
+def test_ctrl_c_while_outputs_are_made_loses_no_result(qwen3):
+    with LLM(qwen3) as llm:
+        rids = [llm.add_request("hello there", GREEDY), llm.add_request("count 1 to 5:", GREEDY)]
+        decode, fired = llm.tokenizer.decode, []
+
+        def interrupting_decode(*args, **kwargs):
+            if not fired:
+                fired.append(1)
+                signal.raise_signal(signal.SIGINT)
+            return decode(*args, **kwargs)
+
+        llm.tokenizer.decode = interrupting_decode
+        got = {}
+        with pytest.raises(KeyboardInterrupt):
+            while llm.has_unfinished():
+                got.update({o.rid: o for o in llm.step()})
+        got.update(drain(llm))
+        assert sorted(got) == rids and all(len(o.token_ids) == GREEDY.max_new_tokens for o in got.values())
+        assert_pool_whole(llm)
+
+
+# Ctrl-C between queueing two of generate()'s requests: the unqueued ones were marked
+# abandoned, their ids were handed out again, and the next generate() dropped its own
+# results ("can no longer be scheduled").
+def test_ctrl_c_while_queueing_leaves_later_requests_alone(qwen3):
+    with LLM(qwen3) as llm:
+        add, calls = llm.scheduler.add, []
+
+        def interrupting_add(req):
+            calls.append(1)
+            if len(calls) == 2:
+                signal.raise_signal(signal.SIGINT)
+            return add(req)
+
+        llm.scheduler.add = interrupting_add
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a b", "c d", "e f", "g h"], GREEDY)
+        llm.scheduler.add = add
+        outs = llm.generate(["hello", "count 1 to 5:", "x y"], GREEDY)
+        assert [len(o.token_ids) for o in outs] == [8, 8, 8]
+        drain(llm)
+        assert_pool_whole(llm)
+
+
+# A second Ctrl-C that cut a step's context exit short left the (generator) context suspended;
+# closing it later latched GeneratorExit as the scheduler's error: "the engine failed earlier
+# (GeneratorExit: )". Seen with interrupts every few milliseconds on the step() interface.
+def test_a_step_context_never_exited_latches_nothing_and_restores_the_handler():
+    import gc
+    from types import SimpleNamespace
+
+    from minisgl.interrupts import atomic_step
+
+    handler = signal.getsignal(signal.SIGINT)
+    owner = SimpleNamespace(error=None)
+    context = atomic_step(owner)
+    context.__enter__()
+    del context  # its __exit__ never runs
+    gc.collect()
+    assert owner.error is None
+    assert signal.getsignal(signal.SIGINT) is handler
