@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench lab lessons clean
+.PHONY: install test test-all demo bench lab lessons clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,7 +15,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# make test: the fast tier (every module and mechanism, a sample of the wrong solutions, lessons
+# and interrupt phases); make test-all: everything, the tests marked `full` included (.ci/run)
 test: install
+	$(PY) -m pytest -q -m "not full" $(PYTEST_ARGS)
+
+test-all: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: install

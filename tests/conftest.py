@@ -8,7 +8,7 @@ import signal
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Container, Iterable, Iterator
 
 import pytest
 import torch
@@ -31,6 +31,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def tiered(cases: Iterable[tuple], fast: Container[tuple], id: Callable[[tuple], str] | None = None) -> list:
+    """pytest parameters for `cases`: those in `fast` run in both tiers, the others only in the full
+    tier (marked `full`: `make test` deselects them, `make test-all` runs everything)."""
+    return [pytest.param(*case, id=id(case) if id else None, marks=() if case in fast else pytest.mark.full)
+            for case in cases]
 
 
 @pytest.fixture(autouse=True)

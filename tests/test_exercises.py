@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import tiered
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "lessons" / "exercises" / "make_exercise.py"
 WRONG_LIMIT_S = 60  # a wrong solution must be reported within a minute, a hang included
@@ -134,14 +136,12 @@ def test_every_exercise_keeps_at_least_four_wrong_solutions():
     assert len({(w.exercise, w.name) for w in tool.WRONG}) == len(tool.WRONG)
 
 
-def _sampled(wrongs):
-    """The fast tier checks each exercise's first known-wrong solution; the full tier all of them."""
-    firsts = {w.exercise: w for w in reversed(wrongs)}
-    return [pytest.param(w, id=f"ex{w.exercise}-{w.name}", marks=() if firsts[w.exercise] is w else pytest.mark.full)
-            for w in wrongs]
+# The fast tier puts in one known-wrong solution per exercise (each exercise's first); the full tier all.
+FIRST_WRONG = [(w,) for w in {w.exercise: w for w in reversed(tool.WRONG)}.values()]
 
 
-@pytest.mark.parametrize("wrong", _sampled(tool.WRONG))
+@pytest.mark.parametrize("wrong", tiered([(w,) for w in tool.WRONG], FIRST_WRONG,
+                                         id=lambda case: f"ex{case[0].exercise}-{case[0].name}"))
 def test_known_wrong_solution_is_caught_with_a_message_that_names_the_rule(tmp_path, wrong):
     """Put the wrong solution into a copy of the reference and run the exercise's teaching tests
     (the first file of its selection) until the first failure, in this process (runner.py)."""

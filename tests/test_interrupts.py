@@ -18,13 +18,19 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.demo.paths import demo_model_path
 
-from .conftest import GREEDY, assert_pool_whole, drain, no_thread_left_behind
+from .conftest import GREEDY, assert_pool_whole, drain, no_thread_left_behind, tiered
 
 PROMPTS = ["hello there", "count 1 to 9:", "the quick brown fox jumps over the lazy dog"]
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 14, 10)]
 # Scheduler phases (methods), and the engine's launch, where a Ctrl-C may land.
 PHASES = ["schedule", "_handle_aborts", "_admit", "_plan", "launch", "commit", "_commit_results", "_release",
           "engine.launch"]
+LOOPS = ["normal", "overlap"]
+# The fast tier interrupts every phase once, the loops and call counts taken in turn; the full tier all.
+IN_STEP = [(loop, phase, at_call) for loop in LOOPS for phase in PHASES for at_call in (1, 3)]
+IN_STEP_FAST = {(LOOPS[i % 2], phase, (1, 3)[i // 2 % 2]) for i, phase in enumerate(PHASES)}
+IN_GENERATE = [(loop, phase) for loop in LOOPS for phase in PHASES]
+IN_GENERATE_FAST = {(LOOPS[(i + 1) % 2], phase) for i, phase in enumerate(PHASES) if i % 3 == 0}
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +63,7 @@ def assert_whole(llm: LLM) -> None:
     assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("at_call", [1, 3])
-@pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
+@pytest.mark.parametrize("loop, phase, at_call", tiered(IN_STEP, IN_STEP_FAST))
 def test_interrupt_in_step_loses_no_token(qwen3, reference, loop, phase, at_call):
     llm = LLM(qwen3, loop=loop, chunk_size=8)
     calls = interrupt_in(llm, phase, at_call)
@@ -77,8 +81,7 @@ def test_interrupt_in_step_loses_no_token(qwen3, reference, loop, phase, at_call
     llm.close()
 
 
-@pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
+@pytest.mark.parametrize("loop, phase", tiered(IN_GENERATE, IN_GENERATE_FAST))
 def test_interrupted_generate_gives_back_its_requests(qwen3, reference, loop, phase):
     llm = LLM(qwen3, loop=loop, chunk_size=8)
     other = llm.add_request(PROMPTS[1], PARAMS[1])  # not generate()'s: must finish untouched
