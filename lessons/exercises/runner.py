@@ -36,14 +36,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from catalog import EXERCISES  # noqa: E402
-from make_exercise import HANG_S, refresh_tests  # noqa: E402
+from make_exercise import HANG_ADVICE, HANG_S, refresh_tests  # noqa: E402
 
-HANG_ADVICE = (
-    "The test above never finished. Find the thread whose stack runs through the test file and read it "
-    "from the bottom up: it shows where that thread was when it was stopped. A stack inside "
-    "LLM.generate/step means the scheduler kept stepping without progress: some request is waiting for "
-    "something (a row, KV slots) that is never given back. A stack in synchronize() means a wait for an "
-    "event that never comes.")
 
 
 @dataclass(frozen=True)
