@@ -39,7 +39,6 @@ from catalog import EXERCISES  # noqa: E402
 from make_exercise import HANG_ADVICE, HANG_S, refresh_tests  # noqa: E402
 
 
-
 @dataclass(frozen=True)
 class CheckOutcome:
     nodeid: str  # relative to the work folder, e.g. tests/test_ex2_future_map.py::test_publish
