@@ -43,7 +43,8 @@ from make_exercise import HANG_ADVICE, HANG_S, refresh_tests  # noqa: E402
 class CheckOutcome:
     nodeid: str  # relative to the work folder, e.g. tests/test_ex2_future_map.py::test_publish
     outcome: str  # "passed", "failed" or "skipped"
-    message: str  # for a failure: pytest's `E` lines (what the learner is told) or the hang report
+    message: str  # for a failure: pytest's first `E` lines (what the learner is told) or the hang report
+    details: str = ""  # for a failure: pytest's whole report of it (traceback, chained exceptions)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class CheckReport:
     minisgl: Path  # the copy the tests imported
     exit_code: int  # pytest's: 0 all passed, 1 some failed, 2+ collection or usage errors
     outcomes: tuple[CheckOutcome, ...]
+    warnings: tuple[str, ...] = ()  # pytest's warnings, e.g. an exception raised in a thread the test started
 
     @property
     def passed(self) -> bool:
@@ -84,6 +86,7 @@ class _Collector:
         self.hang_s = hang_s
         self.outcomes: list[CheckOutcome] = []
         self.hang_report: dict[str, str] = {}
+        self.warnings: list[str] = []
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
@@ -112,14 +115,19 @@ class _Collector:
     def pytest_runtest_logreport(self, report):
         failed_outside_call = report.when != "call" and report.failed
         if report.when == "call" or failed_outside_call or (report.when == "setup" and report.skipped):
-            message = ""
+            message = details = ""
             if report.failed:
-                message = self.hang_report.get(report.nodeid) or failure_lines(report.longreprtext)
-            self.outcomes.append(CheckOutcome(report.nodeid, report.outcome, message))
+                details = report.longreprtext
+                message = self.hang_report.get(report.nodeid) or failure_lines(details)
+            self.outcomes.append(CheckOutcome(report.nodeid, report.outcome, message, details))
+
+    def pytest_warning_recorded(self, warning_message, nodeid):
+        self.warnings.append(f"{nodeid}: {warning_message.message}")
 
     def pytest_collectreport(self, report):
         if report.failed:  # e.g. a learner's copy that does not import
-            self.outcomes.append(CheckOutcome(report.nodeid, "failed", report.longreprtext.strip()))
+            self.outcomes.append(CheckOutcome(report.nodeid, "failed", failure_lines(report.longreprtext),
+                                              report.longreprtext))
 
 
 def _is_swapped(name: str) -> bool:
@@ -165,4 +173,4 @@ def run_checks(work: Path, number: int, *, tests: Sequence[str] | None = None, s
     with _imports_from(work):
         exit_code = int(pytest.main(args, plugins=[collector]))
         imported = Path(sys.modules["minisgl"].__file__).resolve() if "minisgl" in sys.modules else work / "minisgl"
-    return CheckReport(number, imported.parent, exit_code, tuple(collector.outcomes))
+    return CheckReport(number, imported.parent, exit_code, tuple(collector.outcomes), tuple(collector.warnings))
