@@ -26,12 +26,14 @@ def test_cli_bad_input_exits_2_without_traceback(qwen3, capsys, extra):
     assert_one_line_exit_2(capsys, "generate", "--model", qwen3, "--prompt", "hi", *extra)
 
 
+@pytest.mark.full  # a fresh interpreter (python -m minisgl); in-process cases run in both tiers
 def test_cli_missing_model_exits_2(tmp_path):
     proc = run_cli_process("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi")
     assert proc.returncode == 2
     assert "error" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.full  # a fresh interpreter, as above
 def test_cli_generate_prints_output(qwen3):
     proc = run_cli_process("generate", "--model", qwen3, "--prompt", "hello", "--max-new-tokens", "5", "--loop", "normal")
     assert proc.returncode == 0, proc.stderr
