@@ -90,9 +90,11 @@ class _Collector:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
-        test_thread = threading.get_ident()
+        test_thread, finished = threading.get_ident(), threading.Event()
 
         def stop_the_test() -> None:
+            if finished.is_set():  # the test ended as the timer fired: an exception now would hit pytest itself
+                return
             with tempfile.TemporaryFile("w+") as stacks:
                 faulthandler.dump_traceback(stacks, all_threads=True)
                 stacks.seek(0)
@@ -109,6 +111,7 @@ class _Collector:
         try:
             yield
         finally:
+            finished.set()
             faulthandler.cancel_dump_traceback_later()
             watchdog.cancel()
 
