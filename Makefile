@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench lab lessons clean
+.PHONY: install test test-all demo bench lab lessons clean
 
 # install.py: the CPU build of torch on Linux (PyTorch's CPU index, or pip's configured index
 # where that cannot be reached), then the package (editable) and pytest. The same script is the
@@ -14,7 +14,12 @@ $(VENV)/.installed: pyproject.toml install.py
 
 install: $(VENV)/.installed
 
+# make test: the fast tier (every module and mechanism, a sample of the wrong solutions, lessons
+# and interrupt phases); make test-all: everything, the tests marked `full` included (.ci/run)
 test: install
+	$(PY) -m pytest -q -m "not full" $(PYTEST_ARGS)
+
+test-all: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: install

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Container, Iterable, Iterator
 
 import pytest
 import torch
 
+from minisgl import SamplingParams
+from minisgl.frontend.cli import main as cli
 from minisgl.demo.tiny import make_tiny
+
+GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)  # what the API tests ask of the shared engine
 
 # Every scheduler step of every test audits KV slot, row and queue ownership (invariants.py).
 # Tests that switch off a mechanism whose symptom is a leak turn it off for that engine.
@@ -25,6 +31,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def tiered(cases: Iterable[tuple], fast: Container[tuple], id: Callable[[tuple], str] | None = None) -> list:
+    """pytest parameters for `cases`: those in `fast` run in both tiers, the others only in the full
+    tier (marked `full`: `make test` deselects them, `make test-all` runs everything)."""
+    return [pytest.param(*case, id=id(case) if id else None, marks=() if case in fast else pytest.mark.full)
+            for case in cases]
 
 
 @pytest.fixture(autouse=True)
@@ -90,3 +103,29 @@ def no_thread_left_behind() -> Iterator[None]:
         thread.join(timeout=5)
     left = [t.name for t in threading.enumerate() if t not in before]
     assert left == [], f"threads left behind: {left}"
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, list[str]]:
+    """The CLI in-process: its exit code and its stderr lines (SystemExit from argparse included)."""
+    try:
+        code = cli(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def assert_one_line_exit_2(capsys, *argv: str) -> None:
+    code, err = run_cli(capsys, *argv)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:"), (code, err)
+
+
+def copy_model(src: str, dst: Path) -> Path:
+    """A checkpoint copy that a test may break."""
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def reference(llm) -> dict[str, list[int]]:
+    """The module engine's greedy answers to two prompts, before a test disturbs it."""
+    return {p: llm.generate([p], GREEDY)[0].token_ids for p in ("hello there", "count 1 to 9:")}

@@ -89,6 +89,7 @@ def test_linear_switches_between_plain_and_fixed_rows():
     torch.testing.assert_close(layer(x), plain)
 
 
+@pytest.mark.full  # the longest workload here; overlap == normal itself runs in both tiers (test_overlap.py)
 def test_deterministic_overlap_equals_normal_on_cpu(qwen3):
     ref = LLM(qwen3, loop="normal", chunk_size=16, deterministic=True)
     base = random_workload(3, ref.engine.model.vocab_size)

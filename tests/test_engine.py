@@ -6,7 +6,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 
-from .conftest import assert_pool_whole
+from .conftest import assert_pool_whole, tiered
 
 LONG = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat " * 2
 PROMPTS = [LONG, "hello there", LONG + " and then", "count 1 to 5:"]
@@ -21,8 +21,9 @@ def unchunked(qwen3):
     return outs
 
 
-@pytest.mark.parametrize("chunk_size", [3, 7, 16])
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
+# The fast tier: two chunk sizes, one per loop; the full tier every pair.
+@pytest.mark.parametrize("loop, chunk_size", tiered([(loop, c) for loop in ("normal", "overlap") for c in (3, 7, 16)],
+                                                    [("normal", 7), ("overlap", 3)]))
 def test_chunked_prefill_matches_unchunked(qwen3, unchunked, chunk_size, loop):
     llm = LLM(qwen3, chunk_size=chunk_size, loop=loop)
     outs = llm.generate(PROMPTS, GREEDY)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import tiered
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "lessons" / "exercises" / "make_exercise.py"
 WRONG_LIMIT_S = 60  # a wrong solution must be reported within a minute, a hang included
@@ -81,14 +83,14 @@ def test_region_parser_rejects_broken_markers():
         tool.regions(["# >>> exercise 1: x", "# >>> exercise 2: y", "# <<< exercise 2", "# <<< exercise 1"])
 
 
-def test_every_exercise_has_three_hint_levels_that_grow_towards_the_code():
+def test_every_exercise_has_three_hint_levels_that_grow_towards_the_code(capsys):
     for number, exercise in tool.EXERCISES.items():
         assert len(exercise.hints) == 3 and all(h.strip() for h in exercise.hints), number
         assert "§" in exercise.hints[0], f"exercise {number}: level 1 points at the reading guide"
         assert exercise.tests[0].startswith(f"tests/test_ex{number}_"), "the teaching tests run first"
         for level in (1, 2, 3):
-            done = cli("hint", str(number), "--level", str(level))
-            assert done.returncode == 0 and f"hint {level} of 3" in done.stdout, done.stderr
+            assert tool.main(["hint", str(number), "--level", str(level)]) == 0  # make hint-N LEVEL=K
+            assert f"hint {level} of 3" in capsys.readouterr().out
 
 
 def test_generate_never_overwrites_a_learners_copy(tmp_path):
@@ -102,9 +104,9 @@ def test_generate_never_overwrites_a_learners_copy(tmp_path):
     assert "# my work" not in mine.read_text()
 
 
-@pytest.mark.parametrize("number", sorted(tool.EXERCISES))
+@pytest.mark.parametrize("number", tiered([(n,) for n in sorted(tool.EXERCISES)], [(2,)]))
 def test_skeleton_fails_cleanly_with_not_implemented(tmp_path, number):
-    assert cli("generate", str(number), "--dest", str(tmp_path)).returncode == 0
+    tool.generate(number, tmp_path)
     names = tool.region_names(number)
     for rel in tool.marked_files():
         skeleton = (tmp_path / "minisgl" / rel).read_text()
@@ -115,13 +117,24 @@ def test_skeleton_fails_cleanly_with_not_implemented(tmp_path, number):
         raises = re.findall(rf"NotImplementedError\('exercise {number}: (.+?) \(make hint-{number} for hints\)'\)",
                             skeleton)
         assert len(raises) == expected and set(raises) <= names  # one raise per region, naming the part only
-    done = cli("check", str(number), "--dest", str(tmp_path), "--", "-x")
+    report = runner.run_checks(tmp_path, number, stop_at_first_failure=True)
+    assert report.minisgl == (tmp_path / "minisgl").resolve()  # the copy, not the reference, was imported
+    assert report.exit_code == 1, report  # 1: tests failed; 2+: collection or usage error
+    # the raise may surface as the cause of a DeviceError, or in a thread the test started (a warning)
+    said = report.first_failure.details + "\n".join(report.warnings)
+    assert "NotImplementedError" in said and f"exercise {number}:" in said, said[-3000:]
+
+
+def test_check_runs_the_learners_copy_in_its_own_pytest(tmp_path):
+    """make exercise-N: makes the skeleton, says which minisgl the tests import, fails on the raise."""
+    done = cli("check", "2", "--dest", str(tmp_path), "--", "-x")
     out = done.stdout + done.stderr
     assert f"minisgl under test: {tmp_path.resolve()}" in out  # the copy, not the reference, was imported
     assert done.returncode == 1, out[-3000:]  # 1: tests failed; 2+: collection or usage error
-    assert "NotImplementedError" in out and f"exercise {number}:" in out
+    assert "NotImplementedError" in out and "exercise 2:" in out
 
 
+@pytest.mark.full
 def test_reference_passes_every_selection():
     done = cli("check", "all", "--reference")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
@@ -132,16 +145,19 @@ def test_every_exercise_keeps_at_least_four_wrong_solutions():
     counts = {n: sum(w.exercise == n for w in tool.WRONG) for n in tool.EXERCISES}
     assert all(c >= 4 for c in counts.values()), counts
     assert len({(w.exercise, w.name) for w in tool.WRONG}) == len(tool.WRONG)
+    assert {(w.exercise, w.name) for w in tool.WRONG} >= set(FAST_WRONG.items())  # the fast tier's sample exists
+    assert set(FAST_WRONG) == set(tool.EXERCISES)
 
 
-def _sampled(wrongs):
-    """The fast tier checks each exercise's first known-wrong solution; the full tier all of them."""
-    firsts = {w.exercise: w for w in reversed(wrongs)}
-    return [pytest.param(w, id=f"ex{w.exercise}-{w.name}", marks=() if firsts[w.exercise] is w else pytest.mark.full)
-            for w in wrongs]
+# The fast tier puts in one known-wrong solution per exercise (the quickest to be caught, measured);
+# the full tier all of them.
+FAST_WRONG = {1: "live-view-like-normal-loop", 2: "key-by-position", 3: "deep-copied-requests", 4: "no-lookahead",
+              5: "not-reported", 6: "one-batch-too-early", 7: "inverted-query", 8: "reversed-stream-wait"}
 
 
-@pytest.mark.parametrize("wrong", _sampled(tool.WRONG))
+@pytest.mark.parametrize("wrong", tiered([(w,) for w in tool.WRONG],
+                                         [(w,) for w in tool.WRONG if FAST_WRONG[w.exercise] == w.name],
+                                         id=lambda case: f"ex{case[0].exercise}-{case[0].name}"))
 def test_known_wrong_solution_is_caught_with_a_message_that_names_the_rule(tmp_path, wrong):
     """Put the wrong solution into a copy of the reference and run the exercise's teaching tests
     (the first file of its selection) until the first failure, in this process (runner.py)."""
@@ -172,6 +188,7 @@ def test_runner_puts_the_callers_minisgl_back_and_reports_each_test(tmp_path):
     assert minisgl.__file__ == str(tool.PACKAGE / "__init__.py")
 
 
+@pytest.mark.full  # a fresh pytest process; the fast tier runs the learner's `check` once (above)
 def test_cli_shows_a_wrong_solution_the_same_first_failure(tmp_path):
     """make exercise-wrong-N NAME=... runs pytest in a subprocess: the learner's view of a mistake."""
     wrong = tool.WRONG[0]

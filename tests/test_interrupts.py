@@ -18,13 +18,19 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.demo.paths import demo_model_path
 
-from .conftest import assert_pool_whole, drain, no_thread_left_behind
+from .conftest import GREEDY, assert_pool_whole, drain, no_thread_left_behind, tiered
 
 PROMPTS = ["hello there", "count 1 to 9:", "the quick brown fox jumps over the lazy dog"]
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 14, 10)]
 # Scheduler phases (methods), and the engine's launch, where a Ctrl-C may land.
 PHASES = ["schedule", "_handle_aborts", "_admit", "_plan", "launch", "commit", "_commit_results", "_release",
           "engine.launch"]
+LOOPS = ["normal", "overlap"]
+# The fast tier interrupts every phase once, the loops and call counts taken in turn; the full tier all.
+IN_STEP = [(loop, phase, at_call) for loop in LOOPS for phase in PHASES for at_call in (1, 3)]
+IN_STEP_FAST = {(LOOPS[i % 2], phase, (1, 3)[i // 2 % 2]) for i, phase in enumerate(PHASES)}
+IN_GENERATE = [(loop, phase) for loop in LOOPS for phase in PHASES]
+IN_GENERATE_FAST = {(LOOPS[(i + 1) % 2], phase) for i, phase in enumerate(PHASES) if i % 3 == 0}
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +63,7 @@ def assert_whole(llm: LLM) -> None:
     assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("at_call", [1, 3])
-@pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
+@pytest.mark.parametrize("loop, phase, at_call", tiered(IN_STEP, IN_STEP_FAST))
 def test_interrupt_in_step_loses_no_token(qwen3, reference, loop, phase, at_call):
     llm = LLM(qwen3, loop=loop, chunk_size=8)
     calls = interrupt_in(llm, phase, at_call)
@@ -77,8 +81,7 @@ def test_interrupt_in_step_loses_no_token(qwen3, reference, loop, phase, at_call
     llm.close()
 
 
-@pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
+@pytest.mark.parametrize("loop, phase", tiered(IN_GENERATE, IN_GENERATE_FAST))
 def test_interrupted_generate_gives_back_its_requests(qwen3, reference, loop, phase):
     llm = LLM(qwen3, loop=loop, chunk_size=8)
     other = llm.add_request(PROMPTS[1], PARAMS[1])  # not generate()'s: must finish untouched
@@ -109,7 +112,7 @@ def test_second_interrupt_stops_the_engine_cleanly(qwen3, loop):
         llm.close()
 
 
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
+@pytest.mark.parametrize("loop", tiered([("normal",), ("overlap",)], [("overlap",)]))
 def test_timer_interrupts_from_the_issue(loop):
     """The reproduction of the review: three generate() calls on the demo model, each
     interrupted after 30 ms by another thread. Before the fix rows_free went 62, 60, 58."""
@@ -127,3 +130,68 @@ def test_timer_interrupts_from_the_issue(loop):
         assert_whole(llm)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     llm.close()
+
+
+# Ctrl-C while finished requests were turned into outputs (detokenizing): the scheduler had
+# handed them over, the KeyboardInterrupt dropped them, and step() never returned them.
+def test_ctrl_c_while_outputs_are_made_loses_no_result(qwen3):
+    with LLM(qwen3) as llm:
+        rids = [llm.add_request("hello there", GREEDY), llm.add_request("count 1 to 5:", GREEDY)]
+        decode, fired = llm.tokenizer.decode, []
+
+        def interrupting_decode(*args, **kwargs):
+            if not fired:
+                fired.append(1)
+                signal.raise_signal(signal.SIGINT)
+            return decode(*args, **kwargs)
+
+        llm.tokenizer.decode = interrupting_decode
+        got = {}
+        with pytest.raises(KeyboardInterrupt):
+            while llm.has_unfinished():
+                got.update({o.rid: o for o in llm.step()})
+        got.update(drain(llm))
+        assert sorted(got) == rids and all(len(o.token_ids) == GREEDY.max_new_tokens for o in got.values())
+        assert_pool_whole(llm)
+
+
+# Ctrl-C between queueing two of generate()'s requests: the unqueued ones were marked
+# abandoned, their ids were handed out again, and the next generate() dropped its own
+# results ("can no longer be scheduled").
+def test_ctrl_c_while_queueing_leaves_later_requests_alone(qwen3):
+    with LLM(qwen3) as llm:
+        add, calls = llm.scheduler.add, []
+
+        def interrupting_add(req):
+            calls.append(1)
+            if len(calls) == 2:
+                signal.raise_signal(signal.SIGINT)
+            return add(req)
+
+        llm.scheduler.add = interrupting_add
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a b", "c d", "e f", "g h"], GREEDY)
+        llm.scheduler.add = add
+        outs = llm.generate(["hello", "count 1 to 5:", "x y"], GREEDY)
+        assert [len(o.token_ids) for o in outs] == [8, 8, 8]
+        drain(llm)
+        assert_pool_whole(llm)
+
+
+# A second Ctrl-C that cut a step's context exit short left the (generator) context suspended;
+# closing it later latched GeneratorExit as the scheduler's error: "the engine failed earlier
+# (GeneratorExit: )". Seen with interrupts every few milliseconds on the step() interface.
+def test_a_step_context_never_exited_latches_nothing_and_restores_the_handler():
+    import gc
+    from types import SimpleNamespace
+
+    from minisgl.interrupts import atomic_step
+
+    handler = signal.getsignal(signal.SIGINT)
+    owner = SimpleNamespace(error=None)
+    context = atomic_step(owner)
+    context.__enter__()
+    del context  # its __exit__ never runs
+    gc.collect()
+    assert owner.error is None
+    assert signal.getsignal(signal.SIGINT) is handler

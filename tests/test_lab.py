@@ -143,6 +143,7 @@ def test_timeline_keeps_short_host_spans_visible_and_fits_the_console():
         assert marks.index("▲") == host.index("L")  # the marker sits on the launch it labels
 
 
+@pytest.mark.full  # a real sweep; the lab's argument checks run in both tiers
 def test_lab_mini_sweep_writes_the_json_schema(tmp_path, capsys):
     out = tmp_path / "lab.json"
     rc = main(["lab", "--points", "0.5,2", "--repeats", "2", "--run-s", "0.3", "--min-steps", "20",

@@ -1,7 +1,8 @@
 """Lessons (lessons/): every CPU lesson script runs in --quick mode and prints its key figures,
 which are parsed (`» name = value` lines) and checked; lesson 9 exits 0 with its GPU message
 without CUDA. Also: `make lessons` lists every lesson, each script has its text, and every
-code reference `minisgl/x.py:LINE name` in the texts points at today's line.
+code reference `minisgl/x.py:LINE name` in the texts points at today's line. `make test` runs
+lesson 3 (the overlap loop, which every later lesson builds on); `make test-all` every lesson.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def run_lesson(number: int, *args: str) -> tuple[str, dict[str, float]]:
     return done.stdout, figures
 
 
+@pytest.mark.full
 def test_lesson_1_serial_loop_has_a_bubble():
     _, f = run_lesson(1)
     assert 0.3 < f["device busy"] < 0.985
@@ -43,6 +45,7 @@ def test_lesson_1_serial_loop_has_a_bubble():
     assert 0 < f["device busy (no delay)"] < 1
 
 
+@pytest.mark.full
 def test_lesson_2_launch_returns_long_before_copy_done():
     out, f = run_lesson(2)
     assert f["bare launch returned ms"] < 5
@@ -60,6 +63,7 @@ def test_lesson_3_overlap_pipelines_and_keeps_every_token():
     assert "L2 L3 C2" in out
 
 
+@pytest.mark.full
 def test_lesson_4_future_map_off_brings_the_bubble_back():
     _, f = run_lesson(4)
     assert f["placeholders in that batch (future_map on)"] > 0
@@ -70,12 +74,14 @@ def test_lesson_4_future_map_off_brings_the_bubble_back():
     assert f["outputs identical"] == 1
 
 
+@pytest.mark.full
 def test_lesson_5_batch_snapshot_off_misroutes_results():
     _, f = run_lesson(5)
     assert f["misrouted batches (batch_snapshot on)"] == 0 and f["wrong outputs (batch_snapshot on)"] == 0
     assert f["misrouted batches (batch_snapshot off)"] > 0 and f["wrong outputs (batch_snapshot off)"] > 0
 
 
+@pytest.mark.full
 def test_lesson_6_overshoot_counts():
     _, f = run_lesson(6)
     assert f["overshoot steps (length_lookahead on)"] == 0
@@ -86,6 +92,7 @@ def test_lesson_6_overshoot_counts():
     assert f["tokens after stop (skip_finished on)"] == 0 and f["tokens after stop (skip_finished off)"] == 1
 
 
+@pytest.mark.full
 def test_lesson_7_early_reuse_gives_wrong_tokens():
     _, f = run_lesson(7)
     assert f["wrong outputs (overlap, all on)"] == 0
@@ -97,6 +104,7 @@ def test_lesson_7_early_reuse_gives_wrong_tokens():
     assert f["stale row results (deferred_row_free off)"] == 1
 
 
+@pytest.mark.full
 def test_lesson_8_measures_against_the_ideal():
     _, f = run_lesson(8)
     for delay in ("0", "2"):
@@ -106,6 +114,7 @@ def test_lesson_8_measures_against_the_ideal():
     assert f["early commits (prefill_sync on)"] > 0 and f["early commits (prefill_sync off)"] == 0
 
 
+@pytest.mark.full
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_lesson_9_without_a_gpu_says_so_and_exits_0():
     out, _ = run_lesson(9)

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minisgl import LLM, SamplingParams
 
-from .conftest import assert_pool_whole
+from .conftest import assert_pool_whole, tiered
 
 PROMPTS = [
     "hello",
@@ -41,8 +41,10 @@ def references(tiny_models):
     return refs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
+# The fast tier: one family per loop (every family runs alone in test_greedy_parity_single); the full tier all.
+@pytest.mark.parametrize("loop, arch", tiered([(loop, arch) for loop in ("normal", "overlap")
+                                               for arch in ("llama", "qwen2", "qwen3")],
+                                              [("normal", "qwen3"), ("overlap", "llama")]))
 def test_greedy_parity_batch(tiny_models, references, arch, loop):
     llm = LLM(tiny_models[arch], loop=loop)
     outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))

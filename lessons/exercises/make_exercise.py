@@ -17,6 +17,9 @@ lessons/exercises/tests/), prints which minisgl Python imports there, and runs e
 test selection against the learner's copy: the same tests the reference passes. A test that
 runs longer than HANG_S seconds is stopped, and every thread's stack is printed.
 
+`runner.run_checks` runs the same selection inside the calling process and returns each test's
+outcome and failure message: for checking many copies at once (tests/test_exercises.py).
+
 `hint N --level K` prints hint level K (1: a question and the reading, 2: the idea, 3: near
 code). `wrong` lists the known-wrong solutions kept in wrong_solutions.py; `check N --wrong
 NAME` runs exercise N's tests against the reference with that wrong solution put in: what
@@ -60,6 +63,12 @@ WORK = HERE / "work"
 START = re.compile(r"^(?P<indent>[ \t]*)# >>> exercise (?P<n>\d+): (?P<name>.+?)\s*$")
 END = re.compile(r"^[ \t]*# <<< exercise (?P<n>\d+)\s*$")
 HANG_S = 40  # a half-written loop can wait forever: stop it well inside a minute, with the stacks
+HANG_ADVICE = (
+    "The test above never finished. Find the thread whose stack runs through the test file and read it "
+    "from the bottom up: it shows where that thread was when it was stopped. A stack inside "
+    "LLM.generate/step means the scheduler kept stepping without progress: some request is waiting for "
+    "something (a row, KV slots) that is never given back. A stack in synchronize() means a wait for an "
+    "event that never comes.")
 
 PYTEST_INI = """\
 [pytest]
@@ -282,11 +291,7 @@ def run_tests(tests: list[str], dest: Path, extra: list[str], learner: bool = Tr
         stacks = hang_file.read_text() if hang_file.exists() else ""
     if stacks.strip():
         print(f"\nHANG: {stacks}", flush=True)
-        print("The test above never finished. Find the thread whose stack runs through the test file and read it "
-              "from the bottom up: it shows where that thread was when it was stopped. A stack inside "
-              "LLM.generate/step means the scheduler kept stepping without progress: some request is waiting for "
-              "something (a row, KV slots) that is never given back. A stack in synchronize() means a wait for an "
-              "event that never comes.", flush=True)
+        print(HANG_ADVICE, flush=True)
         return 1
     return code
 

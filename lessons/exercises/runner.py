@@ -36,21 +36,15 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from catalog import EXERCISES  # noqa: E402
-from make_exercise import HANG_S, refresh_tests  # noqa: E402
-
-HANG_ADVICE = (
-    "The test above never finished. Find the thread whose stack runs through the test file and read it "
-    "from the bottom up: it shows where that thread was when it was stopped. A stack inside "
-    "LLM.generate/step means the scheduler kept stepping without progress: some request is waiting for "
-    "something (a row, KV slots) that is never given back. A stack in synchronize() means a wait for an "
-    "event that never comes.")
+from make_exercise import HANG_ADVICE, HANG_S, refresh_tests  # noqa: E402
 
 
 @dataclass(frozen=True)
 class CheckOutcome:
     nodeid: str  # relative to the work folder, e.g. tests/test_ex2_future_map.py::test_publish
     outcome: str  # "passed", "failed" or "skipped"
-    message: str  # for a failure: pytest's `E` lines (what the learner is told) or the hang report
+    message: str  # for a failure: pytest's first `E` lines (what the learner is told) or the hang report
+    details: str = ""  # for a failure: pytest's whole report of it (traceback, chained exceptions)
 
 
 @dataclass(frozen=True)
@@ -59,6 +53,7 @@ class CheckReport:
     minisgl: Path  # the copy the tests imported
     exit_code: int  # pytest's: 0 all passed, 1 some failed, 2+ collection or usage errors
     outcomes: tuple[CheckOutcome, ...]
+    warnings: tuple[str, ...] = ()  # pytest's warnings, e.g. an exception raised in a thread the test started
 
     @property
     def passed(self) -> bool:
@@ -91,12 +86,15 @@ class _Collector:
         self.hang_s = hang_s
         self.outcomes: list[CheckOutcome] = []
         self.hang_report: dict[str, str] = {}
+        self.warnings: list[str] = []
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
-        test_thread = threading.get_ident()
+        test_thread, finished = threading.get_ident(), threading.Event()
 
         def stop_the_test() -> None:
+            if finished.is_set():  # the test ended as the timer fired: an exception now would hit pytest itself
+                return
             with tempfile.TemporaryFile("w+") as stacks:
                 faulthandler.dump_traceback(stacks, all_threads=True)
                 stacks.seek(0)
@@ -113,20 +111,26 @@ class _Collector:
         try:
             yield
         finally:
+            finished.set()
             faulthandler.cancel_dump_traceback_later()
             watchdog.cancel()
 
     def pytest_runtest_logreport(self, report):
         failed_outside_call = report.when != "call" and report.failed
         if report.when == "call" or failed_outside_call or (report.when == "setup" and report.skipped):
-            message = ""
+            message = details = ""
             if report.failed:
-                message = self.hang_report.get(report.nodeid) or failure_lines(report.longreprtext)
-            self.outcomes.append(CheckOutcome(report.nodeid, report.outcome, message))
+                details = report.longreprtext
+                message = self.hang_report.get(report.nodeid) or failure_lines(details)
+            self.outcomes.append(CheckOutcome(report.nodeid, report.outcome, message, details))
+
+    def pytest_warning_recorded(self, warning_message, nodeid):
+        self.warnings.append(f"{nodeid}: {warning_message.message}")
 
     def pytest_collectreport(self, report):
         if report.failed:  # e.g. a learner's copy that does not import
-            self.outcomes.append(CheckOutcome(report.nodeid, "failed", report.longreprtext.strip()))
+            self.outcomes.append(CheckOutcome(report.nodeid, "failed", failure_lines(report.longreprtext),
+                                              report.longreprtext))
 
 
 def _is_swapped(name: str) -> bool:
@@ -172,4 +176,4 @@ def run_checks(work: Path, number: int, *, tests: Sequence[str] | None = None, s
     with _imports_from(work):
         exit_code = int(pytest.main(args, plugins=[collector]))
         imported = Path(sys.modules["minisgl"].__file__).resolve() if "minisgl" in sys.modules else work / "minisgl"
-    return CheckReport(number, imported.parent, exit_code, tuple(collector.outcomes))
+    return CheckReport(number, imported.parent, exit_code, tuple(collector.outcomes), tuple(collector.warnings))

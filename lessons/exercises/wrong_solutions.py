@@ -3,8 +3,8 @@
 Each entry replaces one or more marked regions of an exercise (by the region's name, the text
 after `# >>> exercise N:`) with wrong code; the other regions keep the reference. The
 repository's test (tests/test_exercises.py) puts each one into a copy of the package, runs the
-exercise's tests, and checks that they fail within a minute and that the first failure says
-`expect`: the concept the learner has to think about. `make_exercise.py check N --wrong NAME`
+exercise's tests in-process (runner.py), and checks that they fail within a minute and that the
+first failure says `expect`: the concept the learner has to think about. `make_exercise.py check N --wrong NAME`
 shows a teacher what a learner with that mistake sees.
 """
 

@@ -1,0 +1,69 @@
+"""The command line: bad flags exit 2 with one line and no traceback; generate prints its output;
+the module starts without importing torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import assert_one_line_exit_2
+
+
+def run_cli_process(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minisgl", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--max-new-tokens", "0"],
+    ["--temperature", "-1"],
+    ["--top-p", "2"],
+    ["--disable", "warp_drive"],
+    ["--prompt", ""],
+])
+def test_cli_bad_input_exits_2_without_traceback(qwen3, capsys, extra):
+    assert_one_line_exit_2(capsys, "generate", "--model", qwen3, "--prompt", "hi", *extra)
+
+
+@pytest.mark.full  # a fresh interpreter (python -m minisgl); in-process cases run in both tiers
+def test_cli_missing_model_exits_2(tmp_path):
+    proc = run_cli_process("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi")
+    assert proc.returncode == 2
+    assert "error" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.full  # a fresh interpreter, as above
+def test_cli_generate_prints_output(qwen3):
+    proc = run_cli_process("generate", "--model", qwen3, "--prompt", "hello", "--max-new-tokens", "5", "--loop", "normal")
+    assert proc.returncode == 0, proc.stderr
+    assert "length" in proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["generate", "--device", "bogus", "--prompt", "hi"],
+                                  ["bench", "--num-requests", "-1"], ["bench", "--num-requests", "0"],
+                                  ["trace", "--num-requests", "0"]])
+def test_cli_bad_device_and_counts_exit_2(qwen3, capsys, argv):
+    assert_one_line_exit_2(capsys, *argv, "--model", qwen3)
+
+
+# train-demo had its own parser outside the CLI's error handling: --steps 0 trained nothing and
+# wrote the untrained model (by default over the shipped demo checkpoint), --steps -1 never
+# ended, and --batch-size 0, --lr nan or --threads 0 were tracebacks (exit 1).
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--steps", "-1"], ["--batch-size", "0"], ["--lr", "nan"],
+                                 ["--threads", "0"], ["--eval", "-1"]])
+def test_train_demo_bad_flags_exit_2_and_write_nothing(tmp_path, capsys, bad):
+    out = tmp_path / "demo"
+    assert_one_line_exit_2(capsys, "train-demo", "--out", str(out), "--steps", "1", "--eval", "0", *bad)
+    assert not out.exists()
+
+
+# `python -m minisgl` imported torch and transformers from minisgl/__init__ before the command
+# line's Ctrl-C handling began: a Ctrl-C in those seconds was a traceback, not "interrupted".
+def test_the_command_line_module_starts_without_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, minisgl.__main__; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
