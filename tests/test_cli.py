@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from .conftest import assert_one_line_exit_2
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli_process(*args: str) -> subprocess.CompletedProcess:
@@ -67,3 +70,16 @@ def test_the_command_line_module_starts_without_torch():
     code = "import sys, minisgl.__main__; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_course_commands_run_the_lessons_scripts_without_make(capsys):
+    """`python -m minisgl course ...` is the path without make: it lists the lessons, passes a
+    hint request on to the exercises' script, and refuses an unknown lesson or command with exit 2."""
+    done = subprocess.run([sys.executable, "-m", "minisgl", "course", "lessons"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.splitlines()[0].startswith("Lesson 0"), done.stderr
+    done = subprocess.run([sys.executable, "-m", "minisgl", "course", "hint", "1", "--level", "2"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and "exercise 1" in done.stdout and "hint 2 of 3" in done.stdout, done.stderr
+    assert_one_line_exit_2(capsys, "course", "lesson", "99")
+    assert_one_line_exit_2(capsys, "course", "no-such-command")

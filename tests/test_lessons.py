@@ -37,6 +37,17 @@ def run_lesson(number: int, *args: str) -> tuple[str, dict[str, float]]:
 
 
 @pytest.mark.full
+def test_lesson_0_primer_counts():
+    _, f = run_lesson(0)
+    assert f["slots taken by the prefill"] == 7 and f["slots taken per decode step"] == 1
+    assert f["pool whole (kv_free + kv_cached == kv_total)"] == 1
+    assert f["prompt tokens served from the cache"] == f["tokens the two prompts share"] > 0
+    assert f["batches (continuous batching)"] < f["batches a static batcher would run"]
+    assert f["prefill batches (chunk_size 3)"] > f["prefill batches (chunk_size 512)"] == 1
+    assert f["outputs identical"] == 1
+
+
+@pytest.mark.full
 def test_lesson_1_serial_loop_has_a_bubble():
     _, f = run_lesson(1)
     assert 0.3 < f["device busy"] < 0.985
@@ -125,7 +136,7 @@ def test_make_lessons_lists_every_lesson():
     done = subprocess.run(["make", "-s", "lessons"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert [int(re.match(r"Lesson (\d+)", line)[1]) for line in lines] == sorted(SCRIPTS) == list(range(1, 10))
+    assert [int(re.match(r"Lesson (\d+)", line)[1]) for line in lines] == sorted(SCRIPTS) == list(range(0, 10))
 
 
 def test_every_lesson_has_its_text_and_index_entry():

@@ -150,6 +150,8 @@ def parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_make_tiny)
 
     sub.add_parser("train-demo", help="train the demo model (python -m minisgl train-demo --help)", add_help=False)
+    sub.add_parser("course", help="lessons, exercises, hints, student edition, grading (python -m minisgl course --help)",
+                   add_help=False)
     return ap
 
 
@@ -158,6 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv and argv[0] == "train-demo":  # its own parser (demo/train_demo.py), same error handling
             return cmd_train_demo(argv[1:])
+        if argv and argv[0] == "course":  # passes its arguments on to the lessons' scripts (frontend/course.py)
+            from .course import main as course
+
+            return course(argv[1:])
         args = parser().parse_args(argv)  # a bad flag exits with 2 here (OneLineParser)
         return args.func(args)
     except (ValueError, TypeError, OSError) as exc:  # OSError: transformers on an unreadable model directory

@@ -1,0 +1,73 @@
+"""`python -m minisgl course ...`: the course's commands without `make` (Windows has none).
+
+Each one runs a script of the repository's `lessons/` folder with this interpreter, so the
+course needs the repository checkout (the editable install that `install.py` makes), not just
+the installed package:
+
+    python -m minisgl course lessons                  # one line per lesson
+    python -m minisgl course lesson 3 [--quick]       # run lesson 3 (extra arguments go to it)
+    python -m minisgl course exercises                # one line per exercise
+    python -m minisgl course exercise 1 [-- -x]       # check your exercise 1 (make exercise-1)
+    python -m minisgl course hint 1 --level 2         # a hint (make hint-1 LEVEL=2)
+    python -m minisgl course student-edition DIR      # write the student repository (teachers)
+    python -m minisgl course grade DIR --out OUT      # grade a folder of submissions (teachers)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+LESSONS = ROOT / "lessons"
+EXERCISES = LESSONS / "exercises"
+
+# command -> (script, the arguments put before the caller's)
+SCRIPTS = {
+    "exercises": (EXERCISES / "make_exercise.py", ["list"]),
+    "exercise": (EXERCISES / "make_exercise.py", ["check"]),
+    "hint": (EXERCISES / "make_exercise.py", ["hint"]),
+    "student-edition": (EXERCISES / "student_edition.py", []),
+    "grade": (EXERCISES / "grade.py", []),
+}
+
+
+def lesson_scripts() -> dict[int, Path]:
+    """Lesson number -> its script, from the file names lesson_N_*.py."""
+    return {int(p.name.split("_")[1]): p for p in LESSONS.glob("lesson_*_*.py")}
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    if not LESSONS.is_dir():
+        print(f"error: the course needs the repository checkout ({LESSONS} is missing)", file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command == "lessons":
+        for number, path in sorted(lesson_scripts().items()):
+            print(path.read_text().splitlines()[0].removeprefix('"""'))
+        return 0
+    if command == "lesson":
+        lessons = lesson_scripts()
+        if not rest or not rest[0].isdigit() or int(rest[0]) not in lessons:
+            print(f"error: course lesson takes a lesson number, one of {sorted(lessons)}", file=sys.stderr)
+            return 2
+        script, rest = lessons[int(rest[0])], rest[1:]
+    elif command in SCRIPTS:
+        script, first = SCRIPTS[command]
+        if not script.exists():  # the grader and the wrong solutions are left out of the student edition
+            print(f"error: course {command} is not part of this edition ({script.name} is missing)", file=sys.stderr)
+            return 2
+        rest = first + rest
+    else:
+        print(f"error: unknown course command {command!r}; python -m minisgl course --help lists them",
+              file=sys.stderr)
+        return 2
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return subprocess.call([sys.executable, str(script), *rest], cwd=ROOT, env=env)
