@@ -89,5 +89,8 @@ class SchedulerStats:
     stale_row_results: int = 0  # late results whose row had been recycled (ABA, detected by generation)
     cached_tokens: int = 0  # prompt tokens served from the radix cache at admission
     early_commits: int = 0  # batch n-1 committed before batch n launched (future_map off, prefill_sync)
-    # (LAUNCH | COMMIT, batch_id) in order: the latest 65536 only, so a long run's memory stays flat.
+    decode_rows: int = 0  # requests over all decode batches: / decode_batches = requests decoding at once
+    retractions: int = 0  # running requests sent back to waiting for lack of KV (admission="optimistic")
+    retracted_late_results: int = 0  # in-flight results of requests retracted since their launch, skipped
+    # (LAUNCH | COMMIT | RETRACT, batch_id) in order (RETRACT: the batch being planned): the latest 65536 only, so a long run's memory stays flat.
     events: deque[tuple[SpanName, int]] = field(default_factory=lambda: deque(maxlen=1 << 16))

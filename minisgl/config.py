@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
+from .admission import Admission
 from .checks import check_bool, check_int, check_real
 from .mechanisms import Mechanisms
 
@@ -100,6 +101,7 @@ class EngineConfig:
     device: torch.device
     dtype: torch.dtype
     loop: Loop
+    admission: Admission  # "reserve" (promise everything) or "optimistic" (estimate, retract if short)
     mechanisms: Mechanisms  # the switches (minisgl.MECHANISMS describes them)
     attention_backend: AttentionBackendName
     deterministic: bool  # batch-invariant kernels: a request's tokens do not depend on its batch
@@ -130,12 +132,13 @@ class EngineConfig:
 def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device | None, loop: str,
                    disable: object, device_delay_ms: float, dtype: str | torch.dtype | None,
                    max_running_requests: int | None, chunk_size: int | None, kv_tokens: int | None, trace: bool,
-                   attention_backend: str, host_delay_ms: float, deterministic: bool) -> EngineConfig:
+                   attention_backend: str, host_delay_ms: float, deterministic: bool, admission: str) -> EngineConfig:
     """`LLM(...)`'s arguments -> one EngineConfig; reads config.json, not the weights."""
     if not isinstance(model_path, (str, os.PathLike)):
         raise TypeError(f"model_path must be a path, got {type(model_path).__name__}")
     mechanisms = Mechanisms(disable)
     check_choice("loop", loop, get_args(Loop))
+    check_choice("admission", admission, get_args(Admission))
     check_choice("attention_backend", attention_backend, get_args(AttentionBackendChoice))
     device_delay_ms = check_real("device_delay_ms", device_delay_ms, 0.0, MAX_DELAY_MS)
     host_delay_ms = check_real("host_delay_ms", host_delay_ms, 0.0, MAX_DELAY_MS)
@@ -159,7 +162,8 @@ def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device 
         torch.cuda.empty_cache()
     config = EngineConfig(
         model_path=Path(model_path), device=resolved_device, dtype=resolved_dtype, loop=loop,  # type: ignore[arg-type]
-        mechanisms=mechanisms, attention_backend=backend, deterministic=deterministic, trace=trace,
+        admission=admission, mechanisms=mechanisms, attention_backend=backend,  # type: ignore[arg-type]
+        deterministic=deterministic, trace=trace,
         device_delay_ms=device_delay_ms, host_delay_ms=host_delay_ms,
         max_running_requests=max_running_requests or DEFAULTS.max_running_requests(resolved_device),
         chunk_size=chunk_size or DEFAULTS.chunk_size(resolved_device),

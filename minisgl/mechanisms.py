@@ -41,6 +41,9 @@ MECHANISMS: dict[str, str] = {
     "cuda_graph": "(GPU) decode batches replay captured CUDA graphs (off: eager launches)",
     "pinned_copy": "(GPU) results copied device-to-host into pinned memory with a copy_done event "
     "(off: a blocking copy that stalls the host)",
+    "retract_skip_inflight": "(admission=\"optimistic\") the in-flight batch's result for a request retracted "
+    "since its launch is skipped at commit (off: the late token is appended to the waiting request, which then "
+    "re-samples that step after its re-prefill: a repeated token, outputs differ from reserve)",
 }
 
 

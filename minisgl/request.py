@@ -125,6 +125,10 @@ class Req:
         self.slot_ids: list[int] = []
         self.prefix_node: TreeNode | None = None  # radix-cache node locked for the matched prefix
         self.cached_len = 0  # prompt positions taken from the radix cache at admission
+        # Committed ids that a prefill must cover: the prompt, or after a retraction the prompt
+        # and every output committed before it (re-prefilled, through the radix cache where it can).
+        self.prefill_len = len(self.prompt_ids)
+        self.retractions = 0  # times this request gave its KV back and went back to waiting
 
         self.launched_len = 0  # positions whose KV a launched batch writes
         self.kv_committed_len = 0  # positions whose KV batches already committed have written
@@ -149,7 +153,7 @@ class Req:
 
     @property
     def prefill_launched(self) -> bool:
-        return self.launched_len >= self.prompt_len
+        return self.launched_len >= self.prefill_len
 
     @property
     def finished(self) -> bool:
@@ -163,6 +167,23 @@ class Req:
 
     def committed_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def prefill_ids(self, start: int, n: int) -> list[int]:
+        """Ids of prefill positions [start, start + n): prompt ids, then (after a retraction) outputs."""
+        ids = self.prompt_ids if start + n <= self.prompt_len else self.committed_ids()
+        return ids[start:start + n]
+
+    def reset_for_retract(self) -> None:
+        """Back to waiting, its resources already released: it resumes from its committed tokens.
+
+        The next prefill covers everything committed, so its sample is output index
+        len(output_ids), the step the seeded sampler would have used anyway. The sample in
+        flight now is forgotten: its result must be skipped at its commit (retract_skip_inflight)."""
+        self.prefill_len = self.committed_len
+        self.inflight_samples = 0
+        self.row = self.row_generation = -1
+        self.prefix_node = None
+        self.retractions += 1
 
     def will_finish_by_length(self) -> bool:
         """True when the samples already launched reach max_new_tokens (known before commit)."""

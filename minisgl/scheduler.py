@@ -23,6 +23,7 @@ from itertools import accumulate
 
 import torch
 
+from .admission import NewTokenRatio, optimistic_charge
 from .batch import BatchView, InFlight, Planned, RunningBatch, SchedulerStats
 from .config import EngineConfig
 from .engine import Engine, ForwardBatch, ForwardResult
@@ -75,6 +76,7 @@ class Scheduler:
         self._row_owner: list[Req | None] = [None] * max_running_requests
         self.deferred_rows: list[int] = []  # rows of released requests that a batch in flight still uses
         self._reserved = 0  # KV slots promised to admitted requests but not yet allocated
+        self.new_token_ratio = NewTokenRatio()  # admission="optimistic": the share of decode slots charged
 
     def on(self, mechanism: str) -> bool:
         return self.mechanisms.on(mechanism)
@@ -176,14 +178,14 @@ class Scheduler:
         budget = self.config.chunk_size
         chunks: list[tuple[Req, int]] = []
         for req in self.prefilling:  # continue chunked prompts first
-            n = min(budget, req.prompt_len - req.launched_len)
+            n = min(budget, req.prefill_len - req.launched_len)
             if n > 0:
                 chunks.append((req, n))
                 budget -= n
         while self.waiting and budget > 0 and self._admit(self.waiting[0]):
             req = self.waiting.popleft()
             self.prefilling.append(req)
-            n = min(budget, req.prompt_len - req.launched_len)
+            n = min(budget, req.prefill_len - req.launched_len)
             chunks.append((req, n))
             budget -= n
         if not chunks:
@@ -192,9 +194,9 @@ class Scheduler:
         reqs, qo_lens, kv_lens, samples = [r for r, _ in chunks], [n for _, n in chunks], [], []
         for req, n in chunks:
             start = req.launched_len
-            tokens.add(req.row, req.prompt_ids[start:start + n], start, self._alloc_slots(req, n))
+            tokens.add(req.row, req.prefill_ids(start, n), start, self._alloc_slots(req, n))
             req.launched_len += n
-            sampled = req.prefill_launched  # the prompt's last chunk samples the first output token
+            sampled = req.prefill_launched  # the last chunk samples the next output token
             req.inflight_samples += sampled
             if sampled:  # decode from the next step on, its first token relayed by the FutureMap
                 self.prefilling.remove(req)
@@ -212,7 +214,7 @@ class Scheduler:
             # article 000's _reqs_finishing_inflight()).
             self.running.reqs[:] = [r for r in self.running.reqs if not r.will_finish_by_length()]
         # <<< exercise 4
-        if not self.running.reqs:
+        if not self.running.reqs or not self._decode_slots_available():
             return None
         reqs = self.running.reqs
         # Requests whose last sample is already in flight: this step is wasted overshoot.
@@ -230,6 +232,7 @@ class Scheduler:
                 # only after the last device use).
                 self._release(req)
         self.stats.decode_batches += 1
+        self.stats.decode_rows += len(reqs)
         return self._plan(reqs, tokens, [1] * len(reqs), [r.launched_len for r in reqs], [True] * len(reqs),
                           is_prefill=False)
 
@@ -265,16 +268,24 @@ class Scheduler:
     def _admit(self, req: Req) -> bool:
         """Admit if the KV pool can promise the request all it may ever need; else wait.
 
-        The promise (prompt + max_new_tokens + 1 overshoot slot, minus the cached prefix) means
-        a running request never runs out of slots, so the engine never deadlocks and never has
-        to retract. A request that could never fit was refused by `add()`.
+        The promise (prompt + max_new_tokens + 1 overshoot slot, minus the cached prefix) is
+        counted against what admitted requests were promised: in full with admission="reserve",
+        so a running request never runs out of slots and nothing is ever retracted; with
+        "optimistic", their decode part only by the new-token ratio, and a decode step that
+        runs short retracts (`_decode_slots_available`). A request that could never fit was
+        refused by `add()`. A retracted request comes back here with its outputs to re-prefill.
         """
         if self.req_to_token.free_count == 0 or len(self.running.reqs) + len(self.prefilling) >= self.config.max_running_requests:
             return False
-        matched, node = self.cache.match_prefix(req.prompt_ids[:-1])  # compute >= 1 token: we need logits
+        # compute >= 1 token: we need logits
+        matched, node = self.cache.match_prefix(req.committed_ids()[:req.prefill_len - 1])
         self.cache.lock(node)
-        need = req.prompt_len - len(matched) + req.max_new_tokens + 1
-        if self.kv_pool.free_count + self.cache.evictable_size - self._reserved < need:
+        need = req.prefill_len - len(matched) + req.max_new_tokens - len(req.output_ids) + 1
+        if self.config.admission == "reserve":
+            promised = self._reserved
+        else:
+            promised = optimistic_charge(self.running.reqs + self.prefilling, self.new_token_ratio.current)
+        if self.kv_pool.free_count + self.cache.evictable_size - promised < need:
             self.cache.unlock(node)
             return False
         req.prefix_node = node
@@ -283,6 +294,7 @@ class Scheduler:
         req.slot_ids = matched.tolist()
         req.reserved_tokens = need
         self._reserved += need
+        req.released = False  # a retracted request was released once already
         req.row = self.req_to_token.alloc()
         req.row_generation = self.req_to_token.generation[req.row]
         self._row_owner[req.row] = req
@@ -296,6 +308,37 @@ class Scheduler:
             self.stream.launch(lambda: self.req_to_token.table[row, :len(matched)].copy_(
                 matched.to(self.device, non_blocking=True)))
         return True
+
+    def _decode_slots_available(self) -> bool:
+        """admission="optimistic": make sure the next decode step gets one slot per running
+        request, retracting requests if it cannot (SGLang: check_decode_mem, retract_decode).
+        False: not even one request fits until the batch in flight commits its finishes."""
+        if self.config.admission == "reserve":
+            return True  # the admission promise covers every decode slot
+        reqs = self.running.reqs
+        if self.kv_pool.free_count + self.cache.evictable_size >= len(reqs):
+            self.new_token_ratio.decay_step()
+            return True
+        # Retract until a few steps fit (fewer retractions in a row), keeping at least one request.
+        steps = self.new_token_ratio.schedule.retract_headroom_steps
+        while len(reqs) > 1 and self.kv_pool.free_count + self.cache.evictable_size < len(reqs) * steps:
+            # SGLang's order: the request with the fewest outputs goes first, the longer prompt on a tie.
+            self._retract(min(reqs, key=lambda r: (len(r.output_ids), -r.prompt_len)))
+            self.stats.events.append((SpanName.RETRACT, self._next_batch_id))
+            self.new_token_ratio.after_retract(reqs)
+        return self.kv_pool.free_count + self.cache.evictable_size >= len(reqs)
+
+    def _retract(self, req: Req) -> None:
+        """Send a running request back to waiting: its committed KV goes to the radix cache and the
+        rest back to the pool, as at a finish (`_release`). A batch in flight may still write its
+        last slot, which the next batch may then be given: safe, the new owner's writes queue
+        behind it on the engine stream. Its row waits for that batch (`_free_row`), and that
+        batch's result for it must be skipped at commit (retract_skip_inflight)."""
+        self.running.reqs.remove(req)
+        self._release(req)
+        req.reset_for_retract()
+        self.waiting.appendleft(req)
+        self.stats.retractions += 1
 
     def _alloc_slots(self, req: Req, n: int) -> list[int]:
         shortfall = n - self.kv_pool.free_count
@@ -336,6 +379,14 @@ class Scheduler:
         tokens = result.next_tokens_host.tolist()
         for req, row, generation, sampled, qo_len, token in zip(view.reqs, view.rows, view.generations,
                                                                 view.samples, view.qo_lens, tokens):
+            # >>> exercise 9: skip a retracted request's in-flight result
+            if (req.row, req.row_generation) != (row, generation) and self.on("retract_skip_inflight"):
+                # Retracted after this batch launched (admission="optimistic"): it waits to be
+                # re-prefilled from its committed tokens, and that prefill samples this step
+                # again. This row's token is no output (SGLang: is_retracted; readings §15).
+                self.stats.retracted_late_results += 1
+                continue
+            # <<< exercise 9
             if self.req_to_token.generation[row] != generation:
                 # The row was recycled while this batch was in flight: a late reader (ABA). Only
                 # reachable with deferred_row_free off (lessons/readings §9, row reuse).

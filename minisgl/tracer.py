@@ -21,13 +21,14 @@ import torch
 
 
 class SpanName(StrEnum):
-    """What a span times. The scheduler's stats.events use LAUNCH and COMMIT too."""
+    """What a span times. The scheduler's stats.events use LAUNCH, COMMIT and RETRACT too."""
 
     SCHEDULE = "schedule"  # host: plan the next batch
     LAUNCH = "launch"  # host: queue its forward on the engine stream
     WAIT = "wait"  # host: block until a batch's copy_done (waiting, not work)
     COMMIT = "commit"  # host: apply a batch's sampled tokens
     FORWARD = "forward"  # device: copy-in, forward and sampling of one batch
+    RETRACT = "retract"  # a marker in stats.events, never a span: a decode step sent requests back to waiting
 
 
 HOST_WORK = (SpanName.SCHEDULE, SpanName.LAUNCH, SpanName.COMMIT)  # host spans that are work; WAIT is not

@@ -242,6 +242,25 @@ def test_deterministic_decode_rows_do_not_depend_on_the_batch(qwen3, component):
     llm.close()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_optimistic_admission_retracts_on_gpu(dtype):
+    """Retraction on CUDA, both loops. float32: the outputs of reserve; bf16 (FlashInfer, CUDA graphs
+    on): batch composition may change bf16 rounding, so only retractions and a whole pool are asserted."""
+    from minisgl import demo_model_path
+    from minisgl.demo.workloads import early_stop_workload
+
+    prompts, params = early_stop_workload()
+    outs = {}
+    for loop, admission in [("normal", "reserve"), ("normal", "optimistic"), ("overlap", "optimistic")]:
+        llm = LLM(demo_model_path(), device="cuda", dtype=dtype, loop=loop, admission=admission, kv_tokens=200)
+        outs[loop, admission] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert (llm.stats.retractions > 0) == (admission == "optimistic")
+        assert_pool_whole(llm)
+        llm.close()
+    if dtype == "float32":
+        assert outs["normal", "optimistic"] == outs["overlap", "optimistic"] == outs["normal", "reserve"]
+
+
 def test_deterministic_overlap_equals_normal_on_gpu_bf16(qwen3, record_property):
     """deterministic=True: batch-invariant GEMMs and decode attention, so the overshoot row that
     changes the batch size changes no other row's numbers: 10 of 10 identical. (Last in this

@@ -132,11 +132,18 @@ def test_lesson_9_without_a_gpu_says_so_and_exits_0():
     assert "needs an NVIDIA GPU" in out
 
 
+@pytest.mark.full
+def test_lesson_10_optimistic_runs_more_requests_at_once():
+    _, f = run_lesson(10)
+    assert f["requests at once, optimistic"] > f["requests at once, reserve"]
+    assert f["outputs that differ from reserve (skip off)"] > 0
+
+
 def test_make_lessons_lists_every_lesson():
     done = subprocess.run(["make", "-s", "lessons"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert [int(re.match(r"Lesson (\d+)", line)[1]) for line in lines] == sorted(SCRIPTS) == list(range(0, 10))
+    assert [int(re.match(r"Lesson (\d+)", line)[1]) for line in lines] == sorted(SCRIPTS) == list(range(len(SCRIPTS)))
 
 
 def test_every_lesson_has_its_text_and_index_entry():

@@ -173,4 +173,21 @@ EXERCISES = {e.number: e for e in (
         "Engine.launch: the engine stream's wait_stream, given `after` (a device-side wait). Scheduler.commit: "
         "the synchronize of the batch result's copy_done event (the host waits for that event only).",
     )),
+    Exercise(9, "skip the in-flight result of a retracted request (scheduler.py)", 10, (
+        "tests/test_ex9_retraction.py",
+        "tests/test_retraction.py::test_optimistic_retracts_and_gives_the_reserve_outputs[overlap]",
+        "tests/test_retraction.py::test_retract_skip_inflight_off_appends_a_late_token",
+    ), (
+        "With admission='optimistic', schedule() may retract a request while its last decode step is "
+        "still in flight. The request waits to be re-prefilled from its committed tokens. When that "
+        "step's result reaches the commit, whose token is it, and which step will sample it again? "
+        "(readings §15: is_retracted; lesson 10)",
+        "Retraction gives the request's row back and marks the request as owning no row "
+        "(Req.reset_for_retract). The batch view remembers the row and its generation at launch: when "
+        "they are no longer the request's own, the request was retracted after this batch launched. "
+        "Skip that row's result entirely (no KV length, no sample count, no token) and count it in "
+        "stats.retracted_late_results. With retract_skip_inflight off, do not skip.",
+        "First thing in the loop over the view's rows: if (req.row, req.row_generation) differs from "
+        "(row, generation) and the switch is on, add one to stats.retracted_late_results and continue.",
+    )),
 )}

@@ -431,3 +431,32 @@ while not result.copy_done.query():
     time.sleep(0.0005)
 """}),
 ]
+
+SKIP_RETRACTED = """
+if {condition} and self.on("retract_skip_inflight"):
+    {count}
+    continue
+"""
+
+
+def skip_retracted(condition: str = "(req.row, req.row_generation) != (row, generation)",
+                   count: str = "self.stats.retracted_late_results += 1") -> dict[str, str]:
+    return {"skip a retracted request's in-flight result": SKIP_RETRACTED.format(condition=condition, count=count)}
+
+
+WRONG += [
+    Wrong(9, "no-skip", "commits the retracted request's late token like any other", "is no output",
+          {"skip a retracted request's in-flight result": "pass"}),
+    Wrong(9, "prefill-results-only", "skips late results of retracted requests only in prefill batches",
+          "is no output", skip_retracted("view.is_prefill and (req.row, req.row_generation) != (row, generation)")),
+    Wrong(9, "skips-every-released", "skips every released request's result, a finished one's overshoot too",
+          "skip only the results of requests retracted", skip_retracted("req.released")),
+    Wrong(9, "uncounted", "skips the late result but does not count it", "count each one",
+          skip_retracted(count="pass")),
+    Wrong(9, "ignores-switch", "skips even with retract_skip_inflight off", "keep the switch",
+          {"skip a retracted request's in-flight result": """
+if (req.row, req.row_generation) != (row, generation):
+    self.stats.retracted_late_results += 1
+    continue
+"""}),
+]

@@ -60,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=positive_int, default=None)
     p.add_argument("--chunk-size", type=positive_int, default=None)
     p.add_argument("--kv-tokens", type=positive_int, default=None)
+    p.add_argument("--admission", default="reserve", choices=["reserve", "optimistic"],
+                   help="reserve: promise prompt + max_new_tokens per request; optimistic: estimate what running "
+                   "requests still need (new-token ratio) and retract when a decode step runs short")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's tokens do not depend on its batch")
 
@@ -82,7 +85,8 @@ def build_llm(args: argparse.Namespace, **overrides):
     kwargs = dict(device=args.device, dtype=args.dtype, loop=args.loop, disable=disabled_names(args),
                   device_delay_ms=args.device_delay_ms, host_delay_ms=args.host_delay_ms, max_running_requests=args.max_running_requests,
                   chunk_size=args.chunk_size, kv_tokens=args.kv_tokens,
-                  deterministic=getattr(args, "deterministic", False))
+                  deterministic=getattr(args, "deterministic", False),
+                  admission=getattr(args, "admission", "reserve"))
     kwargs.update(overrides)
     return LLM(model_dir(args), **kwargs)
 

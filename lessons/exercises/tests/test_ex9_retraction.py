@@ -1,0 +1,52 @@
+"""Exercise 9: the in-flight result of a request retracted since its batch launched is skipped at
+the commit (readings §15, lesson 10). A workload that forces retractions (optimistic admission, a
+small KV pool) must give the tokens of reserve admission in the normal loop. Each assertion names
+its rule; the per-step ownership audit is off, so that a mistake is reported by the rule it breaks."""
+
+import pytest
+
+from minisgl import LLM, demo_model_path
+from minisgl.demo.workloads import early_stop_workload
+from minisgl.kv_pool import KVAccountingError
+
+SKIP_RULE = ("a retracted request's in-flight result is no output: skip it at the commit (the request's (row, "
+             "generation) is no longer the batch's), since its re-prefill samples that step again")
+
+
+def run(loop: str, admission: str, *disabled: str) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(demo_model_path(), loop=loop, admission=admission, kv_tokens=200, disable=disabled)
+    llm.scheduler.check_each_step = False
+    prompts, params = early_stop_workload()
+    try:
+        return llm, [o.token_ids for o in llm.generate(prompts, params)]
+    except (KVAccountingError, RuntimeError, KeyError) as exc:
+        raise AssertionError(f"{SKIP_RULE} ({type(exc).__name__}: {exc})") from None
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    return run("normal", "reserve")[1]
+
+
+def test_retracted_requests_resume_with_their_own_tokens(reference):
+    llm, outs = run("overlap", "optimistic")
+    assert llm.stats.retractions > 0, "the workload must retract (admission='optimistic', kv_tokens=200)"
+    assert outs == reference, SKIP_RULE
+
+
+def test_only_retracted_results_are_skipped_and_each_is_counted(reference):
+    llm, _ = run("overlap", "optimistic")
+    stats = llm.stats
+    assert stats.retracted_late_results == stats.retractions, (
+        "skip only the results of requests retracted since their batch launched, and count each one in "
+        f"stats.retracted_late_results: {stats.retracted_late_results} counted for {stats.retractions} retractions "
+        "(each retraction in the overlap loop leaves exactly one such result; a finished request's late result "
+        "is overshoot, left to skip_finished)")
+    assert stats.overshoot_tokens > 0, "a finished request's late result is overshoot: skip_finished counts it"
+
+
+def test_switched_off_the_late_token_is_appended(reference):
+    llm, outs = run("overlap", "optimistic", "retract_skip_inflight")
+    assert llm.stats.retracted_late_results == 0 and outs != reference, (
+        "keep the switch: with retract_skip_inflight off the late result must be committed like any other "
+        "(and the re-prefill then samples the same step again: a repeated token)")
