@@ -89,5 +89,6 @@ class SchedulerStats:
     stale_row_results: int = 0  # late results whose row had been recycled (ABA, detected by generation)
     cached_tokens: int = 0  # prompt tokens served from the radix cache at admission
     early_commits: int = 0  # batch n-1 committed before batch n launched (future_map off, prefill_sync)
+    delayed_samples: int = 0  # grammar batches whose sampling waited for the previous commit
     # (LAUNCH | COMMIT, batch_id) in order: the latest 65536 only, so a long run's memory stays flat.
     events: deque[tuple[SpanName, int]] = field(default_factory=lambda: deque(maxlen=1 << 16))

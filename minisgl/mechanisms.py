@@ -41,6 +41,12 @@ MECHANISMS: dict[str, str] = {
     "cuda_graph": "(GPU) decode batches replay captured CUDA graphs (off: eager launches)",
     "pinned_copy": "(GPU) results copied device-to-host into pinned memory with a copy_done event "
     "(off: a blocking copy that stalls the host)",
+    "grammar_delayed_sample": "with a grammar in the batch, sampling waits until the previous batch is committed, "
+    "so each mask is built from the grammar state after the request's latest token (off: masks built at planning, "
+    "from a state one token behind in the overlap loop: outputs break their grammar)",
+    "logprob_snapshot": "the rows and output indices of a batch's logprobs are fixed from the request lengths at "
+    "planning (off: recomputed at commit from live lengths that the next schedule moved: each logprob lands one "
+    "token late in the overlap loop)",
 }
 
 
