@@ -194,12 +194,7 @@ class Engine:
         batch.staging.consumed = self.stream.record_event()
 
         def forward() -> None:
-            inp = inputs.pop()
-            logits = self._forward(batch, inp)
-            if batch.delay_sample:
-                held.append((logits, inp))  # sampled later: launch_sample
-            else:
-                self._sample(batch, inp, logits, batch.mask, next_tokens, next_tokens_host, logprobs)
+            self._forward_and_sample(batch, inputs.pop(), next_tokens, next_tokens_host, logprobs, held)
             self.tracer.device_end(span.pop(), SpanName.FORWARD, self.stream.name, self.device, iteration, batch.batch_id)
 
         self.stream.launch(forward)
@@ -288,8 +283,11 @@ class Engine:
                 self._cycles_per_s = 50_000_000 / (start.elapsed_time(end) / 1000.0)
         return self._cycles_per_s
 
-    def _forward(self, batch: ForwardBatch, inp: DeviceInputs) -> torch.Tensor:
-        """Runs on the engine stream (device side): logits [B, vocab] of each request's last new token."""
+    def _forward_and_sample(self, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
+                            next_tokens_host: torch.Tensor, logprobs: LogprobsHost | None,
+                            held: list[tuple[torch.Tensor, DeviceInputs]]) -> None:
+        """Runs on the engine stream (device side): the forward, then its sampling, unless the
+        batch delays it: then the logits wait in `held` for launch_sample."""
         table = self.req_to_token.table
         input_ids = self.future_map.resolve(inp.input_ids)
         # The slots of this batch's new positions enter the request table on the device, in
@@ -302,7 +300,10 @@ class Engine:
         else:
             self.backend.plan(meta, parity)
             logits = self.model(input_ids, meta, self.kv, self.backend)
-        return logits
+        if batch.delay_sample:
+            held.append((logits, inp))  # sampled later: launch_sample
+        else:
+            self._sample(batch, inp, logits, batch.mask, next_tokens, next_tokens_host, logprobs)
 
     def _sample(self, batch: ForwardBatch, inp: DeviceInputs, logits: torch.Tensor, mask: TokenMask | None,
                 next_tokens: torch.Tensor, next_tokens_host: torch.Tensor, logprobs: LogprobsHost | None) -> None:
