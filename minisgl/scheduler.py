@@ -255,13 +255,11 @@ class Scheduler:
                       temperature=[p.temperature for p in params], top_p=[p.top_p for p in params],
                       top_k=[p.top_k for p in params], seeds=[r.sample_seed for r in reqs],
                       sample_steps=[r.next_sample_index for r in reqs])
-        # >>> exercise 10: delay the sampling of grammar batches
         grammars = any(p.grammar is not None for p in params)
         delay_sample = grammars and self.on("grammar_delayed_sample")
         # WRONG with grammar_delayed_sample off: masks from the states at planning, which in the
         # overlap loop lack the token batch n-1 is still sampling (one token behind).
         mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs]) if grammars and not delay_sample else None
-        # <<< exercise 10
         rows = logprob_rows(reqs, kv_lens)  # fixed now, from the lengths at planning: the launch snapshot
         forward = ForwardBatch(batch_id, is_prefill, qo_lens, kv_lens, staging,
                                all_greedy=all(p.temperature == 0 for p in params), delay_sample=delay_sample,
@@ -336,7 +334,6 @@ class Scheduler:
         """A grammar batch's sampling, delayed until every earlier batch is committed: build its
         masks from the grammar states now and launch it (SGLang's launch_batch_sample_if_needed;
         lessons/readings §15). A batch without a grammar sampled inside its forward: nothing to do."""
-        # >>> exercise 10: launch the delayed sampling
         if inflight is None or inflight.result.delayed is None:
             return
         result = inflight.result
@@ -348,7 +345,6 @@ class Scheduler:
             self.engine.launch_sample(result, build_mask([r.params.grammar for r in reqs],
                                                          [r.grammar_state for r in reqs]))
         self.stats.delayed_samples += 1
-        # <<< exercise 10
 
     def commit(self, inflight: InFlight, early: bool = False) -> None:
         """The commit point: outputs and token finishes change only here (an abort: _handle_aborts).
