@@ -92,5 +92,6 @@ class SchedulerStats:
     decode_rows: int = 0  # requests over all decode batches: / decode_batches = requests decoding at once
     retractions: int = 0  # running requests sent back to waiting for lack of KV (admission="optimistic")
     retracted_late_results: int = 0  # in-flight results of requests retracted since their launch, skipped
+    delayed_samples: int = 0  # grammar batches whose sampling waited for the previous commit
     # (LAUNCH | COMMIT | RETRACT, batch_id) in order (RETRACT: the batch being planned): the latest 65536 only, so a long run's memory stays flat.
     events: deque[tuple[SpanName, int]] = field(default_factory=lambda: deque(maxlen=1 << 16))

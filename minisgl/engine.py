@@ -29,7 +29,7 @@ import gc
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,8 +39,10 @@ from .config import EngineConfig
 from .gpu.flashinfer_backend import FlashInferBackend
 from .gpu.fused_ops import decoder_kernels
 from .future_map import FutureMap
+from .grammar import TokenMask
 from .kv_pool import KVPool, ReqToTokenPool
-from .models.sampler import sample
+from .logprobs import LogprobsHost
+from .models.sampler import apply_token_mask, sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
 from .models.decoder import DETERMINISTIC_ROWS, load_model, set_fixed_rows
@@ -57,6 +59,13 @@ class ForwardBatch:
     kv_lens: list[int]  # positions per request after this batch (prefix + new)
     staging: StagingBuffer  # device-bound metadata, written by the scheduler
     all_greedy: bool
+    # Sampling after the forward only once the host has built the masks (a grammar in the batch:
+    # Engine.launch_sample); otherwise sampling runs right after the forward, with `mask`.
+    delay_sample: bool = False
+    mask: TokenMask | None = None  # built at planning (no grammar, or grammar_delayed_sample off)
+    logprob_rows: list[int] = field(default_factory=list)  # rows returning logprobs (logprobs.py)
+    logprob_indices: list[int] = field(default_factory=list)  # the output index each of those rows samples
+    logprob_k: int = 0  # the largest top-k those rows asked for
 
     @property
     def num_tokens(self) -> int:
@@ -68,11 +77,22 @@ class ForwardBatch:
 
 
 @dataclass
+class DelayedSample:
+    """A forward whose sampling waits for the host's masks: its logits (and staged inputs) stay
+    on the device, in `held`, until Engine.launch_sample queues the sampling."""
+
+    batch: ForwardBatch
+    held: list[tuple[torch.Tensor, DeviceInputs]]  # filled by the forward, on the engine stream
+
+
+@dataclass
 class ForwardResult:
     batch_id: int
     next_tokens: torch.Tensor  # [B] on the device
     next_tokens_host: torch.Tensor  # [B] on the host, valid after copy_done
-    copy_done: Event
+    copy_done: Event  # after the last device work of the batch (its sampling's copy to the host)
+    logprobs: LogprobsHost | None = None  # valid after copy_done; rows fixed at planning
+    delayed: DelayedSample | None = None  # set until the delayed sampling is launched
 
 
 # CUDA engines not yet closed (weak: a dropped engine leaves the set by itself).
@@ -145,6 +165,9 @@ class Engine:
         next_tokens = torch.empty(B, dtype=torch.int64, device=self.device)
         pinned = self.device.type == "cuda" and self.mechanisms.on("pinned_copy")
         next_tokens_host = torch.empty(B, dtype=torch.int64, pin_memory=pinned)
+        # The rows come from the batch, fixed at planning: the launch snapshot (logprobs.py).
+        logprobs = LogprobsHost.empty(batch.logprob_rows, batch.logprob_indices, batch.logprob_k, pinned) if batch.logprob_rows else None
+        held: list[tuple[torch.Tensor, DeviceInputs]] = []  # a delayed sampling's logits (launch_sample)
         inputs: list[DeviceInputs] = []
         span: list[object] = []
         iteration = self.tracer.iteration
@@ -171,12 +194,34 @@ class Engine:
         batch.staging.consumed = self.stream.record_event()
 
         def forward() -> None:
-            self._forward_and_sample(batch, inputs.pop(), next_tokens, next_tokens_host)
+            self._forward_and_sample(batch, inputs.pop(), next_tokens, next_tokens_host, logprobs, held)
             self.tracer.device_end(span.pop(), SpanName.FORWARD, self.stream.name, self.device, iteration, batch.batch_id)
 
         self.stream.launch(forward)
-        copy_done = self.stream.record_event()
-        return ForwardResult(batch.batch_id, next_tokens, next_tokens_host, copy_done)
+        copy_done = self.stream.record_event()  # a delayed sampling replaces it (launch_sample)
+        return ForwardResult(batch.batch_id, next_tokens, next_tokens_host, copy_done, logprobs,
+                             DelayedSample(batch, held) if batch.delay_sample else None)
+
+    def launch_sample(self, result: ForwardResult, mask: TokenMask) -> None:
+        """Queue the delayed sampling of a launched forward, with masks the host built after the
+        forward was launched (SGLang's launch_batch_sample_if_needed). Returns without waiting.
+
+        Must be queued before the next batch's forward: that forward reads this batch's tokens
+        from the FutureMap, and a CUDA-graph replay rewrites the logits buffer held here."""
+        delayed = result.delayed
+        assert delayed is not None, f"batch {result.batch_id}: its sampling was not delayed, or was launched already"
+        result.delayed = None
+        iteration = self.tracer.iteration
+
+        def sample_held() -> None:
+            begin = self.tracer.device_begin(self.device)
+            logits, inp = delayed.held.pop()
+            self._sample(delayed.batch, inp, logits, mask, result.next_tokens, result.next_tokens_host,
+                         result.logprobs)
+            self.tracer.device_end(begin, SpanName.SAMPLE, self.stream.name, self.device, iteration, result.batch_id)
+
+        self.stream.launch(sample_held)
+        result.copy_done = self.stream.record_event()
 
     def close(self) -> None:
         """Give back everything this engine holds on the device, and stop the stream's thread.
@@ -239,8 +284,10 @@ class Engine:
         return self._cycles_per_s
 
     def _forward_and_sample(self, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
-                            next_tokens_host: torch.Tensor) -> None:
-        """Runs on the engine stream (device side)."""
+                            next_tokens_host: torch.Tensor, logprobs: LogprobsHost | None,
+                            held: list[tuple[torch.Tensor, DeviceInputs]]) -> None:
+        """Runs on the engine stream (device side): the forward, then its sampling, unless the
+        batch delays it: then the logits wait in `held` for launch_sample."""
         table = self.req_to_token.table
         input_ids = self.future_map.resolve(inp.input_ids)
         # The slots of this batch's new positions enter the request table on the device, in
@@ -253,14 +300,37 @@ class Engine:
         else:
             self.backend.plan(meta, parity)
             logits = self.model(input_ids, meta, self.kv, self.backend)
-        tokens = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.sample_steps,
+        if batch.delay_sample:
+            held.append((logits, inp))  # sampled later: launch_sample
+        else:
+            self._sample(batch, inp, logits, batch.mask, next_tokens, next_tokens_host, logprobs)
+
+    def _sample(self, batch: ForwardBatch, inp: DeviceInputs, logits: torch.Tensor, mask: TokenMask | None,
+                next_tokens: torch.Tensor, next_tokens_host: torch.Tensor, logprobs: LogprobsHost | None) -> None:
+        """Runs on the engine stream: mask, sample, publish, copy the tokens (and logprobs) to the host."""
+        masked = logits
+        if mask is not None and mask.constrains:
+            masked = apply_token_mask(logits, *(self._to_device(ids) for ids in mask.index_lists()))
+        tokens = sample(masked, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.sample_steps,
                         batch.all_greedy)
         self.future_map.publish(inp.rows, tokens)  # materialized: batch n+1 may now read it
         next_tokens.copy_(tokens)
         # Device-to-host into pinned memory, queued like a kernel: the host learns the values
         # only at copy_done. Off ("pinned_copy", GPU only), the copy blocks the host right here,
         # inside launch(), until the forward is done: no overlap is possible any more.
-        next_tokens_host.copy_(tokens, non_blocking=self.mechanisms.on("pinned_copy"))
+        non_blocking = self.mechanisms.on("pinned_copy")
+        next_tokens_host.copy_(tokens, non_blocking=non_blocking)
+        if logprobs is not None:  # of the raw logits: the model's distribution, not the mask's
+            logprobs.copy_from_device(logits, tokens, self._to_device(logprobs.rows), non_blocking)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """A host list as an int64 device tensor, on the engine stream. On CUDA through pinned
+        memory, so the copy is queued and the host does not wait for the stream (the caching
+        host allocator keeps the pinned block until the copy has run)."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _attention_metadata(self, batch: ForwardBatch, inp: DeviceInputs, table: torch.Tensor) -> AttentionMetadata:
         """Gather every request's KV slots from its row of the request table."""

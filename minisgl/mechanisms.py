@@ -44,6 +44,12 @@ MECHANISMS: dict[str, str] = {
     "retract_skip_inflight": "(admission=\"optimistic\") the in-flight batch's result for a request retracted "
     "since its launch is skipped at commit (off: the late token is appended to the waiting request, which then "
     "re-samples that step after its re-prefill: a repeated token, outputs differ from reserve)",
+    "grammar_delayed_sample": "with a grammar in the batch, sampling waits until the previous batch is committed, "
+    "so each mask is built from the grammar state after the request's latest token (off: masks built at planning, "
+    "from a state one token behind in the overlap loop: outputs break their grammar)",
+    "logprob_snapshot": "the rows and output indices of a batch's logprobs are fixed from the request lengths at "
+    "planning (off: recomputed at commit from live lengths that the next schedule moved: each logprob lands one "
+    "token late in the overlap loop)",
 }
 
 

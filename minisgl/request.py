@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .checks import INT64_MAX, INT64_MIN, check_bool, check_int, check_real, check_token_ids, is_int
+from .grammar import REJECTED, Grammar
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the staging buffers' dtype
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (kernels may flush subnormals to 0)
@@ -42,6 +43,8 @@ class SamplingParams:
     seed: int | None = None  # same seed, same tokens, whatever else is in the batch
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    grammar: Grammar | None = None  # allowed next tokens per state (minisgl/grammar.py)
+    logprobs: int | None = None  # k: return each token's logprob and its top-k alternatives
 
     def __post_init__(self) -> None:
         # A tuple before validating: a generator would be used up by the check and leave no stop
@@ -68,6 +71,23 @@ class SamplingParams:
             check_int("seed", self.seed, INT64_MIN, INT64_MAX)  # staged as int64
         check_bool("ignore_eos", self.ignore_eos)
         check_token_ids("stop_token_ids", self.stop_token_ids, INT64_MAX if vocab is None else vocab)
+        if self.grammar is not None:
+            if not isinstance(self.grammar, Grammar):
+                raise TypeError(f"grammar must be a minisgl.grammar.Grammar or None, got {type(self.grammar).__name__}")
+            if vocab is not None:
+                self.grammar.validate(vocab)
+        if self.logprobs is not None:
+            check_int("logprobs (top-k alternatives, or None)", self.logprobs, 0, TOP_K_MAX if vocab is None else vocab)
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's logprob (the model's raw distribution, float32) and the top-k
+    alternatives, most likely first (the token itself among them when it is in the top k)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -78,6 +98,7 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
     metrics: dict[str, float] = field(default_factory=dict)  # RequestTimes.latency()
+    logprobs: list[TokenLogprob | None] | None = None  # one per token, when SamplingParams.logprobs was set
 
 
 @dataclass
@@ -114,6 +135,9 @@ class Req:
         self.max_new_tokens = min(params.max_new_tokens, model_window - len(prompt_ids))
 
         self.output_ids: list[int] = []  # committed tokens only
+        self.logprobs: list[TokenLogprob | None] = []  # by output index, committed with the tokens
+        # Grammar state after the committed tokens: advanced at commit, never at planning.
+        self.grammar_state = params.grammar.start if params.grammar is not None else REJECTED
         self.finish_reason: str | None = None
         self.abort_requested = False
 
@@ -194,11 +218,19 @@ class Req:
         """Output index of the most recently planned sample (the seeded sampler's step)."""
         return len(self.output_ids) + self.inflight_samples - 1
 
-    def commit_token(self, token: int) -> None:
-        """Append a committed token and decide whether the request is finished."""
+    def commit_token(self, token: int, logprob: tuple[int, TokenLogprob] | None = None) -> None:
+        """Append a committed token, store its logprob (at the output index it came with), advance
+        the grammar, and decide whether the request is finished."""
         self.output_ids.append(token)
+        if logprob is not None:
+            index, entry = logprob
+            self.logprobs += [None] * (index + 1 - len(self.logprobs))  # only a wrong index leaves a gap
+            self.logprobs[index] = entry
         self.times.token_times.append(time.perf_counter())
-        if token in self.stop_ids:
+        grammar = self.params.grammar
+        if grammar is not None:
+            self.grammar_state = grammar.advance(self.grammar_state, token)
+        if token in self.stop_ids or (grammar is not None and grammar.is_final(self.grammar_state)):
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = "length"

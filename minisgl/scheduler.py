@@ -28,11 +28,13 @@ from .batch import BatchView, InFlight, Planned, RunningBatch, SchedulerStats
 from .config import EngineConfig
 from .engine import Engine, ForwardBatch, ForwardResult
 from .future_map import placeholder
+from .grammar import build_mask
 from .interrupts import atomic_step
 from .invariants import check_invariants
 from .kv_pool import KVAccountingError
+from .logprobs import logprob_rows, output_index
 from .radix_cache import RadixCache
-from .request import Req
+from .request import Req, TokenLogprob
 from .staging import StagingRing, TokenColumns
 from .streams import make_host_stream
 from .tracer import SpanName
@@ -102,8 +104,9 @@ class Scheduler:
         """Serial (event_loop_normal): schedule batch n, launch it, wait for it, commit it."""
         planned = self.schedule()
         if planned is not None:
-            result = self.launch(planned)
-            self.commit(InFlight(planned.view, result))  # the device idles until the next launch
+            inflight = InFlight(planned.view, self.launch(planned))
+            self._sample_if_delayed(inflight)
+            self.commit(inflight)  # the device idles until the next launch
 
     def overlap_loop(self, last: InFlight | None) -> InFlight | None:
         """Pipelined (overlap_loop(last_data)): launch batch n, then commit batch n-1 while n runs."""
@@ -124,6 +127,7 @@ class Scheduler:
             inflight = InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
         if last is not None:
             self.commit(last)  # batch n-1's results, while batch n runs on the device
+        self._sample_if_delayed(inflight)  # a grammar in batch n: its masks need n-1's tokens, committed just now
         return inflight
         # <<< exercise 1
 
@@ -254,8 +258,17 @@ class Scheduler:
                       temperature=[p.temperature for p in params], top_p=[p.top_p for p in params],
                       top_k=[p.top_k for p in params], seeds=[r.sample_seed for r in reqs],
                       sample_steps=[r.next_sample_index for r in reqs])
+        grammars = any(p.grammar is not None for p in params)
+        delay_sample = grammars and self.on("grammar_delayed_sample")
+        # WRONG with grammar_delayed_sample off: masks from the states at planning, which in the
+        # overlap loop lack the token batch n-1 is still sampling (one token behind).
+        mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs]) if grammars and not delay_sample else None
+        rows = logprob_rows(reqs, kv_lens)  # fixed now, from the lengths at planning: the launch snapshot
         forward = ForwardBatch(batch_id, is_prefill, qo_lens, kv_lens, staging,
-                               all_greedy=all(p.temperature == 0 for p in params))
+                               all_greedy=all(p.temperature == 0 for p in params), delay_sample=delay_sample,
+                               mask=mask, logprob_rows=rows,
+                               logprob_indices=[output_index(reqs[i], kv_lens[i]) for i in rows],
+                               logprob_k=max((params[i].logprobs or 0 for i in rows), default=0))
         if is_prefill:
             view: BatchView | RunningBatch = BatchView(batch_id, True, reqs, [r.row for r in reqs],
                                                        [r.row_generation for r in reqs], samples, qo_lens)
@@ -360,11 +373,28 @@ class Scheduler:
         self.stats.events.append((SpanName.LAUNCH, forward.batch_id))
         return result
 
+    def _sample_if_delayed(self, inflight: InFlight | None) -> None:
+        """A grammar batch's sampling, delayed until every earlier batch is committed: build its
+        masks from the grammar states now and launch it (SGLang's launch_batch_sample_if_needed;
+        lessons/readings §16). A batch without a grammar sampled inside its forward: nothing to do."""
+        if inflight is None or inflight.result.delayed is None:
+            return
+        result = inflight.result
+        # The mask needs each request's latest token: every earlier batch must be committed, so
+        # that the states are not one token behind (what grammar_delayed_sample off shows).
+        assert self._device_done_id == result.batch_id - 1, "delayed sampling before the previous batch's commit"
+        with self.tracer.host(SpanName.SAMPLE, result.batch_id):
+            reqs = inflight.view.reqs
+            self.engine.launch_sample(result, build_mask([r.params.grammar for r in reqs],
+                                                         [r.grammar_state for r in reqs]))
+        self.stats.delayed_samples += 1
+
     def commit(self, inflight: InFlight, early: bool = False) -> None:
         """The commit point: outputs and token finishes change only here (an abort: _handle_aborts).
 
         `early`: batch n-1 is committed before batch n launches, at a sync boundary."""
         view, result = inflight.view, inflight.result
+        assert result.delayed is None, f"batch {result.batch_id}: its delayed sampling was never launched"
         self.stats.early_commits += early
         with self.tracer.host(SpanName.WAIT, result.batch_id):
             # >>> exercise 8: the host waits for copy_done
@@ -377,8 +407,9 @@ class Scheduler:
         self._device_done_id = max(self._device_done_id, result.batch_id)
         self.stats.events.append((SpanName.COMMIT, result.batch_id))
         tokens = result.next_tokens_host.tolist()
-        for req, row, generation, sampled, qo_len, token in zip(view.reqs, view.rows, view.generations,
-                                                                view.samples, view.qo_lens, tokens):
+        logprobs = self._logprobs_by_row(view, result, tokens)
+        for i, (req, row, generation, sampled, qo_len, token) in enumerate(zip(
+                view.reqs, view.rows, view.generations, view.samples, view.qo_lens, tokens)):
             # >>> exercise 9: skip a retracted request's in-flight result
             if (req.row, req.row_generation) != (row, generation) and self.on("retract_skip_inflight"):
                 # Retracted after this batch launched (admission="optimistic"): it waits to be
@@ -408,7 +439,7 @@ class Scheduler:
                 continue
             req.inflight_samples -= 1
             finished_before = req.finished  # only possible with skip_finished off
-            req.commit_token(token)
+            req.commit_token(token, logprobs.get(i))
             # >>> exercise 5: the commit point
             if req.finished:
                 if finished_before or not req.released:
@@ -417,6 +448,18 @@ class Scheduler:
             # <<< exercise 5
         self._release_committed_aborts()
         self._free_deferred_rows()
+
+    def _logprobs_by_row(self, view: BatchView | RunningBatch, result: ForwardResult,
+                         tokens: list[int]) -> dict[int, tuple[int, TokenLogprob]]:
+        """Batch row -> (output index, logprob) of this batch's logprobs (logprobs.py)."""
+        if result.logprobs is None:
+            return {}
+        indices = result.logprobs.indices  # from the lengths at planning: the launch snapshot
+        if not self.on("logprob_snapshot"):
+            # WRONG on purpose: the live lengths, which the next schedule has already moved
+            # (batch n+1 launched one more position): each logprob lands one token late.
+            indices = [output_index(view.reqs[i], view.reqs[i].launched_len) for i in result.logprobs.rows]
+        return result.logprobs.by_row(tokens, [r.params.logprobs or 0 for r in view.reqs], indices)
 
     # Slots of a request being released, by position (cached <= present <= written <= allocated):
     #

@@ -27,11 +27,12 @@ class SpanName(StrEnum):
     LAUNCH = "launch"  # host: queue its forward on the engine stream
     WAIT = "wait"  # host: block until a batch's copy_done (waiting, not work)
     COMMIT = "commit"  # host: apply a batch's sampled tokens
-    FORWARD = "forward"  # device: copy-in, forward and sampling of one batch
+    FORWARD = "forward"  # device: copy-in, forward and sampling of one batch (not a delayed sampling)
     RETRACT = "retract"  # a marker in stats.events, never a span: a decode step sent requests back to waiting
+    SAMPLE = "sample"  # host: build a grammar batch's masks and launch its delayed sampling; device: that sampling
 
 
-HOST_WORK = (SpanName.SCHEDULE, SpanName.LAUNCH, SpanName.COMMIT)  # host spans that are work; WAIT is not
+HOST_WORK = (SpanName.SCHEDULE, SpanName.LAUNCH, SpanName.COMMIT, SpanName.SAMPLE)  # host spans that are work; WAIT is not
 HOST_LANE = "host"  # the scheduler thread; every other lane is a device stream
 
 

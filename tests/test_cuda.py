@@ -280,3 +280,40 @@ def test_deterministic_overlap_equals_normal_on_gpu_bf16(qwen3, record_property)
     assert got == expected
     assert llm.stats.overshoot_tokens > 0
     assert_pool_whole(llm)
+
+
+def test_grammar_delayed_sample_from_the_graphs_logits(qwen3):
+    """bf16, FlashInfer, CUDA graphs on: the delayed sampling reads the graph's logits buffer
+    (before the next replay rewrites it). Every output follows its grammar in both loops; the
+    naive mask (switch off) breaks it."""
+    from .test_grammar_logprobs import CYCLE, PROMPTS as GRAMMAR_PROMPTS, params
+
+    outs = {}
+    for loop, disable in (("normal", ()), ("overlap", ()), ("overlap", ("grammar_delayed_sample",))):
+        llm = LLM(qwen3, device="cuda", loop=loop, chunk_size=16, disable=disable)
+        assert llm.engine.graphs is not None
+        outs[loop, disable] = [o.token_ids for o in llm.generate(GRAMMAR_PROMPTS, params(CYCLE))]
+        assert llm.stats.delayed_samples == (0 if disable else llm.stats.batches)
+        assert_pool_whole(llm)
+        llm.close()
+    assert all(CYCLE.accepts_prefix(t) for t in outs["normal", ()] + outs["overlap", ()])
+    assert not any(CYCLE.accepts_prefix(t) for t in outs["overlap", ("grammar_delayed_sample",)])
+
+
+def test_grammar_and_logprobs_overlap_equals_normal_float32(qwen3):
+    """float32 on the GPU: grammar outputs and logprobs identical in both loops under chunked
+    prefill, logprobs equal to transformers' float32 within 1e-4."""
+    from .test_grammar_logprobs import CYCLE, PROMPTS as GRAMMAR_PROMPTS, float32_reference, params
+
+    got = {}
+    for loop in ("normal", "overlap"):
+        llm = LLM(qwen3, device="cuda", loop=loop, chunk_size=16, dtype="float32")
+        got[loop] = llm.generate(GRAMMAR_PROMPTS, params(CYCLE, logprobs=2))
+        assert_pool_whole(llm)
+        llm.close()
+    assert [(o.token_ids, o.logprobs) for o in got["overlap"]] == [(o.token_ids, o.logprobs) for o in got["normal"]]
+    for out in got["overlap"]:
+        assert CYCLE.accepts_prefix(out.token_ids)
+        ref = float32_reference(qwen3, out.prompt_token_ids, out.token_ids)
+        chosen = ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor([lp.logprob for lp in out.logprobs]), chosen, atol=1e-4)

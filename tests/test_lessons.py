@@ -139,6 +139,13 @@ def test_lesson_10_optimistic_runs_more_requests_at_once():
     assert f["outputs that differ from reserve (skip off)"] > 0
 
 
+@pytest.mark.full
+def test_lesson_11_grammar_kept_and_the_naive_mask_breaks_it():
+    _, f = run_lesson(11)
+    assert f["outputs breaking the grammar (overlap)"] == 0 and f["outputs breaking the grammar (naive mask)"] > 0
+    assert f["misplaced logprobs (snapshot on)"] == 0 and f["misplaced logprobs (live lengths)"] > 0
+
+
 def test_make_lessons_lists_every_lesson():
     done = subprocess.run(["make", "-s", "lessons"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

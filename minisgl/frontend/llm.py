@@ -322,7 +322,7 @@ class LLM:
     def _output(self, req: Req) -> RequestOutput:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else ""
         return RequestOutput(req.rid, req.prompt_ids, list(req.output_ids), text, req.finish_reason or "abort",
-                             req.times.latency())
+                             req.times.latency(), list(req.logprobs) if req.params.logprobs is not None else None)
 
 
 _IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"

@@ -39,6 +39,16 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     return ((mantissa + 0.5) / float(1 << 53)).to(torch.float32)
 
 
+def apply_token_mask(logits: torch.Tensor, constrained_rows: torch.Tensor, mask_rows: torch.Tensor,
+                     mask_tokens: torch.Tensor) -> torch.Tensor:
+    """Constrained decoding: in `constrained_rows` only the (mask_rows[i], mask_tokens[i]) entries
+    keep their logit, every other token gets -inf; the other rows are left as they are."""
+    allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+    allowed[constrained_rows] = False
+    allowed[mask_rows, mask_tokens] = True
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, steps: torch.Tensor, all_greedy: bool) -> torch.Tensor:
     """logits [B, V] -> token ids [B] int64. Rows with temperature 0 are greedy. The argmax is

@@ -1,0 +1,129 @@
+"""Constrained decoding: a small finite-state grammar over token ids, and the masks it makes.
+
+A `Grammar` says, for each state, which token ids may come next and which state each one
+leads to. A state with no allowed token is final: the request finishes ("stop") when it gets
+there. Each request with a grammar carries its state (`Req.grammar_state`), advanced when a
+token is committed, never earlier: the host learns a token only at its batch's commit.
+
+That is the overlap trap (lessons/readings §16): the mask for batch n+1's sample depends on
+batch n's token, which the overlap loop commits only after launching batch n+1. So with a
+grammar in the batch the scheduler launches n+1's forward, commits n (advancing the states),
+and only then builds n+1's masks and launches its sampling (`Scheduler._sample_if_delayed`,
+SGLang's `delay_sample_func`). The switch `grammar_delayed_sample` off builds the masks at
+planning, from a state one token behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from .checks import INT64_MAX, check_int, is_int
+
+REJECTED = -1  # the state of a request whose output already broke its grammar: no longer constrained
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A finite-state constraint: `transitions[state]` maps each allowed next token to the next state.
+
+    Built from a mapping {state: {token: next_state}}; stored as sorted tuples, so that the
+    grammar is hashable (SamplingParams is frozen) and nobody edits it in flight."""
+
+    transitions: Mapping[int, Mapping[int, int]] | tuple
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        table = self.transitions
+        if not isinstance(table, Mapping):
+            raise TypeError(f"grammar transitions must be a mapping {{state: {{token: next_state}}}}, "
+                            f"got {type(table).__name__}")
+        for state, edges in table.items():
+            check_int("grammar state", state, 0, INT64_MAX)
+            if not isinstance(edges, Mapping):
+                raise TypeError(f"grammar state {state}: transitions must be a mapping {{token: next_state}}, "
+                                f"got {type(edges).__name__}")
+            for token, target in edges.items():
+                check_int(f"grammar state {state}: token id", token, 0, INT64_MAX)
+                if not is_int(target) or target not in table:
+                    raise ValueError(f"grammar state {state}: token {token} leads to state {target!r}, "
+                                     f"which the grammar does not define")
+        if not is_int(self.start) or self.start not in table:
+            raise ValueError(f"grammar start state {self.start!r} is not one of its states {sorted(table)}")
+        if not table[self.start]:
+            raise ValueError(f"grammar start state {self.start} allows no token (it is final)")
+        frozen = tuple(sorted((s, tuple(sorted(edges.items()))) for s, edges in table.items()))
+        object.__setattr__(self, "transitions", frozen)
+        object.__setattr__(self, "_edges", {s: dict(edges) for s, edges in frozen})
+
+    def validate(self, vocab: int) -> None:
+        """Every token id must be in [0, vocab): a mask cannot allow a token the model lacks."""
+        for state, edges in self._edges.items():
+            bad = [t for t in edges if t >= vocab]
+            if bad:
+                raise ValueError(f"grammar state {state} allows token id(s) {bad[:4]} outside the vocabulary "
+                                 f"[0, {vocab})")
+
+    def allowed(self, state: int) -> tuple[int, ...] | None:
+        """The token ids allowed next; None when unconstrained (final or rejected state)."""
+        edges = self._edges.get(state)
+        return tuple(edges) if edges else None
+
+    def advance(self, state: int, token: int) -> int:
+        """The state after `token`; REJECTED if the token was not allowed."""
+        return self._edges.get(state, {}).get(token, REJECTED)
+
+    def is_final(self, state: int) -> bool:
+        return state in self._edges and not self._edges[state]
+
+    def accepts_prefix(self, tokens: Iterable[int]) -> bool:
+        """True if `tokens` follows the grammar from its start state (not necessarily to the end)."""
+        state = self.start
+        for token in tokens:
+            if self.is_final(state):
+                return False  # nothing may follow a final state
+            state = self.advance(state, token)
+            if state == REJECTED:
+                return False
+        return True
+
+    @classmethod
+    def sequence_of(cls, steps: Sequence[Iterable[int]], repeat_last: bool = False,
+                    end: Iterable[int] = ()) -> "Grammar":
+        """One allowed set per position: state i allows steps[i] and leads to i+1. `repeat_last`:
+        the last set may repeat; `end`: tokens that may follow the last set and end the output."""
+        table: dict[int, dict[int, int]] = {}
+        final = len(steps)
+        for i, allowed in enumerate(steps):
+            table[i] = {t: i + 1 for t in allowed}
+        last = final - 1
+        if repeat_last:
+            table[last] = {t: last for t in steps[last]}
+        table[last].update({t: final for t in end})
+        table[final] = {}
+        return cls(table)
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """Which tokens each row of a batch may sample: `allowed` per row, None for an unconstrained row.
+    Built on the host from the grammar states; applied on the device (engine.py)."""
+
+    allowed: tuple[tuple[int, ...] | None, ...]
+
+    @property
+    def constrains(self) -> bool:
+        return any(a is not None for a in self.allowed)
+
+    def index_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """(rows constrained, row of each allowed entry, token of each allowed entry): the three
+        index lists the device scatters into a [B, vocab] mask."""
+        constrained = [i for i, a in enumerate(self.allowed) if a is not None]
+        rows = [i for i in constrained for _ in self.allowed[i]]  # type: ignore[union-attr]
+        tokens = [t for i in constrained for t in self.allowed[i]]  # type: ignore[union-attr]
+        return constrained, rows, tokens
+
+
+def build_mask(grammars: Sequence[Grammar | None], states: Sequence[int]) -> TokenMask:
+    """The mask for one batch's sample, from each request's grammar and the state it is in now."""
+    return TokenMask(tuple(g.allowed(s) if g is not None else None for g, s in zip(grammars, states)))
