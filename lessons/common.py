@@ -52,22 +52,6 @@ def missing_exercise(error: BaseException | None) -> re.Match | None:
     return None
 
 
-def _say_which_exercise_unlocks_it(kind, error, tb) -> None:
-    """In the student edition a lesson can reach a part the learner has not written yet: say which
-    exercise that is and end cleanly (status 0), instead of a traceback. Any other error is
-    reported as usual."""
-    found = missing_exercise(error)
-    if found is None:
-        sys.__excepthook__(kind, error, tb)
-        return
-    console.print(f"this lesson needs exercise {found['number']} ({found['part']}): write it in minisgl/, "
-                  f"check it with `python lessons/exercises/make_exercise.py check {found['number']}`, then "
-                  "run this lesson again")
-    sys.stdout.flush()
-    os._exit(0)  # not sys.exit: the engine's worker threads of the unfinished run must not be waited for
-
-
-sys.excepthook = _say_which_exercise_unlocks_it  # every lesson imports this module before it runs
 
 
 # --------------------------------------------------------------------------- the model
@@ -288,18 +272,6 @@ def differing(tokens: list[list[int]], reference: list[list[int]]) -> int:
     return sum(a != b for a, b in zip(tokens, reference))
 
 
-def unwritten_exercise(exc: BaseException) -> NotImplementedError | None:
-    """The NotImplementedError behind `exc` (itself, or a cause or context of it, e.g. raised on
-    the device thread and re-raised by the host), or None."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, NotImplementedError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
 def lesson_main(main) -> None:
     """Run a lesson's main(). In the student edition an exercise region not written yet raises
     NotImplementedError naming its exercise: say which exercise unlocks the lesson and exit 0,
@@ -307,10 +279,11 @@ def lesson_main(main) -> None:
     try:
         main()
     except Exception as exc:  # noqa: BLE001 - re-raised unless it is an unwritten exercise
-        missing = unwritten_exercise(exc)
+        missing = missing_exercise(exc)
         if missing is None:
             raise
-        console.print(f"[yellow]This lesson needs code you have not written yet: {escape(str(missing))}[/]")
+        console.print(f"[yellow]This lesson needs exercise {missing['number']} ({escape(missing['part'])}), "
+                      "which you have not written yet.[/]")
         console.print("It runs once that exercise passes (`make exercises` lists them; `make exercise-N`, or "
                       "`python lessons/exercises/make_exercise.py check N` without make, checks one).")
         sys.exit(0)

@@ -14,13 +14,13 @@ CPU = torch.device("cpu")
 
 def test_a_row_nobody_published_resolves_to_token_zero():
     """A valid id, so that a missing publish shows up as wrong tokens rather than a crash."""
-    fm = FutureMap(num_rows=4, device=CPU)
+    fm = FutureMap(max_running_requests=4, device=CPU)
     assert fm.resolve(torch.tensor([placeholder(3), 5])).tolist() == [0, 5]
 
 
 def test_each_placeholder_resolves_to_its_rows_latest_token_in_a_shuffled_batch():
     gen = torch.Generator().manual_seed(0)
-    fm = FutureMap(num_rows=64, device=CPU)
+    fm = FutureMap(max_running_requests=64, device=CPU)
     latest = {}
     for _ in range(3):  # three steps: each publishes a random subset of rows, in a random order
         rows = torch.randperm(64, generator=gen)[:40]

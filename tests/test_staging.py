@@ -37,7 +37,8 @@ def test_the_device_reads_a_copy_that_a_later_write_does_not_change():
     inputs = buf.to_device(num_tokens=4, num_reqs=2)
     tokens = TokenColumns()
     tokens.add(1, [99, 98, 97, 96], 0, [0, 1, 2, 3])
-    buf.write(tokens, rows=[1, 1], kv_lens=[4, 4])
+    buf.write(tokens, rows=[1, 1], kv_lens=[4, 4], qo_indptr=[0, 2, 4], kv_indptr=[0, 4, 8], temperature=[0.0, 0.0],
+              top_p=[1.0, 1.0], top_k=[-1, -1], seeds=[0, 0], sample_steps=[0, 0])
     assert inputs.input_ids.tolist() == written["input_ids"] and inputs.rows.tolist() == written["rows"]
 
 
