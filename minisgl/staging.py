@@ -93,13 +93,13 @@ class StagingBuffer:
     """One set of host columns, big enough for the largest batch: views into one block per dtype
     (int64, float32), so that the device copy is two transfers, not one per column."""
 
-    def __init__(self, max_tokens: int, max_reqs: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_running_requests: int, device: torch.device) -> None:
         self.device = device
         pin = device.type == "cuda"
         self.blocks: dict[torch.dtype, torch.Tensor] = {}
         self.host: dict[str, torch.Tensor] = {}  # each column a view of its block (offset: storage_offset())
         for dtype in dict.fromkeys(COLUMN_DTYPES.values()):
-            sizes = {name: batch_length(length, max_tokens, max_reqs) for name, length in COLUMNS.items()
+            sizes = {name: batch_length(length, max_tokens, max_running_requests) for name, length in COLUMNS.items()
                      if COLUMN_DTYPES[name] == dtype}
             self.blocks[dtype] = torch.zeros(sum(sizes.values()), dtype=dtype, pin_memory=pin)
             self.host.update(zip(sizes, self.blocks[dtype].split(list(sizes.values()))))
@@ -133,9 +133,10 @@ class StagingBuffer:
 
 
 class StagingRing:
-    def __init__(self, max_tokens: int, max_reqs: int, device: torch.device, mechanisms: Mechanisms) -> None:
+    def __init__(self, max_tokens: int, max_running_requests: int, device: torch.device,
+                 mechanisms: Mechanisms) -> None:
         count = 2 if mechanisms.on("staging_double_buffer") else 1
-        self.buffers = [StagingBuffer(max_tokens, max_reqs, device) for _ in range(count)]
+        self.buffers = [StagingBuffer(max_tokens, max_running_requests, device) for _ in range(count)]
         self.war_wait = mechanisms.on("staging_war_wait")
         self._next = 0
         self.waits = 0  # acquires that had to wait for the device to read the buffer

@@ -202,7 +202,7 @@ def test_staging_two_buffers_without_the_wait_hold_while_n_commits_before_n_plus
 def test_staging_write_refuses_a_missing_or_short_column():
     # A column the scheduler forgot (or wrote short) would be read with the previous batch's
     # values: write() must refuse the batch instead.
-    buf = StagingBuffer(max_tokens=8, max_reqs=4, device=torch.device("cpu"))
+    buf = StagingBuffer(max_tokens=8, max_running_requests=4, device=torch.device("cpu"))
     tokens = TokenColumns()
     tokens.add(row=0, input_ids=[5, 6], start=0, out_slots=[1, 2])
     requests = {"rows": [0], "kv_lens": [2], "top_k": [-1], "seeds": [0], "sample_steps": [0], "qo_indptr": [0, 2],

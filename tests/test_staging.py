@@ -19,7 +19,7 @@ def staged_batch() -> tuple[StagingBuffer, dict[str, list]]:
     tokens.add(0, [-3], 9, [13])
     columns = dict(rows=[2, 0], kv_lens=[7, 10], qo_indptr=[0, 3, 4], kv_indptr=[0, 7, 17], temperature=[0.5, 0.0],
                    top_p=[0.75, 1.0], top_k=[4, -1], seeds=[1, 2], sample_steps=[0, 3])
-    buf = StagingBuffer(max_tokens=8, max_reqs=4, device=CPU)
+    buf = StagingBuffer(max_tokens=8, max_running_requests=4, device=CPU)
     buf.write(tokens, **columns)
     return buf, {**vars(tokens), **columns}
 
