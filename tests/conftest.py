@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import sys
 import signal
 import threading
 from contextlib import contextmanager
@@ -16,6 +18,17 @@ import torch
 from minisgl import SamplingParams
 from minisgl.frontend.cli import main as cli
 from minisgl.demo.tiny import make_tiny
+
+EXERCISE_TOOLS = Path(__file__).resolve().parents[1] / "lessons" / "exercises"
+
+
+def load_exercise_tool(name: str):
+    """A script of lessons/exercises/ (make_exercise, runner, grade, ...) as a module."""
+    spec = importlib.util.spec_from_file_location(name, EXERCISE_TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    return module
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)  # what the API tests ask of the shared engine
 

@@ -9,7 +9,6 @@ rule it breaks (or, for a solution that waits forever, a report with every threa
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 import subprocess
 import sys
@@ -18,23 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import tiered
+from .conftest import load_exercise_tool, tiered
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "lessons" / "exercises" / "make_exercise.py"
 WRONG_LIMIT_S = 60  # a wrong solution must be reported within a minute, a hang included
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, TOOL.parent / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load("make_exercise")
-runner = _load("runner")
+tool = load_exercise_tool("make_exercise")
+runner = load_exercise_tool("runner")
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -5,7 +5,6 @@ yet says which exercise unlocks it."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -13,21 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import load_exercise_tool
+
 ROOT = Path(__file__).resolve().parents[1]
-EXERCISES_DIR = ROOT / "lessons" / "exercises"
 MIN_REVEALING_CHARS = 21  # shorter lines (`continue`, `if last is not None:`) say nothing about the answer
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXERCISES_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-edition = _load("student_edition")
-grade = _load("grade")
+edition = load_exercise_tool("student_edition")
+grade = load_exercise_tool("grade")
 tool = sys.modules["make_exercise"]
 
 
