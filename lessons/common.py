@@ -60,11 +60,15 @@ def _say_which_exercise_unlocks_it(kind, error, tb) -> None:
     if found is None:
         sys.__excepthook__(kind, error, tb)
         return
-    console.print(f"this lesson needs exercise {found['number']} ({found['part']}): write it in minisgl/, "
-                  f"check it with `python lessons/exercises/make_exercise.py check {found['number']}`, then "
-                  "run this lesson again")
+    _say_needs(found)
     sys.stdout.flush()
     os._exit(0)  # not sys.exit: the engine's worker threads of the unfinished run must not be waited for
+
+
+def _say_needs(found: re.Match) -> None:
+    console.print(escape(f"this lesson needs exercise {found['number']} ({found['part']}): write it in minisgl/, "
+                         f"check it with `python lessons/exercises/make_exercise.py check {found['number']}`, "
+                         "then run this lesson again"))
 
 
 sys.excepthook = _say_which_exercise_unlocks_it  # every lesson imports this module before it runs
@@ -307,12 +311,10 @@ def lesson_main(main) -> None:
     try:
         main()
     except Exception as exc:  # noqa: BLE001 - re-raised unless it is an unwritten exercise
-        missing = unwritten_exercise(exc)
-        if missing is None:
+        found = missing_exercise(unwritten_exercise(exc))
+        if found is None:
             raise
-        console.print(f"[yellow]This lesson needs code you have not written yet: {escape(str(missing))}[/]")
-        console.print("It runs once that exercise passes (`make exercises` lists them; `make exercise-N`, or "
-                      "`python lessons/exercises/make_exercise.py check N` without make, checks one).")
+        _say_needs(found)
         sys.exit(0)
 
 

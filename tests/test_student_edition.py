@@ -86,8 +86,8 @@ def test_every_region_raises_naming_its_exercise_and_the_reference_fits_back(stu
         text = (student / "minisgl" / rel).read_text()
         for region in tool.regions(text.splitlines()):
             body = [line.strip() for line in text.splitlines()[region.first + 1:region.last]]
-            assert body[-1:] == [f"raise NotImplementedError('exercise {region.number}: {region.name} "
-                                 f"(make hint-{region.number} for hints)')"] and all(
+            message = f"exercise {region.number}: {region.name} (make hint-{region.number} for hints)"
+            assert body[-1:] == [f"raise NotImplementedError({message!r})"] and all(
                 line.startswith("# define ") for line in body[:-1]), body
             if (region.number, region.name) == (5, "checkpoint"):  # exercise 4's region below reads it
                 assert body[0] == "# define written here: the code after this region uses it", body
