@@ -258,11 +258,15 @@ class Scheduler:
                       temperature=[p.temperature for p in params], top_p=[p.top_p for p in params],
                       top_k=[p.top_k for p in params], seeds=[r.sample_seed for r in reqs],
                       sample_steps=[r.next_sample_index for r in reqs])
-        grammars = any(p.grammar is not None for p in params)
-        delay_sample = grammars and self.on("grammar_delayed_sample")
-        # WRONG with grammar_delayed_sample off: masks from the states at planning, which in the
-        # overlap loop lack the token batch n-1 is still sampling (one token behind).
-        mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs]) if grammars and not delay_sample else None
+        delay_sample, mask = False, None  # no grammar in the batch: sample inside the forward, unmasked
+        if any(p.grammar is not None for p in params):
+            # >>> exercise 10: delay the sampling
+            delay_sample = self.on("grammar_delayed_sample")
+            if not delay_sample:
+                # WRONG on purpose: masks from the states at planning, which in the overlap loop
+                # lack the token batch n-1 is still sampling (one token behind).
+                mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs])
+            # <<< exercise 10
         rows = logprob_rows(reqs, kv_lens)  # fixed now, from the lengths at planning: the launch snapshot
         forward = ForwardBatch(batch_id, is_prefill, qo_lens, kv_lens, staging,
                                all_greedy=all(p.temperature == 0 for p in params), delay_sample=delay_sample,
@@ -379,15 +383,17 @@ class Scheduler:
         lessons/readings §16). A batch without a grammar sampled inside its forward: nothing to do."""
         if inflight is None or inflight.result.delayed is None:
             return
+        # >>> exercise 10: launch the delayed sampling
         result = inflight.result
         # The mask needs each request's latest token: every earlier batch must be committed, so
         # that the states are not one token behind (what grammar_delayed_sample off shows).
         assert self._device_done_id == result.batch_id - 1, "delayed sampling before the previous batch's commit"
         with self.tracer.host(SpanName.SAMPLE, result.batch_id):
-            reqs = inflight.view.reqs
+            reqs = inflight.view.reqs  # the batch's own rows, in its order: one mask entry per row
             self.engine.launch_sample(result, build_mask([r.params.grammar for r in reqs],
                                                          [r.grammar_state for r in reqs]))
         self.stats.delayed_samples += 1
+        # <<< exercise 10
 
     def commit(self, inflight: InFlight, early: bool = False) -> None:
         """The commit point: outputs and token finishes change only here (an abort: _handle_aborts).

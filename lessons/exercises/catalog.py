@@ -190,4 +190,30 @@ EXERCISES = {e.number: e for e in (
         "First thing in the loop over the view's rows: if (req.row, req.row_generation) differs from "
         "(row, generation) and the switch is on, add one to stats.retracted_late_results and continue.",
     )),
+    Exercise(10, "delayed sampling for constrained decoding: masks from the committed grammar states "
+                 "(scheduler.py, 2 places)", 11, (
+        "tests/test_ex10_delayed_sampling.py",
+        "tests/test_grammar_logprobs.py::test_every_output_follows_its_grammar_in_both_loops",
+        "tests/test_grammar_logprobs.py::test_grammar_delayed_sample_off_masks_one_token_behind",
+        "tests/test_grammar_logprobs.py::test_demo_add_grammar_digits_then_stop",
+    ), (
+        "A grammar's mask for batch n+1 depends on the token batch n samples, and the overlap loop plans "
+        "and launches batch n+1 before it commits batch n. What can still overlap with batch n, what has to "
+        "wait for its commit, and how does the host know that commit has happened? (readings §16: "
+        "delay_sample_func, launch_batch_sample_if_needed; lesson 11)",
+        "At planning, a batch with a grammar only decides whether its sampling waits: it does while "
+        "grammar_delayed_sample is on; with the switch off it builds the masks right there, from the "
+        "states at planning (right in the normal loop, one token behind in the overlap loop). The "
+        "delayed sampling itself runs after the commit of the previous batch: first refuse to go on unless "
+        "the last batch that passed copy_done is the one just before this batch; then build the mask from "
+        "the batch's own requests, one entry per row and in the batch's order, each from its grammar and "
+        "its state now (a request without a grammar has none: its row is unconstrained), and hand it to the "
+        "engine with the launched result. Do that host work inside the tracer's SAMPLE span and count it "
+        "in stats.delayed_samples.",
+        "In _plan: set delay_sample from the switch; when it is off, set mask to build_mask of the requests' "
+        "grammars and their grammar_state. In _sample_if_delayed: take the result from the InFlight; assert "
+        "that _device_done_id equals the result's batch id minus one; inside a host span of the tracer named "
+        "SpanName.SAMPLE with that batch id, call the engine's launch_sample with the result and build_mask of "
+        "the grammars and states of the view's requests; then add one to the delayed_samples statistic.",
+    )),
 )}

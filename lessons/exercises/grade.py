@@ -13,7 +13,7 @@ Per student and exercise N:
   costs every exercise its marks. The change is named in the failed rules.
 - the checks: exercise N's tests run against the reference package with only exercise N's
   regions taken from the submission (make_exercise.generate, as for a known-wrong solution), so
-  that a mistake in one exercise costs no marks in another. All eight run in one process per
+  that a mistake in one exercise costs no marks in another. All of them run in one process per
   student (runner.run_checks, in-process pytest); --jobs students are graded at once.
 
 Writes DIR/grades.json and DIR/grades.csv: one row per student and exercise with the score

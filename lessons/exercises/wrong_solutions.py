@@ -460,3 +460,61 @@ if (req.row, req.row_generation) != (row, generation):
     continue
 """}),
 ]
+
+DELAYED_SAMPLE = """
+result = inflight.result
+{check}
+with self.tracer.host(SpanName.SAMPLE, result.batch_id):
+    reqs = {reqs}
+    self.engine.launch_sample(result, {mask})
+self.stats.delayed_samples += 1
+"""
+COMMITTED = 'assert self._device_done_id == result.batch_id - 1, "sampling before the previous commit"'
+MASK_NOW = "build_mask([r.params.grammar for r in reqs], [r.grammar_state for r in reqs])"
+DELAY_AT_PLANNING = """
+delay_sample = self.on("grammar_delayed_sample")
+if not delay_sample:
+    mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs])
+"""
+
+
+def delayed_sample(check: str = COMMITTED, reqs: str = "inflight.view.reqs", mask: str = MASK_NOW,
+                   at_planning: str | None = None) -> dict[str, str]:
+    regions = {"launch the delayed sampling": DELAYED_SAMPLE.format(check=check, reqs=reqs, mask=mask)}
+    return regions if at_planning is None else {**regions, "delay the sampling": at_planning}
+
+
+WRONG += [
+    # ---------------------------------------------------------------- exercise 10: delayed sampling
+    Wrong(10, "masks-built-at-planning", "builds every grammar batch's masks at planning and samples them late",
+          "one token behind", delayed_sample(mask="result.delayed.batch.mask", at_planning="""
+delay_sample = self.on("grammar_delayed_sample")
+mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs])
+""")),
+    Wrong(10, "live-running-batch", "builds the masks from the live running batch instead of the sampled batch",
+          "from the batch's own requests", delayed_sample(reqs="self.running.reqs")),
+    Wrong(10, "grammar-rows-only", "builds mask entries only for the requests that have a grammar",
+          "one entry per row of the batch", delayed_sample(reqs="[r for r in inflight.view.reqs if r.params.grammar]")),
+    Wrong(10, "every-request-has-a-grammar", "asks every request's grammar for its allowed tokens, also a "
+          "request without one", "without a grammar is unconstrained", delayed_sample(
+              check=COMMITTED + "\nfrom .grammar import TokenMask",
+              mask="TokenMask(tuple(r.params.grammar.allowed(r.grammar_state) for r in reqs))")),
+    Wrong(10, "uncounted", "launches the delayed sampling but does not count it", "count each delayed sampling",
+          {"launch the delayed sampling": DELAYED_SAMPLE.format(check=COMMITTED, reqs="inflight.view.reqs",
+                                                                mask=MASK_NOW).replace(
+              "self.stats.delayed_samples += 1", "")}),
+    Wrong(10, "no-host-span", "builds the masks and launches the sampling outside the tracer's host span",
+          "the timeline must show", {"launch the delayed sampling": f"""
+result = inflight.result
+{COMMITTED}
+reqs = inflight.view.reqs
+self.engine.launch_sample(result, {MASK_NOW})
+self.stats.delayed_samples += 1
+"""}),
+    Wrong(10, "no-commit-check", "samples without checking that the previous batch is committed",
+          "refuse to sample a batch before every earlier batch is committed", delayed_sample(check="")),
+    Wrong(10, "ignores-switch", "delays the sampling even with grammar_delayed_sample off", "keep the switch",
+          {"delay the sampling": "delay_sample = True"}),
+    Wrong(10, "no-mask-when-off", "with the switch off, builds no mask at all", "keep the switch",
+          {"delay the sampling": 'delay_sample = self.on("grammar_delayed_sample")'}),
+]
