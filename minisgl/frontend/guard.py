@@ -74,15 +74,24 @@ class Call:
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
         if exc is not None or self.deferral.pending():
-            for undo in reversed(self.undo):
-                undo()
+            self._give_back()  # under the deferral and the lock: the usual case
         if isinstance(exc, KeyboardInterrupt) and exc.args == (SECOND_INTERRUPT,):
             self.on_second_interrupt(exc)
         self.guard.driving = self.outer_driving
-        self.guard.lock.release()
-        if self.deferral.close() and exc is None:  # the last line: nothing is taken any more
+        self.guard.lock.release()  # before the handler is restored: a Ctrl-C after that must not keep it
+        # The last line: Deferral.close() restores the handler and says, in the same line, whether
+        # a Ctrl-C came until then. If one came after the check above, the call did not complete
+        # either: what it took goes back now (a further Ctrl-C here is a second one, which gets
+        # out at once, as anywhere), then the Ctrl-C is raised.
+        if self.deferral.close() and exc is None:
+            self._give_back()
             self.deferral.deliver()  # (an inner call's deliver raises KeyboardInterrupt for the outer one)
         return False
+
+    def _give_back(self) -> None:
+        undo, self.undo = self.undo, []
+        for step in reversed(undo):
+            step()
 
 
 IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"
