@@ -147,7 +147,8 @@ def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device 
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     max_running_requests = optional_size("max_running_requests", max_running_requests, MAX_RUNNING_REQUESTS)
     chunk_size = optional_size("chunk_size", chunk_size, MAX_TOKENS)
-    kv_tokens = optional_size("kv_tokens", kv_tokens, MAX_TOKENS)
+    # The smallest request: a one-token prompt, one new token, and the slot an overshoot step writes.
+    kv_tokens = optional_size("kv_tokens", kv_tokens, MAX_TOKENS, low=3)
     check_bool("deterministic", deterministic)
     backend = resolve_attention_backend(attention_backend, resolved_device, resolved_dtype)
 
@@ -182,9 +183,9 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def optional_size(name: str, value: object, high: int) -> int | None:
-    """A size that is either left out (None: the default) or a positive integer."""
-    return None if value is None else check_int(name, value, 1, high)
+def optional_size(name: str, value: object, high: int, low: int = 1) -> int | None:
+    """A size that is either left out (None: the default) or an integer in [low, high]."""
+    return None if value is None else check_int(name, value, low, high)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -105,11 +105,10 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.closed = False
+        # Set by the LLM when a second Ctrl-C gave up on the device (a hung forward): close()
+        # then leaves the work in progress running instead of waiting for it.
+        self.hung = False
         device = config.device
-        if device.type == "cpu":
-            # One intra-op thread: the host thread and the stream thread each get a core
-            # (measured facts about the emulated stream: streams.py, CpuStream).
-            torch.set_num_threads(1)
         if device.type == "cuda":
             # An earlier engine that was dropped without close() may still sit in reference
             # cycles: collect it now, at a safe point, not during this engine's graph capture.
@@ -226,19 +225,19 @@ class Engine:
     def close(self) -> None:
         """Give back everything this engine holds on the device, and stop the stream's thread.
 
-        Idempotent. Waits for queued work first: nothing freed here may still be read by a
-        kernel."""
+        Idempotent, and a close() cut short is finished by the next one. Waits for queued work
+        first (nothing freed here may still be read by a kernel), unless `hung`: a CPU worker
+        then finishes its closure on its own (daemon thread, its tensors kept alive by it)."""
         if self.closed:
             return
-        self.closed = True
-        cuda_ok = self.device.type == "cuda"
+        cuda_ok = self.device.type == "cuda" and not self.hung
         if cuda_ok:
             try:
                 self.stream.synchronize()
             except RuntimeError as exc:  # a failed kernel: the context is lost, free what we can
                 warnings.warn(f"Engine.close(): queued device work failed: {exc}", RuntimeWarning, stacklevel=2)
                 cuda_ok = False
-        self.stream.close()  # CPU: the worker drains its queue, then exits
+        self.stream.close(wait=not self.hung)  # CPU: the worker skips its queue, then exits
         if self.graphs is not None:
             self.graphs.close()
         if isinstance(self.backend, FlashInferBackend):
@@ -248,6 +247,7 @@ class Engine:
         self.req_to_token.table = self.req_to_token.table.new_empty(0)
         self.graphs = None
         self.model = self.kv = self.future_map = self.backend = None  # type: ignore[assignment]
+        self.closed = True
         # Reference cycles (FlashInfer wrappers, closures) would otherwise keep tensors alive
         # until some later collection, possibly in the middle of the next engine's graph capture.
         gc.collect()

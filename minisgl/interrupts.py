@@ -45,34 +45,67 @@ class atomic_step:
         return bool(self.deferred.__exit__(exc_type, exc, tb))
 
 
-_deferring = False  # an interrupts_deferred() block is active: a nested one leaves it in charge
+_active: list[int] | None = None  # the Ctrl-Cs held back by the open outermost Deferral, or None
+
+
+class Deferral:
+    """SIGINT held back on the main thread between open() and close(). Nested deferrals are one:
+    the outermost installs the handler and counts every Ctrl-C; an inner one only reports them.
+    A second Ctrl-C while one is held raises at once (the way out of a hung device)."""
+
+    def __init__(self) -> None:
+        self.outermost = False
+        self.previous: object = None
+
+    def open(self) -> None:
+        global _active
+        if threading.current_thread() is not threading.main_thread() or _active is not None:
+            return  # signals are only ever delivered to the main thread; an outer deferral is in charge
+        pending: list[int] = []
+
+        def defer(signum: int, frame: object) -> None:
+            if pending:
+                raise KeyboardInterrupt(SECOND_INTERRUPT)
+            pending.append(signum)
+
+        self.previous = signal.signal(signal.SIGINT, defer)  # one call: there is no moment with no handler
+        _active, self.outermost = pending, True
+
+    @staticmethod
+    def pending() -> bool:
+        """A Ctrl-C is being held back (by this deferral or an outer one)."""
+        return bool(_active)
+
+    def close(self) -> bool:
+        """Stop deferring (outermost only); True if a Ctrl-C was held back. The handler is put back
+        by the last statement, and in the same line the answer is returned: a Ctrl-C after it is an
+        ordinary one, never one that lands between restoring and reporting."""
+        global _active
+        if not self.outermost:
+            return bool(_active)
+        pending, _active, self.outermost = _active, None, False
+        signal.signal(signal.SIGINT, self.previous); return bool(pending)  # noqa: E702 - see above
+
+    def deliver(self) -> None:
+        """Raise the held-back Ctrl-C the way the previous handler would have."""
+        if callable(self.previous):
+            self.previous(signal.SIGINT, None)
+        elif self.previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+
+SECOND_INTERRUPT = "second interrupt: the call was cut short"
 
 
 @contextmanager
 def interrupts_deferred() -> Iterator[None]:
     """Ctrl-C inside the block is raised when the block ends; a second one raises at once.
     Nested blocks are one block: the outermost one defers (and counts) every Ctrl-C."""
-    global _deferring
-    if threading.current_thread() is not threading.main_thread() or _deferring:
-        yield  # signals are only ever delivered to the main thread
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    pending: list[int] = []
-
-    def defer(signum: int, frame: object) -> None:
-        if pending:
-            raise KeyboardInterrupt("second interrupt during a scheduler step")
-        pending.append(signum)
-
-    signal.signal(signal.SIGINT, defer)
-    _deferring = True
+    deferral = Deferral()
+    deferral.open()
     try:
         yield
     finally:
-        _deferring = False
-        signal.signal(signal.SIGINT, previous)
-    if pending:
-        if callable(previous):
-            previous(signal.SIGINT, None)
-        elif previous != signal.SIG_IGN:
-            raise KeyboardInterrupt
+        pending = deferral.close()  # also when the block is never left (closed by the collector)
+    if pending and deferral.previous is not None:
+        deferral.deliver()

@@ -204,21 +204,21 @@ class RadixCache:
             return 0
         heap = [(n.last_access, n.id, n) for n in self._unlocked_leaves()]
         heapq.heapify(heap)
-        freed: List[torch.Tensor] = []
         num_freed = 0
         while heap and num_freed < num_tokens:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
-            del parent.children[node.key[0]]
-            freed.append(node.slots)
-            num_freed += len(node)
+            # Each node's slots go back as it is cut: cutting a batch of nodes first and freeing
+            # their slots after leaked them all when an exception (a Ctrl-C during
+            # LLM.flush_cache()) landed in between.
             self._evictable -= len(node)
+            del parent.children[node.key[0]]
+            self.free_slots(node.slots)
+            num_freed += len(node)
             # The parent may now be an unlocked leaf itself: it joins the queue.
             if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        if freed:
-            self.free_slots(torch.cat(freed))
         return num_freed
 
     def flush(self) -> int:

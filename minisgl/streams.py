@@ -77,7 +77,9 @@ class CpuStream:
       loop, a loss. With a 50 us interval (`SWITCH_INTERVAL_S`) the same run gave 1.27x of
       an ideal 1.55x, because the host now runs while the worker is inside a kernel.
     - torch's intra-op thread pool would let one forward take both cores and starve the
-      host; the LLM sets it to 1 thread on CPU, so host and device get a core each.
+      host; while a CPU stream lives it is 1 thread, so host and device get a core each.
+    Both settings are process-wide: `_HostSettings` sets them for the first live stream and
+    puts the caller's values back when the last one closes.
     - `device_delay_ms` (a sleep on this thread, GIL released) makes device time large and
       predictable: the overlap approaches its ideal, and race windows become wide enough to
       demonstrate and test deterministically. It is an emulation, not a model of a GPU.
@@ -90,7 +92,7 @@ class CpuStream:
         self.error: BaseException | None = None
         self._closed = False
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        sys.setswitchinterval(self.SWITCH_INTERVAL_S)
+        _HOST_SETTINGS.take(self.SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name=f"stream-{name}", daemon=True)
         self._thread.start()
 
@@ -132,15 +134,42 @@ class CpuStream:
     def synchronize(self) -> None:
         self.record_event().synchronize()
 
-    def close(self) -> None:
-        """Stop the worker and wait for it: it finishes the closure it is in, skips the rest.
-        Idempotent, and never raises (an error of queued work was the host's to read earlier)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        if threading.current_thread() is not self._thread:  # a finalizer may run on the worker itself
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker: it finishes the closure it is in, skips the rest; with `wait`, wait
+        for that. Idempotent (a second call still waits), never raises (an error of queued work
+        was the host's to read earlier)."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            _HOST_SETTINGS.give_back()
+        if wait and threading.current_thread() is not self._thread:  # a finalizer may run on the worker itself
             self._thread.join()
+
+
+class _HostSettings:
+    """The process-wide settings a CPU stream needs (its class doc says why), taken by the first
+    live stream and given back, as the caller had them, when the last one closes."""
+
+    def __init__(self) -> None:
+        self.streams = 0
+        self.saved: tuple[int, float] | None = None
+
+    def take(self, switch_interval_s: float) -> None:
+        if self.streams == 0:
+            self.saved = (torch.get_num_threads(), sys.getswitchinterval())
+        self.streams += 1
+        torch.set_num_threads(1)
+        sys.setswitchinterval(switch_interval_s)
+
+    def give_back(self) -> None:
+        self.streams -= 1
+        if self.streams == 0 and self.saved is not None:
+            threads, interval = self.saved
+            torch.set_num_threads(threads)
+            sys.setswitchinterval(interval)
+
+
+_HOST_SETTINGS = _HostSettings()
 
 
 class _Marker:
@@ -177,7 +206,7 @@ class HostStream:
     def synchronize(self) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         pass
 
 
@@ -210,7 +239,7 @@ class CudaStream:
     def synchronize(self) -> None:
         self.raw.synchronize()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         pass
 
 

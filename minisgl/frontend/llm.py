@@ -5,24 +5,24 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import warnings
 import weakref
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ..checks import INT64_MAX, check_int, check_token_ids
 from ..config import EngineConfig, resolve_config
 from ..engine import Engine
-from ..interrupts import interrupts_deferred
+from ..interrupts import Deferral
 from ..invariants import check_invariants, memory_report
+from ..kv_pool import KVAccountingError
 from ..mechanisms import Mechanisms
 from ..models.checkpoint import read_json_object
 from ..request import Req, RequestOutput, SamplingParams
 from ..scheduler import Scheduler
+from .guard import Call, CallGuard
 from .validation import Prompt, check_params, params_list, prompt_list
 
 
@@ -46,28 +46,43 @@ class LLM:
         self.device = self.config.device
         self.model_path = self.config.model_path
         self._closed = False
-        self._guard = threading.RLock()  # held by the one thread inside a call (see the class doc)
-        self._driving = False  # inside generate() or step(): its on_step callback may not drive the engine too
+        self._guard = CallGuard()  # the one thread inside a call (see the class doc and guard.py)
+        self._pid = os.getpid()  # the process whose threads run the engine (see _check_can_enter)
         self._reqs: dict[int, Req] = {}  # queued or running
         self._results: dict[int, RequestOutput] = {}  # finished, not yet handed to the caller
         self._abandoned: set[int] = set()  # started by a generate() that raised: results dropped
         self._next_rid = 0
         self._rng = random.Random(0)
+        # Ctrl-C is held back while the engine starts: one landing between starting its worker
+        # thread and storing what stops it would leak the thread. Held back, it cancels the
+        # construction at the end; a second one gets out at once, and the except clause (still
+        # under the deferral) stops what was started.
+        deferral = Deferral()
+        deferral.open()
         try:
-            self.engine = Engine(self.config)
+            self._start_engine()
+        except BaseException:
+            if hasattr(self, "_stop_engine"):
+                self._stop_engine()
+            deferral.close()
+            raise
+        if deferral.close():  # a Ctrl-C came while the engine was built: the construction is cancelled
+            self._stop_engine()
+            deferral.deliver()
+
+    def _start_engine(self) -> None:
+        try:
+            engine = Engine(self.config)
         except OSError as exc:  # transformers reports an unreadable config.json as OSError
-            raise ValueError(f"cannot load the model in {model_path}: {exc}") from exc
+            raise ValueError(f"cannot load the model in {self.model_path}: {exc}") from exc
         # Stops the engine's worker thread if this LLM is dropped or the interpreter exits
         # unclosed (a torch kernel still running during interpreter teardown can abort it).
-        self._stop_engine = weakref.finalize(self, self.engine.close)
-        try:  # from here on the engine's stream runs: a failure must stop it again
-            self.engine.tracer.enabled = self.config.trace
-            self.tokenizer = _load_tokenizer(self.model_path)
-            self.eos_ids = _eos_ids(self.engine.model.config, self.tokenizer, self.model_path)
-            self.scheduler = Scheduler(self.config, self.engine)
-        except BaseException:
-            self._stop_engine()
-            raise
+        self.engine, self._stop_engine = engine, weakref.finalize(self, _stop_engine, engine, self._pid)
+        self.engine.tracer.enabled = self.config.trace
+        self.tokenizer = _load_tokenizer(self.model_path)
+        check_tokenizer_fits(self.tokenizer, self.engine.model.vocab_size, self.model_path)
+        self.eos_ids = _eos_ids(self.engine.model.config, self.tokenizer, self.model_path)
+        self.scheduler = Scheduler(self.config, self.engine)
 
     @property
     def max_seq_len(self) -> int:
@@ -75,50 +90,55 @@ class LLM:
         return self.config.max_seq_len
 
     # ---------------------------------------------------------------- lifecycle
-    @contextmanager
-    def _use(self, drives: bool = False) -> Iterator[None]:
-        """Enter a call: refuse another thread, a closed engine and a failed one, each at once.
+    def _call(self, drives: bool = False, closing: bool = False) -> Call:
+        """Enter a public call (guard.py): refuse another thread, a closed engine, a failed one
+        (unless closing), a fork()ed child, each at once; give back what the call took if it
+        does not complete.
 
-        `drives`: the call runs the scheduler (generate, step). From inside a running one (an
-        on_step callback) it would hand the outer call's results to the inner one: refused."""
-        if not self._guard.acquire(blocking=False):
-            raise RuntimeError(_IN_USE)
-        try:
+        `drives`: the call runs the scheduler (generate, step, close). From inside a running one
+        (an on_step callback) it would hand the outer call's results to the inner one: refused."""
+
+        def check(drives: bool) -> None:
             if self._closed:
                 raise RuntimeError("this LLM is closed")
-            if drives and self._driving:
+            if os.getpid() != self._pid:
+                raise RuntimeError(_FORKED)
+            if drives and self._guard.driving:
                 raise RuntimeError(_REENTRANT)
             error = self.scheduler.error  # an exception escaped a step: the state may be half moved
-            if error is not None:
+            if error is not None and not closing:
                 raise RuntimeError(f"the engine failed earlier ({type(error).__name__}: {error}) and refuses "
                                    f"further work; close() it and build a new LLM") from error
-            self._driving, outer = drives or self._driving, self._driving
-            try:
-                yield
-            finally:
-                self._driving = outer
-        finally:
-            self._guard.release()
+
+        return Call(self._guard, drives, check, self._latch)
+
+    def _latch(self, error: BaseException) -> None:
+        """A second Ctrl-C cut a call short: refuse further work, and let close() and the
+        interpreter's exit leave the device work in progress alone (a hung device)."""
+        if self.scheduler.error is None:
+            self.scheduler.error = error
+        self.engine.hung = True
 
     def close(self) -> None:
-        """Commit the batch in flight, stop the engine and free its memory. Idempotent. Raises only
-        when another thread is inside a call; a failure while finishing is a warning, and the
-        engine stops anyway (no worker thread is left behind)."""
+        """Commit the batch in flight, stop the engine and free its memory. Idempotent: a close()
+        cut short by a second Ctrl-C is finished by the next one. Raises only when another
+        thread is inside a call; a failure while finishing is a warning, and the engine stops
+        anyway (no worker thread is left behind). After a second Ctrl-C (a hung device) it
+        does not wait for the device work in progress."""
         if self._closed:
             return
-        if not self._guard.acquire(blocking=False):
-            raise RuntimeError(_IN_USE)
-        if self._driving:  # from an on_step callback: the generate() around it would run on a closed engine
-            self._guard.release()
-            raise RuntimeError(_REENTRANT)
-        self._closed = True
-        try:
-            self.scheduler.close()  # commits the batch in flight unless an error stopped the scheduler
-        except Exception as exc:  # noqa: BLE001 - closing must still stop the engine below
-            warnings.warn(f"LLM.close(): the batch in flight failed: {exc!r}", RuntimeWarning, stacklevel=2)
-        finally:
+        if os.getpid() != self._pid:  # a fork()ed child: the engine's threads live in the parent only
+            self._closed = True
+            return
+        with self._call(drives=True, closing=True):
+            if self.scheduler.error is None:
+                try:
+                    self.scheduler.close()  # commits the batch in flight
+                except Exception as exc:  # noqa: BLE001 - closing must still stop the engine below
+                    warnings.warn(f"LLM.close(): the batch in flight failed: {exc!r}", RuntimeWarning, stacklevel=3)
+            self.engine.hung |= isinstance(self.scheduler.error, KeyboardInterrupt)
             self._stop_engine()
-            self._guard.release()
+            self._closed = True
 
     def __enter__(self) -> "LLM":
         if self._closed:
@@ -131,36 +151,39 @@ class LLM:
     # ---------------------------------------------------------------- incremental interface
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Bad input raises ValueError/TypeError and changes nothing."""
-        with self._use():
+        with self._call() as call:
             req = self._new_req(prompt, check_params(params), self._next_rid)
-            self._queue(req)
+            self._queue(req, call)
             return req.rid
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; return the requests that finished in it, plus any
         finished earlier (during a generate()) and not collected yet."""
-        with self._use(drives=True):
+        with self._call(drives=True) as call:
             self._step()
-            return self._take_results()
+            return self._take_results(call)
 
     def collect(self) -> list[RequestOutput]:
-        """The finished requests not handed out yet, without running the engine."""
-        with self._use():
-            return self._take_results()
+        """The finished requests not handed out yet, without running the engine. Also after the
+        engine failed: what finished before the failure is still handed out."""
+        with self._call(closing=True) as call:
+            return self._take_results(call)
 
     def abort(self, rid: int) -> None:
         """Stop request `rid`; it finishes with reason "abort" at the next step. A request that
         already finished (its result not collected yet) is left as it is."""
-        with self._use():
+        with self._call() as call:
             check_int("rid", rid, 0, INT64_MAX)
             if rid in self._reqs:
-                self.scheduler.abort(self._reqs[rid])
+                req, before = self._reqs[rid], self._reqs[rid].abort_requested
+                self.scheduler.abort(req)
+                call.on_failure(lambda: setattr(req, "abort_requested", before))
             elif rid not in self._results:
                 raise ValueError(f"unknown or finished request id {rid}")
 
     def has_unfinished(self) -> bool:
         """True while a request is queued or running, or a result waits to be collected."""
-        with self._use():
+        with self._call():
             return self.scheduler.has_work() or bool(self._results)
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
@@ -173,33 +196,33 @@ class LLM:
         this call started are aborted: the next drain gives back their rows and KV slots.
         `on_step(n_done)` runs after every step; it may add_request(), abort(), read memory,
         but not step(), generate() or close() (RuntimeError)."""
-        with self._use(drives=True):
+        with self._call(drives=True) as call:
             if on_step is not None and not callable(on_step):
                 raise TypeError(f"on_step must be callable, got {type(on_step).__name__}")
             prompts = prompt_list(prompts)
             params = params_list(sampling_params, len(prompts))
             # Validate every request before queueing any, so bad input leaves nothing half-started.
             reqs = [self._new_req(p, sp, self._next_rid + i) for i, (p, sp) in enumerate(zip(prompts, params))]
-            outputs: dict[int, RequestOutput] = {}
-            try:
-                for req in reqs:
-                    self._queue(req)
-                self._run_until_done(reqs, outputs, on_step)
-            except BaseException:
-                for req in reqs:
-                    self._results.pop(req.rid, None)  # finished, not handed out: dropped with the rest
-                    # Only those queued: a Ctrl-C between two _queue() calls leaves the rest
-                    # unqueued, and their ids are handed out again by the next request.
-                    if req.rid in self._reqs:
-                        self._abandoned.add(req.rid)
-                        self.scheduler.abort(req)
-                raise
-            return [outputs[req.rid] for req in reqs]
+            call.on_failure(lambda: self._abandon(reqs))
+            for req in reqs:
+                self._queue(req, call=None)  # the abandon above covers them
+            return self._run_until_done(reqs, on_step, call)
 
-    def _run_until_done(self, reqs: list[Req], outputs: dict[int, RequestOutput],
-                        on_step: Callable[[int], None] | None) -> None:
+    def _abandon(self, reqs: list[Req]) -> None:
+        """generate() did not complete: its requests are aborted and their results dropped
+        (the next drain gives back their rows and KV slots)."""
+        for req in reqs:
+            self._results.pop(req.rid, None)
+            if req.rid in self._reqs:  # not finished yet (and queued)
+                self._abandoned.add(req.rid)
+                self.scheduler.abort(req)
+
+    def _run_until_done(self, reqs: list[Req], on_step: Callable[[int], None] | None,
+                        call: Call) -> list[RequestOutput]:
         mine = {req.rid for req in reqs}
+        outputs: dict[int, RequestOutput] = {}
         while len(outputs) < len(mine):
+            call.checkpoint()  # a held-back Ctrl-C is raised between two steps
             if not self.scheduler.has_work():
                 # Only reachable with a mechanism switched off (e.g. batch_snapshot): results
                 # went to the wrong requests and some can never be scheduled again.
@@ -207,31 +230,53 @@ class LLM:
                 raise RuntimeError(f"requests {lost[:8]} can no longer be scheduled: the scheduler lost "
                                    f"track of them (disabled: {sorted(self.scheduler.mechanisms.disabled)})")
             self._step()
-            for rid in mine & self._results.keys():
-                outputs[rid] = self._results.pop(rid)
+            outputs.update((rid, self._results[rid]) for rid in mine & self._results.keys())
             if on_step is not None:
                 on_step(len(outputs))
         # Every request is out, but an overshoot step may still be in flight: commit it, so that
         # memory_report() shows the pool whole, unless the caller has other requests queued.
         while self.scheduler.has_work() and not self._reqs:
+            call.checkpoint()
             self._step()
+        for rid in mine:  # handed out only now: a Ctrl-C before this point drops them (_abandon)
+            del self._results[rid]
+        return [outputs[req.rid] for req in reqs]
 
     def _step(self) -> None:
-        """One scheduler iteration; the requests that finished go to self._results. An error
-        (not a deferred Ctrl-C) stops the scheduler: it is raised here once, and every later
-        call refuses (see _use)."""
+        """One scheduler iteration; the requests that finished go to self._results (the public
+        call around it holds Ctrl-C back until they are stored). An error (not a held-back
+        Ctrl-C) stops the scheduler: it is raised here once, and every later call refuses (see
+        _call); what finished before it is still stored, for collect()."""
         nothing_in_flight, launched = self.scheduler.last is None, self.scheduler.stats.batches
-        # Ctrl-C waits until the finished requests are stored in self._results: landing between
-        # the scheduler handing them over and here, it would lose them for good.
-        with interrupts_deferred():
-            for req in self.scheduler.step():
-                del self._reqs[req.rid]
-                if req.rid in self._abandoned:
-                    self._abandoned.discard(req.rid)
-                else:
-                    self._results[req.rid] = self._output(req)
+        try:
+            done = self.scheduler.step()
+        except BaseException:
+            done, self.scheduler.finished = self.scheduler.finished, []  # finished before the error
+            self._store(done)
+            raise
+        self._store(done)
         if nothing_in_flight and self.scheduler.stats.batches == launched:
             self._check_not_stuck()
+
+    def _store(self, done: list[Req]) -> None:
+        """Turn the requests a step finished into results. A request finished twice is the
+        double free a switched-off mechanism causes (skip_finished): detected, latched (the
+        engine refuses further work), raised after every other result is stored."""
+        twice = []
+        for req in done:
+            if req.rid not in self._reqs:
+                twice.append(req.rid)
+                continue
+            del self._reqs[req.rid]
+            if req.rid in self._abandoned:
+                self._abandoned.discard(req.rid)
+            else:
+                self._results[req.rid] = self._output(req)
+        if twice:
+            error = KVAccountingError(f"double free: request(s) {twice} finished and were released twice "
+                                      f"(disabled: {sorted(self.scheduler.mechanisms.disabled)})")
+            self.scheduler.error = self.scheduler.error or error
+            raise error
 
     def _check_not_stuck(self) -> None:
         """After a step that had nothing in flight and launched nothing: if requests still wait
@@ -246,9 +291,11 @@ class LLM:
                                f"rows_free {mem['rows_free']} of {mem['rows_total']}): leaked, see check_invariants() "
                                f"(disabled: {sorted(s.mechanisms.disabled)})")
 
-    def _take_results(self) -> list[RequestOutput]:
-        results, self._results = list(self._results.values()), {}
-        return results
+    def _take_results(self, call: Call) -> list[RequestOutput]:
+        """Hand out every stored result; should the call not complete, they go back."""
+        taken, self._results = self._results, {}
+        call.on_failure(lambda: self._results.update(taken))
+        return list(taken.values())
 
     def _new_req(self, prompt: Prompt, params: SamplingParams, rid: int) -> Req:
         """Validate everything about one request (raises ValueError/TypeError) without queueing it."""
@@ -267,25 +314,33 @@ class LLM:
         self.scheduler.check_fits(req)
         return req
 
-    def _queue(self, req: Req) -> None:
-        with interrupts_deferred():  # queued and known by id, or neither
-            self.scheduler.add(req)
-            self._reqs[req.rid] = req
-            self._next_rid = req.rid + 1
+    def _queue(self, req: Req, call: Call | None) -> None:
+        """Queue req under its id; with `call`, the call's failure takes it out again (its id
+        never reached the caller, so nobody could collect or abort it)."""
+        self.scheduler.add(req)
+        self._reqs[req.rid] = req
+        self._next_rid = req.rid + 1
+        if call is not None:
+            call.on_failure(lambda: self._unqueue(req))
+
+    def _unqueue(self, req: Req) -> None:
+        self.scheduler.waiting.remove(req)  # still waiting: nothing ran while the call held Ctrl-C back
+        del self._reqs[req.rid]
+        self._next_rid = req.rid
 
     # ---------------------------------------------------------------- memory
     def memory_report(self) -> dict[str, int]:
-        with self._use():
+        with self._call():
             return memory_report(self.scheduler)
 
     def flush_cache(self) -> int:
-        with self._use():
+        with self._call():
             return self.scheduler.cache.flush()
 
     def check_invariants(self) -> None:
         """Raise InvariantError unless every KV slot, request row and request is owned exactly once
         (see minisgl/invariants.py). Cheap enough to call between any two steps."""
-        with self._use():
+        with self._call():
             check_invariants(self.scheduler)
 
     @property
@@ -294,7 +349,7 @@ class LLM:
 
     def reset_stats(self) -> None:
         """Zero the scheduler's counters and drop recorded spans (e.g. after a warm-up)."""
-        with self._use():
+        with self._call():
             self.scheduler.stats = type(self.scheduler.stats)()
             self.engine.tracer.clear()  # its batch records too
 
@@ -313,6 +368,11 @@ class LLM:
             except UnicodeEncodeError as exc:  # the tokenizer's own message does not say what is wrong
                 raise ValueError(f"prompt is not valid Unicode text ({exc.reason} at index {exc.start})") from None
             ids = self.tokenizer.encode(prompt)
+            vocab = self.engine.model.vocab_size
+            if any(not 0 <= i < vocab for i in ids):  # the tokenizer knows more ids than the embedding has rows
+                bad = sorted({i for i in ids if not 0 <= i < vocab})
+                raise ValueError(f"the tokenizer turned this prompt into token ids {bad[:8]} outside the model's "
+                                 f"vocabulary of {vocab}: the checkpoint's tokenizer and weights disagree")
         else:
             ids = check_token_ids("prompt", prompt, self.engine.model.vocab_size)
         if not ids:
@@ -325,9 +385,32 @@ class LLM:
                              req.times.latency(), list(req.logprobs) if req.params.logprobs is not None else None)
 
 
-_IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"
+_FORKED = ("this LLM was created in another process: after fork() its engine's worker thread does not exist "
+           "here, so it cannot run; create a new LLM in this process (or use the 'spawn' start method)")
 _REENTRANT = ("generate(), step() and close() cannot be called from inside generate() (its on_step callback): "
               "they would take over the running call's requests")
+
+def _stop_engine(engine: Engine, pid: int) -> None:
+    """The finalizer: stop the engine, in the process that started it (a fork()ed child has
+    no worker thread to stop, and a hung device's work is not waited for: Engine.hung)."""
+    if os.getpid() == pid:
+        engine.close()
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int, model_path: Path) -> None:
+    """A tokenizer whose ids reach past the embedding's rows is allowed (real checkpoints pad
+    or trim either one), but its text must never reach the device with such an id: the
+    embedding lookup would fail there and stop the engine for every request. _tokenize()
+    checks each prompt; here the tokenizer's special tokens, which would make every prompt
+    fail, are checked once."""
+    if tokenizer is None:
+        return
+    special = [i for i in tokenizer.all_special_ids if i is not None and not 0 <= i < vocab_size]
+    if special:
+        raise ValueError(f"the tokenizer in {str(model_path)!r} has special token ids {special[:8]} outside the "
+                         f"model's vocabulary of {vocab_size} (config.json vocab_size): tokenizer and weights "
+                         f"do not belong together")
+
 
 def _load_tokenizer(model_path: Path):
     from transformers import AutoTokenizer

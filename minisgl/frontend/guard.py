@@ -1,0 +1,97 @@
+"""The per-call guard of `LLM`: every public call is entered and left whole.
+
+A public call (add_request, step, generate, collect, abort, flush_cache, close...) takes the
+LLM's lock, moves requests and results between the caller and the scheduler, and gives the
+lock back. A KeyboardInterrupt landing between two of those moves would leave the lock held
+forever, a request queued whose id never reached its caller, or finished outputs taken and
+dropped. So the whole call runs with Ctrl-C held back (interrupts.Deferral), from the first
+line of __enter__ to the last line of __exit__, and a held-back Ctrl-C is raised at one of two
+places only:
+
+- a safe point inside a long call (`Call.checkpoint()`, between two steps of generate()), or
+- at the exit, after the call's hand-back was undone (`Call.on_failure`): the results go back
+  to the LLM, the request leaves the queue. The call then either completed, or left no trace.
+
+A second Ctrl-C during a call still raises at once (the way out of a hung device); state may
+then be half moved, so the LLM refuses further work (`Call` reports it to `on_second_interrupt`).
+Only the main thread receives signals: on other threads the guard is the lock alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from ..interrupts import SECOND_INTERRUPT, Deferral
+
+
+class CallGuard:
+    """One thread inside an LLM at a time; `driving`: a call that runs the scheduler is open."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entrant: an on_step callback may add_request() inside generate()
+        self.driving = False
+
+
+class Call:
+    """One public call: `with Call(guard, drives, check, on_second_interrupt) as call: ...`."""
+
+    def __init__(self, guard: CallGuard, drives: bool, check: Callable[[bool], None],
+                 on_second_interrupt: Callable[[BaseException], None]) -> None:
+        self.guard = guard
+        self.drives = drives
+        self.check = check  # raises if the LLM cannot take this call (closed, failed, re-entered)
+        self.on_second_interrupt = on_second_interrupt
+        self.undo: list[Callable[[], None]] = []  # what to give back if the call does not complete
+        self.deferral = Deferral()
+        self.outer_driving = False
+
+    def __enter__(self) -> "Call":
+        self.deferral.open()  # first: anything taken below is given back by __exit__
+        try:
+            if not self.guard.lock.acquire(blocking=False):
+                raise RuntimeError(IN_USE)
+            try:
+                self.check(self.drives)
+            except BaseException:
+                self.guard.lock.release()
+                raise
+        except BaseException:
+            if self.deferral.close():
+                self.deferral.deliver()  # a Ctrl-C held back meanwhile wins over the refusal
+            raise
+        self.outer_driving, self.guard.driving = self.guard.driving, self.drives or self.guard.driving
+        return self
+
+    def on_failure(self, undo: Callable[[], None]) -> None:
+        """Register how to give back what this call took, should it not complete."""
+        self.undo.append(undo)
+
+    def checkpoint(self) -> None:
+        """A safe point of a long call: a held-back Ctrl-C is raised here (and undone by __exit__)."""
+        if self.deferral.pending():
+            raise KeyboardInterrupt
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
+        if exc is not None or self.deferral.pending():
+            self._give_back()  # under the deferral and the lock: the usual case
+        if isinstance(exc, KeyboardInterrupt) and exc.args == (SECOND_INTERRUPT,):
+            self.on_second_interrupt(exc)
+        self.guard.driving = self.outer_driving
+        self.guard.lock.release()  # before the handler is restored: a Ctrl-C after that must not keep it
+        # The last line: Deferral.close() restores the handler and says, in the same line, whether
+        # a Ctrl-C came until then. If one came after the check above, the call did not complete
+        # either: what it took goes back now (a further Ctrl-C here is a second one, which gets
+        # out at once, as anywhere), then the Ctrl-C is raised.
+        if self.deferral.close() and exc is None:
+            self._give_back()
+            self.deferral.deliver()  # (an inner call's deliver raises KeyboardInterrupt for the outer one)
+        return False
+
+    def _give_back(self) -> None:
+        undo, self.undo = self.undo, []
+        for step in reversed(undo):
+            step()
+
+
+IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"
