@@ -6,7 +6,6 @@ with one line added outside a region, in the function that holds exercise 5's an
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -15,20 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import load_exercise_tool
+
 ROOT = Path(__file__).resolve().parents[1]
-EXERCISES_DIR = ROOT / "lessons" / "exercises"
 GRADED = [3, 5]  # one exercise the outside edit leaves alone, one it costs (each run takes a while)
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXERCISES_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-grade = _load("grade")
+grade = load_exercise_tool("grade")
 edition = sys.modules["student_edition"]
 RELEASE_FLAG = "        req.released = True\n"  # a line of Scheduler._release, outside its regions
 
@@ -86,3 +78,12 @@ def test_every_exercise_is_flagged_for_an_edit_of_the_tests(submissions, tmp_pat
     flagged = grade.edits_outside_regions(submissions / "empty", tree)
     assert sorted(flagged) == sorted(grade.EXERCISES), flagged
     assert grade.edits_outside_regions(submissions / "empty", submissions / "reference") == {}
+
+
+def test_a_note_in_a_text_file_is_neither_graded_nor_a_crash(submissions, tmp_path):
+    """Prose is not code: a learner's note in the exercises' README, even one that quotes a marker
+    line, flags nothing (it once made the whole submission ungradable)."""
+    tree = shutil.copytree(submissions / "reference", tmp_path / "tree")
+    readme = tree / "lessons" / "exercises" / "README.md"
+    readme.write_text(readme.read_text() + "\nmy note: # >>> exercise 2: resolve ... # <<< exercise 2 'unfinished\n")
+    assert grade.edits_outside_regions(submissions / "empty", tree) == {}

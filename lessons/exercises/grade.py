@@ -87,9 +87,15 @@ def put_regions(tree: Path, code: dict[int, dict[str, str]], dest: Path) -> Path
     return dest
 
 
+# Prose is not graded: a student's note in a README, or an exercise text they annotated, costs
+# nothing. Every other file (code, tests, configuration) must stay as handed out.
+PROSE_SUFFIXES = {".md", ".txt"}
+
+
 def tree_files(tree: Path) -> set[str]:
     return {p.relative_to(tree).as_posix() for p in tree.rglob("*")
-            if p.is_file() and not IGNORED_PARTS & set(p.relative_to(tree).parts) and p.suffix != ".pyc"}
+            if p.is_file() and not IGNORED_PARTS & set(p.relative_to(tree).parts)
+            and p.suffix not in {".pyc", *PROSE_SUFFIXES}}
 
 
 # --------------------------------------------------------------------------- edits outside the regions
