@@ -127,9 +127,9 @@ class Scheduler:
             inflight = InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
         if last is not None:
             self.commit(last)  # batch n-1's results, while batch n runs on the device
+        # <<< exercise 1
         self._sample_if_delayed(inflight)  # a grammar in batch n: its masks need n-1's tokens, committed just now
         return inflight
-        # <<< exercise 1
 
     def _must_commit_first(self, last: InFlight | None, planned: Planned | None) -> bool:
         """The sync boundaries: batch n-1 must be committed before batch n launches when

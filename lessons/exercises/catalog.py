@@ -35,7 +35,8 @@ EXERCISES = {e.number: e for e in (
         "the next iteration, and what must the loop carry across iterations to do that? "
         "(readings §3 and §11: 「关键设计：延迟处理」; lesson 3)",
         "Schedule and launch the new batch first, then commit the batch that was in flight (`last`), "
-        "and return the new in-flight batch (an InFlight of its view and result) for the next call. "
+        "and leave the new in-flight batch (an InFlight of its view and result, or None) in `inflight`: the "
+        "code after the region hands it to the next call. "
         "Commit `last` even when nothing new was planned. Two boundaries commit `last` early instead, "
         "with commit(last, early=True): before scheduling when future_map is off (the new input ids "
         "must be committed tokens), and before launching when prefill_sync is on and the new batch and "
@@ -44,8 +45,9 @@ EXERCISES = {e.number: e for e in (
         "with batch_snapshot off, the live view.",
         "First the boundary check with no plan yet (if it says so: an early commit of last, which is then "
         "gone); then schedule(); then the same check with the plan. If there is a plan, launch it and keep an "
-        "InFlight of (its view's snapshot, or the live view when batch_snapshot is off; the result). Then the "
-        "usual commit of last, if any is left, and hand the new InFlight back. The boundary function: False "
+        "InFlight of (its view's snapshot, or the live view when batch_snapshot is off; the result) in "
+        "`inflight` (None without a plan). Then the usual commit of last, if any is left; do not return: the "
+        "lines after the region return `inflight`. The boundary function: False "
         "without a batch in flight; before planning, whether future_map is off; after planning, whether the "
         "planned batch and last are both prefills while prefill_sync is on.",
     )),
