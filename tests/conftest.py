@@ -23,8 +23,14 @@ EXERCISE_TOOLS = Path(__file__).resolve().parents[1] / "lessons" / "exercises"
 
 
 def load_exercise_tool(name: str):
-    """A script of lessons/exercises/ (make_exercise, runner, grade, ...) as a module."""
-    spec = importlib.util.spec_from_file_location(name, EXERCISE_TOOLS / f"{name}.py")
+    """A script of lessons/exercises/ (make_exercise, runner, grade, ...) as a module, loaded once:
+    a second copy would make the first one's functions unpicklable (multiprocessing in grade.py
+    looks them up by name in sys.modules)."""
+    path = EXERCISE_TOOLS / f"{name}.py"
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == str(path):
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look the module up by name
     spec.loader.exec_module(module)
