@@ -24,6 +24,7 @@ import torch
 from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend, store_new_kv
 
 WORKSPACE_BYTES = 256 << 20
+MIN_TENSOR_CORE_HEAD_DIM = 64  # the smallest head_dim FlashInfer's tensor-core decode accepts
 
 
 def flashinfer_available() -> bool:
@@ -62,7 +63,13 @@ class FlashInferBackend:
         # larger tiles, and its plan may cut a long request into chunks (which of the two matters
         # more was not isolated; benchmarks/RESULTS.md). The deterministic mode needs them: only that kernel can switch
         # the KV split off.
-        self.use_tensor_cores = num_qo_heads > num_kv_heads or deterministic
+        # FlashInfer 0.6.6 has no tensor-core decode configuration below head_dim 64: with the
+        # demo model's head_dim 32 the first decode fails with "Invalid configuration"
+        # (measured on the H200, 2026-12-02), so small heads take the plain kernel.
+        if deterministic and head_dim < MIN_TENSOR_CORE_HEAD_DIM:
+            raise ValueError(f"deterministic=True on FlashInfer needs head_dim >= {MIN_TENSOR_CORE_HEAD_DIM} "
+                             f"(its tensor-core decode), this model has {head_dim}; use attention_backend='torch'")
+        self.use_tensor_cores = (num_qo_heads > num_kv_heads and head_dim >= MIN_TENSOR_CORE_HEAD_DIM) or deterministic
         self.deterministic = deterministic
         self.prefill_reference = TorchAttentionBackend(deterministic=True) if deterministic else None
         self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
