@@ -55,7 +55,8 @@ class PackageNames:
 
     def has_member(self, cls: str, member: str) -> bool:
         """Defined on `cls` or inherited from one of its bases in minisgl/."""
-        return member in self.members.get(cls, set()) or any(self.has_member(b, member) for b in self.bases.get(cls, ()))
+        return (member in self.members.get(cls, set())
+                or any(self.has_member(base, member) for base in self.bases.get(cls, ())))
 
 
 def class_members(cls: ast.ClassDef) -> set[str]:
