@@ -5,7 +5,8 @@ In every table whose header has a column named `minisgl` (or `minisgl switch`), 
 backticked name in that column must resolve against the package:
 
 - a mechanism switch (`future_map`) must be a key of `minisgl.MECHANISMS`;
-- `Class.member` must be a method, class attribute or `self.member` attribute of that class;
+- `Class.member` must be a method, class attribute or `self.member` attribute of that class or of a
+  base class defined in minisgl/ (`Scheduler._release` is `ReleaseMixin._release`, inherited);
 - a bare `name` must be a class or a module-level function somewhere in minisgl/.
 
 Call arguments are ignored (`Scheduler.overlap_loop(last)` checks `Scheduler.overlap_loop`);
@@ -34,12 +35,14 @@ class PackageNames:
     def __init__(self, package: Path) -> None:
         self.top_level: set[str] = set()
         self.members: dict[str, set[str]] = {}
+        self.bases: dict[str, set[str]] = {}  # class -> the names of its base classes
         for path in sorted(package.rglob("*.py")):
             for node in ast.parse(path.read_text()).body:
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                     self.top_level.add(node.name)
                 if isinstance(node, ast.ClassDef):
                     self.members.setdefault(node.name, set()).update(class_members(node))
+                    self.bases.setdefault(node.name, set()).update(b.id for b in node.bases if isinstance(b, ast.Name))
         self.mechanisms = mechanism_names(package / "mechanisms.py")
 
     def resolves(self, name: str) -> bool:
@@ -47,8 +50,13 @@ class PackageNames:
         if len(parts) == 1:
             return name in self.mechanisms or name in self.top_level
         if len(parts) == 2:
-            return parts[1] in self.members.get(parts[0], set())
+            return self.has_member(parts[0], parts[1])
         return False
+
+    def has_member(self, cls: str, member: str) -> bool:
+        """Defined on `cls` or inherited from one of its bases in minisgl/."""
+        return (member in self.members.get(cls, set())
+                or any(self.has_member(base, member) for base in self.bases.get(cls, ())))
 
 
 def class_members(cls: ast.ClassDef) -> set[str]:

@@ -51,7 +51,19 @@ def test_markers_are_well_formed_and_cover_every_exercise():
     numbers = {n for ns in files.values() for n in ns}
     assert numbers == set(tool.EXERCISES), (numbers, sorted(tool.EXERCISES))
     # the files the lessons may mark: the core the lessons read
-    assert set(map(str, files)) <= {"scheduler.py", "batch.py", "future_map.py", "staging.py", "engine.py"}
+    assert set(map(str, files)) <= {"scheduler.py", "planning.py", "commit_results.py", "release.py", "batch.py",
+                                    "future_map.py", "staging.py", "engine.py"}
+
+
+def test_each_title_names_the_files_that_hold_its_regions():
+    """`make exercises` tells a learner where to look: "(release.py, 2 places)" must be where the regions are."""
+    holders = {n: set() for n in tool.EXERCISES}
+    for rel, numbers in tool.marked_files().items():
+        for n in numbers:
+            holders[n].add(rel.name)
+    for n, exercise in tool.EXERCISES.items():
+        named = set(re.findall(r"\b(\w+\.py)\b", exercise.title.rpartition("(")[2]))
+        assert named == holders[n], (n, exercise.title, sorted(holders[n]))
 
 
 def test_markers_are_comments_only():

@@ -1,5 +1,6 @@
-"""Scheduler (minisgl/scheduler.py): admission promises only KV slots the pool can give, the
-number of running requests stays within its bound, and a long prompt is prefilled in chunks."""
+"""Scheduler (minisgl/scheduler.py; its planning in planning.py): admission promises only KV slots
+the pool can give, the number of running requests stays within its bound, and a long prompt is
+prefilled in chunks."""
 
 from __future__ import annotations
 

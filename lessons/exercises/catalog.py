@@ -81,7 +81,7 @@ EXERCISES = {e.number: e for e in (
         "properties rows, generations, samples and qo_lens (each already builds a new list).",
     )),
     Exercise(4, "overshoot: skip late results, look ahead by length, release by allocated length "
-                "(scheduler.py, 3 places)", 6, (
+                "(planning.py, commit_results.py, release.py)", 6, (
         "tests/test_ex4_overshoot.py",
         "tests/test_mechanisms.py::test_length_lookahead_off_wastes_overshoot_steps",
         "tests/test_mechanisms.py::test_skip_finished_off_leaks_token_after_stop_and_double_frees",
@@ -102,7 +102,7 @@ EXERCISES = {e.number: e for e in (
         "the next request. Release: the end of the freed tail is allocated_len with the switch on, else the "
         "written length; free the request's slot ids between the written length and that end.",
     )),
-    Exercise(5, "the radix-cache checkpoint at the safe point: the commit (scheduler.py, 2 places)", 7, (
+    Exercise(5, "the radix-cache checkpoint at the safe point: the commit (commit_results.py, release.py)", 7, (
         "tests/test_ex5_checkpoint.py",
         "tests/test_engine.py::test_radix_cache_hits_give_same_tokens[overlap]",
         "tests/test_engine.py::test_prompt_sharing_prefix_reads_cached_kv",
@@ -123,7 +123,7 @@ EXERCISES = {e.number: e for e in (
         "returns how many leading positions the tree already held: free your slots from cached_len up to "
         "that count; unlock the prefix node locked at admission.",
     )),
-    Exercise(6, "reuse a request row only after its last in-flight batch (scheduler.py, 2 places)", 7, (
+    Exercise(6, "reuse a request row only after its last in-flight batch (release.py, 2 places)", 7, (
         "tests/test_ex6_rows.py",
         "tests/test_abort.py::test_abort_while_final_token_in_flight",
         "tests/test_overlap.py::test_overlap_equals_normal[3.0-1]",
@@ -175,7 +175,7 @@ EXERCISES = {e.number: e for e in (
         "Engine.launch: the engine stream's wait_stream, given `after` (a device-side wait). Scheduler.commit: "
         "the synchronize of the batch result's copy_done event (the host waits for that event only).",
     )),
-    Exercise(9, "skip the in-flight result of a retracted request (scheduler.py)", 10, (
+    Exercise(9, "skip the in-flight result of a retracted request (commit_results.py)", 10, (
         "tests/test_ex9_retraction.py",
         "tests/test_retraction.py::test_optimistic_retracts_and_gives_the_reserve_outputs[overlap]",
         "tests/test_retraction.py::test_retract_skip_inflight_off_appends_a_late_token",
@@ -193,7 +193,7 @@ EXERCISES = {e.number: e for e in (
         "(row, generation) and the switch is on, add one to stats.retracted_late_results and continue.",
     )),
     Exercise(10, "delayed sampling for constrained decoding: masks from the committed grammar states "
-                 "(scheduler.py, 2 places)", 11, (
+                 "(planning.py, scheduler.py)", 11, (
         "tests/test_ex10_delayed_sampling.py",
         "tests/test_grammar_logprobs.py::test_every_output_follows_its_grammar_in_both_loops",
         "tests/test_grammar_logprobs.py::test_grammar_delayed_sample_off_masks_one_token_behind",
