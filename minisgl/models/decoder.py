@@ -22,6 +22,7 @@ the model faster ones (minisgl/gpu/fused_ops.py) that compute the same.
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
@@ -316,11 +317,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     with torch.device("meta"):
         model = CausalLM(config)
     expected = model.state_dict()  # name -> meta tensor with the shape the config implies
-    tied = bool(getattr(config, "tie_word_embeddings", False))
     device = torch.device(device)
     with ExitStack() as stack:
         # safe_open maps the files lazily; a tensor is only read when asked for.
         file_of = open_all(files, device, stack)
+        tied = bool(getattr(config, "tie_word_embeddings", False)) and _tie_stored_matrices(file_of, model_dir, dtype)
         params = [name for name in expected if not (tied and name == "lm_head.weight")]
         _check_tensor_names(params, file_of, tied, model_dir)
 
@@ -344,6 +345,23 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
 
 # Checkpoint tensors that are derived, not learned: some exporters store them, we recompute them.
 _DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _tie_stored_matrices(file_of: dict, model_dir: Path, dtype: torch.dtype) -> bool:
+    """With tie_word_embeddings, whether to tie. As in transformers, a checkpoint that stores an
+    lm_head.weight different from the embedding is not tied: the stored head is used, with a
+    warning (tying would silently answer with another model's tokens)."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if head not in file_of or embed not in file_of:
+        return True  # a missing embedding is reported by _check_tensor_names
+    stored = [read_tensor(handle, name, path).to(dtype) for name, (handle, path) in
+              ((embed, file_of[embed]), (head, file_of[head]))]
+    if stored[0].shape == stored[1].shape and torch.equal(*stored):
+        return True
+    warnings.warn(f"{str(model_dir)!r}: config.json says tie_word_embeddings, but the checkpoint stores an "
+                  f"lm_head.weight that differs from model.embed_tokens.weight; it is used, not tied (as transformers "
+                  f"does). Set tie_word_embeddings to false to silence this warning.", UserWarning, stacklevel=3)
+    return False
 
 
 def _check_tensor_names(params: list[str], file_of: dict, tied: bool, model_dir: Path) -> None:
