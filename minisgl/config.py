@@ -154,7 +154,7 @@ def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device 
 
     from .models.checkpoint import load_config  # transformers: imported when an engine is built
 
-    checkpoint, _ = load_config(Path(model_path))
+    checkpoint, _ = load_config(Path(model_path), resolved_dtype)
     kv_bytes_per_token, weight_bytes = model_bytes(checkpoint, resolved_dtype)
     if resolved_device.type == "cuda":
         # An earlier engine dropped without close() may still hold device memory in reference

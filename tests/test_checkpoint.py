@@ -105,6 +105,10 @@ def _rope_theta(value):
     return lambda f: edit_config(f, rope_parameters=None, rope_theta=value)
 
 
+def _linear_rope(factor):
+    return lambda f: edit_config(f, rope_parameters={"rope_type": "linear", "factor": factor, "rope_theta": 10000.0})
+
+
 # case -> (how to break the copied checkpoint, what the one error message must name)
 BREAKERS = {
     "truncated": (_truncate, "model.safetensors"),
@@ -129,8 +133,15 @@ BREAKERS = {
     "rope_theta 0": (_rope_theta(0), "rope_theta"),
     "rope_theta -1": (_rope_theta(-1), "rope_theta"),
     "rope_theta string": (_rope_theta("big"), "rope_theta"),  # was a TypeError from inside torch
-    "linear rope factor 0": (lambda f: edit_config(f, rope_parameters={"rope_type": "linear", "factor": 0,
-                                                                       "rope_theta": 10000.0}), "factor"),
+    "linear rope factor 0": (_linear_rope(0), "factor"),
+    # Positive and finite, yet meaningless (issue 26, finding 10): the speeds were inf (every token 0)...
+    "rope_theta 1e-45": (_rope_theta(1e-45), "rope_theta"),
+    "linear rope factor 1e-40": (_linear_rope(1e-40), "factor"),
+    # ... or all equal, or too slow to tell neighbouring positions apart, or positions not exact in float32.
+    "rope_theta 1": (_rope_theta(1), "rope_theta"),
+    "linear rope factor 1e40": (_linear_rope(1e40), "factor"),
+    "max_position_embeddings 2**25": (lambda f: edit_config(f, max_position_embeddings=2 ** 25),
+                                      "max_position_embeddings"),
 }
 
 

@@ -11,9 +11,7 @@ opened and read under a guard that names the file.
 from __future__ import annotations
 
 import json
-import math
 from contextlib import ExitStack
-from numbers import Real
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from ..checks import is_int
+from .rope import check_rope, rope_parameters
 
 # The architecture names we implement, and the `model_type` each one must carry.
 FAMILY_OF_ARCHITECTURE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -43,8 +42,8 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return value
 
 
-def load_config(model_dir: Path) -> tuple[PretrainedConfig, str]:
-    """The checked config of `model_dir` and its family ("llama", "qwen2" or "qwen3")."""
+def load_config(model_dir: Path, dtype: torch.dtype) -> tuple[PretrainedConfig, str]:
+    """The checked config of `model_dir` (for a model in `dtype`) and its family ("llama", "qwen2" or "qwen3")."""
     if not model_dir.is_dir():
         reason = "is not a directory" if model_dir.exists() else "does not exist"
         raise ValueError(f"model directory {str(model_dir)!r} {reason}")
@@ -90,32 +89,8 @@ def load_config(model_dir: Path) -> tuple[PretrainedConfig, str]:
         raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only silu is implemented")
     if getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not implemented")
-    check_rope(rope_parameters(config), path)
+    check_rope(rope_parameters(config), head_dim, int(config.max_position_embeddings), dtype, path)
     return config, family
-
-
-def rope_parameters(config: PretrainedConfig) -> dict:
-    """Rotary settings as one dict with at least rope_type and rope_theta.
-
-    transformers 5.x gives `config.rope_parameters`; 4.x gives `rope_theta` plus an
-    optional `rope_scaling` dict (whose type key was once called "type").
-    """
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    return params
-
-
-def check_rope(params: dict, path: Path) -> None:
-    """The rotary numbers must be positive and finite: a rope_theta of 0 or -1 (or a scaling
-    factor of 0) makes every rotation angle nan, and the model then answers token 0 forever."""
-    for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        value = params.get(key, 1.0 if key != "rope_theta" else None)
-        if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{str(path)!r}: {key} (rotary embedding) must be a positive finite number, got {value!r}")
-    if params["rope_type"] == "llama3" and params["low_freq_factor"] == params["high_freq_factor"]:
-        raise ValueError(f"{str(path)!r}: rope low_freq_factor and high_freq_factor must differ (llama3 blends "
-                         f"between them), both are {params['low_freq_factor']!r}")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

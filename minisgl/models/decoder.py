@@ -21,7 +21,6 @@ the model faster ones (minisgl/gpu/fused_ops.py) that compute the same.
 
 from __future__ import annotations
 
-import math
 import warnings
 from contextlib import ExitStack
 from pathlib import Path
@@ -33,7 +32,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from .attention import AttentionBackend, AttentionMetadata, KVCache
-from .checkpoint import FAMILY_OF_ARCHITECTURE, load_config, open_all, read_tensor, rope_parameters, safetensors_files
+from .checkpoint import FAMILY_OF_ARCHITECTURE, load_config, open_all, read_tensor, safetensors_files
+from .rope import rope_inv_freq, rope_parameters
 
 # Our fused parameter -> the checkpoint tensors concatenated (along dim 0) to build it.
 FUSED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -94,28 +94,6 @@ class RMSNorm(nn.Module):
         """(residual + x, its RMSNorm): the residual stream's add and the next norm."""
         residual = residual + x
         return residual, self(residual)
-
-
-def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
-    """Rotation speed of each of the head_dim/2 dimension pairs, float32 on the CPU."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
-    rope_type = params["rope_type"]
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":  # positions divided by `factor`, i.e. every speed slowed equally
-        return inv_freq / params["factor"]
-    if rope_type == "llama3":
-        # Slow pairs (wavelength longer than the original context / low_freq_factor) are
-        # slowed further by `factor`; fast pairs (shorter than context / high_freq_factor)
-        # are kept; pairs in between are blended linearly between the two.
-        factor = params["factor"]
-        low, high = params["low_freq_factor"], params["high_freq_factor"]
-        old_context = params["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        keep = ((old_context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-        return keep * inv_freq + (1 - keep) * inv_freq / factor
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
 
 
 Rotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (q, k) -> rotated (q, k)
@@ -309,7 +287,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     """Build a CausalLM from a local Hugging Face checkpoint folder (config.json + *.safetensors).
     Anything malformed is one ValueError that names the file, key or tensor."""
     model_dir = Path(model_dir)
-    config, _ = load_config(model_dir)
+    config, _ = load_config(model_dir, dtype)
     files = safetensors_files(model_dir)
 
     # Build on the "meta" device: shapes only, no memory, no slow random init.
