@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import assert_one_line_exit_2
+from minisgl.mechanisms import MECHANISMS
+
+from .conftest import assert_one_line_exit_2, run_cli, tiered
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,3 +85,22 @@ def test_course_commands_run_the_lessons_scripts_without_make(capsys):
     assert done.returncode == 0 and "exercise 1" in done.stdout and "hint 2 of 3" in done.stdout, done.stderr
     assert_one_line_exit_2(capsys, "course", "lesson", "99")
     assert_one_line_exit_2(capsys, "course", "no-such-command")
+
+
+# Issue 26, finding 11: a switched-off mechanism whose symptom is detected (a double free, lost
+# requests, a DeviceError) ended in a traceback. Each switch, and each pair the docs name, either
+# runs (exit 0) or reports its symptom in one line naming the switch (exit 1); never a traceback.
+SWITCH_CASES = [(name,) for name in MECHANISMS] + [("staging_double_buffer,staging_war_wait",),
+                                                   ("row_generation_check,deferred_row_free",)]
+
+
+@pytest.mark.parametrize("disable", tiered(SWITCH_CASES, [("skip_finished",), ("staging_double_buffer,staging_war_wait",),
+                                                          ("row_generation_check,deferred_row_free",)],
+                                           id=lambda case: case[0]))
+def test_cli_switched_off_mechanism_shows_its_symptom_in_one_line(capsys, disable):
+    code, err = run_cli(capsys, "generate", "--disable", disable, "--num-demo-prompts", "16")
+    assert not any("Traceback" in line for line in err), err
+    if disable == "skip_finished":  # the demo prompts stop on EOS: the late result is freed twice, always
+        assert code == 1
+    if code != 0:
+        assert code == 1 and len(err) == 1 and err[0].startswith("error:") and disable in err[0], (code, err)

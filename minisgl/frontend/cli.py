@@ -1,17 +1,20 @@
 """Command line: `python -m minisgl generate|bench|lab|trace|demo|make-tiny|train-demo ...`
 (minisgl/__main__.py is the entry point).
 
-Bad input (missing model directory, bad sampling parameter, unknown mechanism...) prints one
-line `error: ...` on stderr and exits with code 2, without a traceback.
+Exit codes, each with one line `error: ...` on stderr and no traceback:
+  2    bad input (missing model directory, bad sampling parameter, unknown mechanism...);
+  1    a switched-off mechanism's symptom was detected (`--disable skip_finished`: a double free);
+  130  interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Sequence
 
-from .options import OneLineParser, add_engine_args, build_llm, positive_int
+from .options import OneLineParser, add_engine_args, build_llm, disabled_names, positive_int
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -155,6 +158,32 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+SYMPTOM_EXIT = 1  # a switched-off mechanism showed its symptom: not bad input, not a bug of the engine
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """args.func(args). With mechanisms switched off (--disable), a run that fails has shown their
+    symptom (a double free, lost requests, a DeviceError from overwritten metadata: the switch table
+    in docs/usage.md): one line and exit 1, and the warnings of the failed run's clean-up are dropped.
+    With every mechanism on, a failure is a bug and keeps its traceback."""
+    disabled = disabled_names(args) if hasattr(args, "disable") else []
+    if not disabled:
+        return args.func(args)
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            code = args.func(args)
+        except (ValueError, TypeError, OSError, KeyboardInterrupt):
+            raise  # bad input, or Ctrl-C: handled in main()
+        except Exception as exc:  # noqa: BLE001 - the symptom, whatever raised it
+            print(f"error: {type(exc).__name__}: {' '.join(str(exc).split())}; detected: the symptom of "
+                  f"--disable {','.join(disabled)} (see 'The overlap mechanisms in detail' in docs/usage.md)",
+                  file=sys.stderr)
+            return SYMPTOM_EXIT
+    for w in caught:  # a run that succeeded shows its warnings
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -165,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return course(argv[1:])
         args = parser().parse_args(argv)  # a bad flag exits with 2 here (OneLineParser)
-        return args.func(args)
+        return run_command(args)
     except (ValueError, TypeError, OSError) as exc:  # OSError: transformers on an unreadable model directory
         print(f"error: {exc}", file=sys.stderr)
         return 2
