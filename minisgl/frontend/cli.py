@@ -14,7 +14,10 @@ import sys
 import warnings
 from typing import Sequence
 
-from .options import OneLineParser, add_engine_args, build_llm, disabled_names, positive_int
+from ..checks import MAX_TOKENS
+from ..request import FLOAT32_MAX, TOP_K_MAX
+from .options import (DELAY_MS, MAX_CLI_REQUESTS, SEED, Number, NumberList, OneLineParser, add_engine_args,
+                      build_llm, count, disabled_names)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -101,12 +104,13 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for prompts")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable; default: demo prompts)")
-    g.add_argument("--num-demo-prompts", type=positive_int, default=3, help="without --prompt: how many demo prompts")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--num-demo-prompts", type=count(MAX_CLI_REQUESTS), default=3,
+                   help="without --prompt: how many demo prompts")
+    g.add_argument("--max-new-tokens", type=count(MAX_TOKENS), default=32)
+    g.add_argument("--temperature", type=Number(float, 0.0, FLOAT32_MAX), default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=Number(int, 1, TOP_K_MAX, special=(-1,)), default=-1, help="-1: off")
+    g.add_argument("--top-p", type=Number(float, 0.0, 1.0, low_open=True), default=1.0)
+    g.add_argument("--seed", type=SEED, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
 
@@ -116,14 +120,18 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", default="small", choices=["small", "offline", "online"],
                    help="small: CPU-sized; offline: 256 requests, lengths uniform in 100..1024 (GPU); "
                         "online: the offline lengths arriving at --rate")
-    b.add_argument("--num-requests", type=positive_int, default=None)
-    b.add_argument("--delays", default=None, help="comma-separated device_delay_ms values for --compare-loops")
+    b.add_argument("--num-requests", type=count(MAX_CLI_REQUESTS), default=None)
+    b.add_argument("--delays", type=NumberList(DELAY_MS), default=None,
+                   help="comma-separated device_delay_ms values for --compare-loops")
     b.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same requests")
-    b.add_argument("--hf-requests", type=positive_int, default=None, help="time HF on only the first N requests")
-    b.add_argument("--repeat", type=positive_int, default=1,
+    b.add_argument("--hf-requests", type=count(MAX_CLI_REQUESTS), default=None, help="time HF on only the first N requests")
+    b.add_argument("--repeat", type=count(MAX_REPEATS), default=1,
                    help="run every configuration N times, interleaved (median, range)")
     b.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    b.add_argument("--rate", default="8", help="--workload online: arrival rate(s) in requests/s, comma-separated")
+    # An online run lasts about requests / rate: below 0.001 req/s one request arrives every 17 minutes;
+    # above 10**6 req/s every request has arrived before the first step ends (the offline workload).
+    b.add_argument("--rate", type=NumberList(Number(float, 1e-3, 1e6)), default="8",
+                   help="--workload online: arrival rate(s) in requests/s, comma-separated")
     b.add_argument("--breakdown", action="store_true",
                    help="attribute the run's device time to prefill, decode by batch size, padding, idle")
     b.set_defaults(func=cmd_bench)
@@ -138,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="record a run and write a Chrome trace JSON (Perfetto, chrome://tracing)")
     add_engine_args(t)
     t.add_argument("--out", default="trace.json")
-    t.add_argument("--num-requests", type=positive_int, default=8)
+    t.add_argument("--num-requests", type=count(MAX_CLI_REQUESTS), default=8)
     t.set_defaults(func=cmd_trace)
 
     d = sub.add_parser("demo", help="generate with the demo model and show both loops' timelines")
@@ -149,7 +157,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("out")
     m.add_argument("--arch", default="qwen3", choices=["llama", "qwen2", "qwen3"])
     m.add_argument("--preset", default="tiny", choices=["tiny", "small", "qwen3-0.6b"])
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=SEED, default=0)
     m.set_defaults(func=cmd_make_tiny)
 
     sub.add_parser("train-demo", help="train the demo model (python -m minisgl train-demo --help)", add_help=False)
@@ -158,6 +166,7 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+MAX_REPEATS = 100  # bench --repeat: runs of every configuration
 SYMPTOM_EXIT = 1  # a switched-off mechanism showed its symptom: not bad input, not a bug of the engine
 
 
