@@ -195,3 +195,26 @@ def test_a_step_context_never_exited_latches_nothing_and_restores_the_handler():
     gc.collect()
     assert owner.error is None
     assert signal.getsignal(signal.SIGINT) is handler
+
+
+# Issue 26 (robust at the API boundary)
+def test_ctrl_c_during_flush_cache_leaks_no_slot(qwen3):
+    with LLM(qwen3) as llm:
+        llm.generate(["one two three", "four five six", "seven eight"], GREEDY)
+        free, calls = llm.scheduler.cache.free_slots, []
+
+        def interrupting_free(slots):
+            calls.append(1)
+            if len(calls) == 1:
+                signal.raise_signal(signal.SIGINT)
+            return free(slots)
+
+        llm.scheduler.cache.free_slots = interrupting_free
+        with pytest.raises(KeyboardInterrupt):
+            llm.flush_cache()
+        llm.check_invariants()
+        mem = llm.memory_report()
+        assert mem["kv_free"] + mem["kv_cached"] == mem["kv_total"], mem
+        llm.scheduler.cache.free_slots = free
+        llm.flush_cache()
+        assert llm.memory_report()["kv_free"] == mem["kv_total"]
