@@ -17,6 +17,12 @@ from typing import Any
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
+# Upper bounds for the engine's sizes: slot and token ids travel as int32 in device kernels, and no
+# device decodes a million requests at once (rows are allocated up front, before any memory check).
+MAX_TOKENS = (1 << 31) - 2
+MAX_RUNNING_REQUESTS = 1 << 20
+MAX_DELAY_MS = 3_600_000.0  # an hour per step: any more is a typo, not a teaching aid
+
 
 def is_int(value: Any) -> bool:
     """A true integer (int, numpy/torch integer scalar), never a bool, float or string."""

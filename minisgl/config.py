@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 
 from .admission import Admission
-from .checks import check_bool, check_int, check_real
+from .checks import MAX_DELAY_MS, MAX_RUNNING_REQUESTS, MAX_TOKENS, check_bool, check_int, check_real
 from .mechanisms import Mechanisms
 
 if TYPE_CHECKING:
@@ -36,12 +36,6 @@ if TYPE_CHECKING:
 Loop = Literal["normal", "overlap"]
 AttentionBackendChoice = Literal["auto", "torch", "flashinfer"]
 AttentionBackendName = Literal["torch", "flashinfer"]  # what "auto" resolves to
-
-# Upper bounds for the sizes: slot and token ids travel as int32 in device kernels, and no
-# device decodes a million requests at once (rows are allocated up front, before any memory check).
-MAX_TOKENS = (1 << 31) - 2
-MAX_RUNNING_REQUESTS = 1 << 20
-MAX_DELAY_MS = 3_600_000.0  # an hour per step: any more is a typo, not a teaching aid
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -154,7 +148,7 @@ def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device 
 
     from .models.checkpoint import load_config  # transformers: imported when an engine is built
 
-    checkpoint, _ = load_config(Path(model_path))
+    checkpoint, _ = load_config(Path(model_path), resolved_dtype)
     kv_bytes_per_token, weight_bytes = model_bytes(checkpoint, resolved_dtype)
     if resolved_device.type == "cuda":
         # An earlier engine dropped without close() may still hold device memory in reference

@@ -5,9 +5,12 @@ pools whole proves "exactly once"."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.kv_pool import KVAccountingError
 
 from .conftest import assert_pool_whole, drain
 
@@ -113,3 +116,26 @@ def test_abort_releases_at_the_commit_point_with_exact_accounting(qwen3, stage):
     mem = llm.memory_report()
     leaked = mem["kv_total"] - mem["kv_free"] - mem["kv_cached"]
     assert leaked == llm.stats.overshoot_tokens > 0
+
+
+# Issue 26 (robust at the API boundary)
+def test_skip_finished_off_with_an_abort_is_a_latched_double_free(qwen3):
+    os.environ["MINISGL_CHECK_INVARIANTS"] = "0"
+    try:
+        llm = LLM(qwen3, loop="overlap", disable=("skip_finished",), device_delay_ms=20)
+    finally:
+        os.environ["MINISGL_CHECK_INVARIANTS"] = "1"
+    short = llm.add_request("count 1 to", SamplingParams(max_new_tokens=2, ignore_eos=True))
+    long = llm.add_request("hello there", SamplingParams(max_new_tokens=40, ignore_eos=True))
+    got = {}
+    for _ in range(4):
+        got.update({o.rid: o for o in llm.step()})
+    llm.abort(long)
+    with pytest.raises(KVAccountingError, match="double free"):
+        for _ in range(10):
+            got.update({o.rid: o for o in llm.step()})
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        llm.step()  # latched
+    got.update({o.rid: o for o in llm.collect()})  # what finished is still handed out
+    assert short in got and long in got
+    llm.close()

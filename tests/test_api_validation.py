@@ -199,3 +199,20 @@ def test_disable_of_wrong_type_names_the_argument(qwen3, disable):
 def test_model_path_that_is_a_file_says_so(qwen3):
     with pytest.raises(ValueError, match="is not a directory"):
         LLM(f"{qwen3}/config.json")
+
+
+# Issue 26 (robust at the API boundary)
+def test_text_prompt_with_ids_beyond_the_vocabulary_is_refused_alone(qwen3):
+    with LLM(qwen3) as llm:
+        rid = llm.add_request("hello there", GREEDY)
+        llm.step()
+        vocab, encode = llm.engine.model.vocab_size, llm.tokenizer.encode
+        llm.tokenizer.encode = lambda text, **kw: [*encode(text, **kw), vocab + 3]  # a tokenizer larger than the model
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            llm.add_request("hello", GREEDY)
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            llm.generate(["hello", "there"], GREEDY)
+        llm.tokenizer.encode = encode
+        outs = drain(llm)
+        assert list(outs) == [rid] and len(outs[rid].token_ids) == GREEDY.max_new_tokens
+        assert_pool_whole(llm)

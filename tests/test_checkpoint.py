@@ -5,6 +5,7 @@ loads and answers wrongly."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -105,6 +106,18 @@ def _rope_theta(value):
     return lambda f: edit_config(f, rope_parameters=None, rope_theta=value)
 
 
+def _replaced_by(make, name):
+    """The checkpoint's file `name` replaced by what make(path) creates (a FIFO, a link)."""
+    def replace(folder):
+        (folder / name).unlink(missing_ok=True)
+        make(folder / name)
+    return replace
+
+
+def _linear_rope(factor):
+    return lambda f: edit_config(f, rope_parameters={"rope_type": "linear", "factor": factor, "rope_theta": 10000.0})
+
+
 # case -> (how to break the copied checkpoint, what the one error message must name)
 BREAKERS = {
     "truncated": (_truncate, "model.safetensors"),
@@ -124,13 +137,35 @@ BREAKERS = {
     # Each of these loaded, and answered token 0 forever (nan) or another model's tokens:
     "nan weight": (lambda f: edit_tensors(f, lambda t: t["model.norm.weight"].fill_(float("nan"))), "nan or inf"),
     "integer weight": (lambda f: edit_tensors(f, lambda t: t.update(
-        {"model.norm.weight": t["model.norm.weight"].to(torch.int64)})), "not floating point"),
+        {"model.norm.weight": t["model.norm.weight"].to(torch.int64)})), "floating-point types"),
     "tensor in two files": (_stale_second_copy, "stored twice"),
     "rope_theta 0": (_rope_theta(0), "rope_theta"),
     "rope_theta -1": (_rope_theta(-1), "rope_theta"),
     "rope_theta string": (_rope_theta("big"), "rope_theta"),  # was a TypeError from inside torch
-    "linear rope factor 0": (lambda f: edit_config(f, rope_parameters={"rope_type": "linear", "factor": 0,
-                                                                       "rope_theta": 10000.0}), "factor"),
+    "linear rope factor 0": (_linear_rope(0), "factor"),
+    # Positive and finite, yet meaningless (issue 26, finding 10): the speeds were inf (every token 0)...
+    "rope_theta 1e-45": (_rope_theta(1e-45), "rope_theta"),
+    "linear rope factor 1e-40": (_linear_rope(1e-40), "factor"),
+    # ... or all equal, or too slow to tell neighbouring positions apart, or positions not exact in float32.
+    "rope_theta 1": (_rope_theta(1), "rope_theta"),
+    "linear rope factor 1e40": (_linear_rope(1e40), "factor"),
+    "max_position_embeddings 2**25": (lambda f: edit_config(f, max_position_embeddings=2 ** 25),
+                                      "max_position_embeddings"),
+    # Sizes beyond the weights (finding 13): 10**5 layers took 92 s to fail (a model built first), the
+    # others were a RuntimeError or TypeError from inside torch. Each is now refused from the headers.
+    "num_hidden_layers 10**5": (lambda f: edit_config(f, num_hidden_layers=10 ** 5, layer_types=None),
+                                "num_hidden_layers"),
+    "vocab_size 2**40": (lambda f: edit_config(f, vocab_size=2 ** 40), "vocab_size"),
+    "head_dim 2**40": (lambda f: edit_config(f, head_dim=2 ** 40), "head_dim"),
+    "intermediate_size 2**40": (lambda f: edit_config(f, intermediate_size=2 ** 40), "intermediate_size"),
+    "float8 weight": (lambda f: edit_tensors(f, lambda t: t.update(
+        {"model.norm.weight": t["model.norm.weight"].to(torch.float8_e4m3fn)})), "float8"),
+    # Metadata files that are not regular files: a FIFO hung the reader, /dev/zero read until MemoryError.
+    "generation_config FIFO": (_replaced_by(os.mkfifo, "generation_config.json"), "generation_config"),
+    "generation_config -> /dev/zero": (_replaced_by(lambda p: os.symlink("/dev/zero", p), "generation_config.json"),
+                                       "generation_config"),
+    "tokenizer.json FIFO": (_replaced_by(os.mkfifo, "tokenizer.json"), "tokenizer.json"),
+    "weights FIFO": (_replaced_by(os.mkfifo, "model.safetensors"), "model.safetensors"),
 }
 
 

@@ -3,13 +3,18 @@ the module starts without importing torch."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from .conftest import assert_one_line_exit_2
+from minisgl.frontend.cli import main as cli
+from minisgl.frontend.options import Number, NumberList
+from minisgl.mechanisms import MECHANISMS
+
+from .conftest import assert_one_line_exit_2, run_cli, tiered
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,3 +88,79 @@ def test_course_commands_run_the_lessons_scripts_without_make(capsys):
     assert done.returncode == 0 and "exercise 1" in done.stdout and "hint 2 of 3" in done.stdout, done.stderr
     assert_one_line_exit_2(capsys, "course", "lesson", "99")
     assert_one_line_exit_2(capsys, "course", "no-such-command")
+
+
+# Issue 26, finding 11: a switched-off mechanism whose symptom is detected (a double free, lost
+# requests, a DeviceError) ended in a traceback. Each switch, and each pair the docs name, either
+# runs (exit 0) or reports its symptom in one line naming the switch (exit 1); never a traceback.
+SWITCH_CASES = [(name,) for name in MECHANISMS] + [("staging_double_buffer,staging_war_wait",),
+                                                   ("row_generation_check,deferred_row_free",)]
+
+
+@pytest.mark.parametrize("disable", tiered(SWITCH_CASES, [("skip_finished",), ("staging_double_buffer,staging_war_wait",),
+                                                          ("row_generation_check,deferred_row_free",)],
+                                           id=lambda case: case[0]))
+def test_cli_switched_off_mechanism_shows_its_symptom_in_one_line(capsys, disable):
+    code, err = run_cli(capsys, "generate", "--disable", disable, "--num-demo-prompts", "16")
+    assert not any("Traceback" in line for line in err), err
+    if disable == "skip_finished":  # the demo prompts stop on EOS: the late result is freed twice, always
+        assert code == 1
+    if code != 0:
+        assert code == 1 and len(err) == 1 and err[0].startswith("error:") and disable in err[0], (code, err)
+
+
+# Issue 26, finding 11: every numeric flag of every subcommand, given nan, inf, 0, a negative or a
+# huge value, exits 2 with one error line before anything runs (--rate nan spun forever, --rate
+# 1e-300 and lab --points 1e300 were OverflowError tracebacks, huge counts ran unbounded). The
+# table is built from the parsers, so a new flag is in it; 0 is left out where the flag's own
+# range (frontend/options.py) says it is valid (a delay of 0, --eval 0).
+def _parsers() -> dict:
+    from minisgl.demo.train_demo import parser as train_demo_parser
+    from minisgl.frontend.cli import parser
+
+    (sub,) = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return {**{name: p for name, p in sub.choices.items() if name not in ("train-demo", "course")},
+            "train-demo": train_demo_parser()}
+
+
+def _numeric_flag_cases() -> list[tuple[str, str, str]]:
+    cases = []
+    for command, p in _parsers().items():
+        for action in p._actions:
+            if not action.option_strings or action.nargs == 0 or action.choices:
+                continue  # positionals, --help, switches, choices
+            assert action.type not in (int, float), f"{command} {action.option_strings[0]}: use options.Number"
+            if not isinstance(action.type, (Number, NumberList)):
+                continue  # a path, a name, a prompt
+            number = action.type.item if isinstance(action.type, NumberList) else action.type
+            huge = "9" * 300 if number.kind is int else "1e300"
+            for value in ("nan", "inf", "-7", "0", huge):
+                if value != "0" or not number.valid(0):
+                    cases.append((command, action.option_strings[0], value))
+    return cases
+
+
+NUMERIC_FLAG_CASES = _numeric_flag_cases()
+_FIRST_FLAG_OF_EACH_COMMAND = {c for c in NUMERIC_FLAG_CASES
+                               if c[1] == next(f for cmd, f, _ in NUMERIC_FLAG_CASES if cmd == c[0])}
+
+
+@pytest.mark.parametrize("command, flag, value", tiered(NUMERIC_FLAG_CASES, _FIRST_FLAG_OF_EACH_COMMAND,
+                                                        id=lambda c: f"{c[0]} {c[1]} {c[2][:6]}"))
+def test_every_numeric_flag_refuses_nan_inf_zero_negative_and_huge(capsys, tmp_path, command, flag, value):
+    positional = [str(tmp_path / "out")] if command == "make-tiny" else []
+    assert_one_line_exit_2(capsys, command, *positional, f"{flag}={value}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_flag_table_covers_every_command():
+    assert {c[0] for c in NUMERIC_FLAG_CASES} == set(_parsers()) and len(NUMERIC_FLAG_CASES) > 100
+
+
+def test_unwritable_json_is_refused_before_the_run(capsys, tmp_path):
+    """An output path that cannot be written (here a directory) was reported after the whole run."""
+    for argv in (["bench", "--json", str(tmp_path)], ["lab", "--json", str(tmp_path)],
+                 ["trace", "--out", str(tmp_path)]):
+        code = cli(argv)
+        captured = capsys.readouterr()
+        assert code == 2 and captured.out == "" and captured.err.startswith("error:"), (argv, captured)

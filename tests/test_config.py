@@ -50,3 +50,10 @@ def test_max_seq_len_and_table_width(qwen3, kv_tokens):
         assert window < 10_000  # the tiny checkpoint: the second case is bounded by the window
         assert llm.max_seq_len == min(window, kv_tokens - 1)
         assert llm.config.table_width == min(window + 1, kv_tokens)
+
+
+# Issue 26 (robust at the API boundary)
+@pytest.mark.parametrize("kv_tokens", [1, 2])
+def test_kv_pool_too_small_for_any_prompt_is_refused(qwen3, kv_tokens):
+    with pytest.raises(ValueError, match="kv_tokens"):
+        LLM(qwen3, kv_tokens=kv_tokens)

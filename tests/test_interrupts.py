@@ -195,3 +195,62 @@ def test_a_step_context_never_exited_latches_nothing_and_restores_the_handler():
     gc.collect()
     assert owner.error is None
     assert signal.getsignal(signal.SIGINT) is handler
+
+
+# Issue 26 (robust at the API boundary)
+def test_ctrl_c_during_flush_cache_leaks_no_slot(qwen3):
+    with LLM(qwen3) as llm:
+        llm.generate(["one two three", "four five six", "seven eight"], GREEDY)
+        free, calls = llm.scheduler.cache.free_slots, []
+
+        def interrupting_free(slots):
+            calls.append(1)
+            if len(calls) == 1:
+                signal.raise_signal(signal.SIGINT)
+            return free(slots)
+
+        llm.scheduler.cache.free_slots = interrupting_free
+        with pytest.raises(KeyboardInterrupt):
+            llm.flush_cache()
+        llm.check_invariants()
+        mem = llm.memory_report()
+        assert mem["kv_free"] + mem["kv_cached"] == mem["kv_total"], mem
+        llm.scheduler.cache.free_slots = free
+        llm.flush_cache()
+        assert llm.memory_report()["kv_free"] == mem["kv_total"]
+
+
+# Issue 26, finding 12: a second Ctrl-C is the way out of a hung device. After it, close() and the
+# interpreter's exit must not wait for the device work in progress (here a forward that sleeps an
+# hour: device_delay_ms at its maximum). In a fresh interpreter, so that its exit is part of the test.
+HUNG_DEVICE_SCRIPT = """
+import os, signal, sys, threading, time
+from minisgl import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], device_delay_ms=3_600_000)  # every forward sleeps an hour on the device's thread
+def press_ctrl_c_twice():
+    time.sleep(2.0)  # generate() is now waiting for its first forward
+    for _ in range(2):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+threading.Thread(target=press_ctrl_c_twice, daemon=True).start()
+try:
+    llm.generate(["hello"], SamplingParams(max_new_tokens=4))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+llm.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.full  # a fresh interpreter (~10-30 s)
+def test_second_ctrl_c_gets_out_of_a_hung_device_close_and_exit_do_not_wait(qwen3):
+    import subprocess
+    import sys
+
+    try:  # the hour-long forward would keep a process that waits for it alive far past this bound
+        done = subprocess.run([sys.executable, "-c", HUNG_DEVICE_SCRIPT, qwen3], capture_output=True, text=True,
+                              timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("close() or the interpreter's exit waited for the hung device")
+    assert done.returncode == 0 and done.stdout.split() == ["interrupted", "closed"], (done.stdout, done.stderr)

@@ -5,9 +5,14 @@ thread left behind."""
 from __future__ import annotations
 
 import gc
+import os
+import signal
+import sys
 import threading
+import time
 
 import pytest
+import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.streams import DeviceError
@@ -211,3 +216,43 @@ def test_requests_that_a_leak_starves_raise_instead_of_spinning(monkeypatch):
         assert [o.finish_reason for o in drain(llm).values()] == ["abort"]
         with pytest.raises(RuntimeError, match="wait for KV slots"):  # generate() gets the same answer
             llm.generate([big], params)
+
+
+# Issue 26 (robust at the API boundary)
+def test_llm_in_a_forked_child_refuses_instead_of_hanging(qwen3):
+    with LLM(qwen3) as llm:
+        llm.generate(["hello"], GREEDY)
+        pid = os.fork()
+        if pid == 0:  # the child: every call refuses at once, close() returns
+            code = 3
+            try:
+                llm.generate(["hello"], GREEDY)
+            except RuntimeError as exc:
+                code = 0 if "fork()" in str(exc) else 4
+            llm.close()
+            os._exit(code)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert len(llm.generate(["hello"], GREEDY)[0].token_ids) == GREEDY.max_new_tokens  # the parent still works
+
+
+# Issue 26 (robust at the API boundary)
+def test_close_gives_back_torch_threads_and_the_switch_interval(qwen3):
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(2)
+    sys.setswitchinterval(0.004)
+    try:
+        first, second = LLM(qwen3), LLM(qwen3)
+        first.close()
+        assert torch.get_num_threads() == 1  # the second engine still runs
+        second.close()
+        assert (torch.get_num_threads(), sys.getswitchinterval()) == (2, pytest.approx(0.004))
+    finally:
+        torch.set_num_threads(threads)
+        sys.setswitchinterval(interval)

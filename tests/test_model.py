@@ -17,7 +17,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from minisgl.models.attention import AttentionMetadata, KVCache, TorchAttentionBackend, causal_attention
-from minisgl.models.decoder import CausalLM, load_model, rope_inv_freq, rope_parameters
+from minisgl.models.decoder import CausalLM, load_model
+from minisgl.models.rope import rope_inv_freq, rope_parameters
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 SMALL = dict(

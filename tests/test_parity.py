@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,3 +75,22 @@ def test_text_is_detokenized_output(qwen3):
     (out,) = llm.generate(["hello"], SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     llm.close()
+
+
+def test_tied_config_with_a_different_stored_head_uses_the_head_like_transformers(qwen3, tmp_path):
+    """tie_word_embeddings true, and a stored lm_head.weight that differs from the embedding: transformers
+    warns and uses the stored head (modeling_utils.tie_weights). Tying anyway answered other tokens silently."""
+    folder = tmp_path / "tied"
+    shutil.copytree(qwen3, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    tok = AutoTokenizer.from_pretrained(folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)  # transformers kept the stored head
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with LLM(folder) as llm:
+            outs = llm.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, tok.encode(p), 16) for p in PROMPTS[:2]]
+    assert any("tie_word_embeddings" in str(w.message) for w in caught)  # and says so, as transformers does

@@ -43,6 +43,12 @@ __all__ = ["DEFAULT_OUT", "DEFAULT_STEPS", "MODEL_CONFIG", "train_demo", "evalua
 DEFAULT_OUT = Path(__file__).resolve().parent / "checkpoint"
 DEFAULT_STEPS = 2500
 DEFAULT_SEED = 0
+# Documented maxima of train-demo's flags: beyond them a run does not finish in a day on a laptop
+# (steps, held-out prompts), or asks for more than a laptop holds (64 times the default batch).
+MAX_STEPS = 1_000_000
+MAX_BATCH_SIZE = 4096
+MAX_EVAL = 100_000
+MAX_THREADS = 256
 VOCAB_SIZE = 512
 
 # The demo model: a small Qwen3 (q/k RMSNorm, GQA, SwiGLU, RoPE, tied embeddings).
@@ -368,23 +374,29 @@ def _training_md(s: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m minisgl train-demo [--out DIR] [--steps N] [--seed S]``."""
-    from ..frontend.options import OneLineParser, nonnegative_int, positive_float, positive_int
+def parser():
+    """train-demo's flags, each with its range (frontend/options.py)."""
+    from ..frontend.options import SEED, Number, OneLineParser, count
 
     ap = OneLineParser(
         prog="python -m minisgl train-demo",
         description="Train the tiny demo model (CPU, a few minutes) and write a Hugging Face checkpoint.",
     )
     ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
-    ap.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
+    ap.add_argument("--steps", type=count(MAX_STEPS), default=DEFAULT_STEPS,
                     help=f"training steps (default: {DEFAULT_STEPS})")
-    ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    ap.add_argument("--batch-size", type=positive_int, default=64)
-    ap.add_argument("--lr", type=positive_float, default=3e-3)
-    ap.add_argument("--eval", type=nonnegative_int, default=200, help="held-out prompts to evaluate at the end (0: skip)")
-    ap.add_argument("--threads", type=positive_int, default=2)
-    args = ap.parse_args(argv)
+    ap.add_argument("--seed", type=SEED, default=DEFAULT_SEED)
+    ap.add_argument("--batch-size", type=count(MAX_BATCH_SIZE), default=64)
+    ap.add_argument("--lr", type=Number(float, 0.0, 1.0, low_open=True), default=3e-3)
+    ap.add_argument("--eval", type=count(MAX_EVAL, low=0), default=200,
+                    help="held-out prompts to evaluate at the end (0: skip)")
+    ap.add_argument("--threads", type=count(MAX_THREADS), default=2)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``python -m minisgl train-demo [--out DIR] [--steps N] [--seed S]``."""
+    args = parser().parse_args(argv)
     stats = train_demo(
         args.out,
         steps=args.steps,

@@ -1,17 +1,23 @@
 """Command line: `python -m minisgl generate|bench|lab|trace|demo|make-tiny|train-demo ...`
 (minisgl/__main__.py is the entry point).
 
-Bad input (missing model directory, bad sampling parameter, unknown mechanism...) prints one
-line `error: ...` on stderr and exits with code 2, without a traceback.
+Exit codes, each with one line `error: ...` on stderr and no traceback:
+  2    bad input (missing model directory, bad sampling parameter, unknown mechanism...);
+  1    a switched-off mechanism's symptom was detected (`--disable skip_finished`: a double free);
+  130  interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Sequence
 
-from .options import OneLineParser, add_engine_args, build_llm, positive_int
+from ..checks import MAX_TOKENS
+from ..request import FLOAT32_MAX, TOP_K_MAX
+from .options import (DELAY_MS, MAX_CLI_REQUESTS, SEED, Number, NumberList, OneLineParser, add_engine_args,
+                      build_llm, count, disabled_names)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -98,12 +104,13 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for prompts")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable; default: demo prompts)")
-    g.add_argument("--num-demo-prompts", type=positive_int, default=3, help="without --prompt: how many demo prompts")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--num-demo-prompts", type=count(MAX_CLI_REQUESTS), default=3,
+                   help="without --prompt: how many demo prompts")
+    g.add_argument("--max-new-tokens", type=count(MAX_TOKENS), default=32)
+    g.add_argument("--temperature", type=Number(float, 0.0, FLOAT32_MAX), default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=Number(int, 1, TOP_K_MAX, special=(-1,)), default=-1, help="-1: off")
+    g.add_argument("--top-p", type=Number(float, 0.0, 1.0, low_open=True), default=1.0)
+    g.add_argument("--seed", type=SEED, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
 
@@ -113,14 +120,18 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", default="small", choices=["small", "offline", "online"],
                    help="small: CPU-sized; offline: 256 requests, lengths uniform in 100..1024 (GPU); "
                         "online: the offline lengths arriving at --rate")
-    b.add_argument("--num-requests", type=positive_int, default=None)
-    b.add_argument("--delays", default=None, help="comma-separated device_delay_ms values for --compare-loops")
+    b.add_argument("--num-requests", type=count(MAX_CLI_REQUESTS), default=None)
+    b.add_argument("--delays", type=NumberList(DELAY_MS), default=None,
+                   help="comma-separated device_delay_ms values for --compare-loops")
     b.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same requests")
-    b.add_argument("--hf-requests", type=positive_int, default=None, help="time HF on only the first N requests")
-    b.add_argument("--repeat", type=positive_int, default=1,
+    b.add_argument("--hf-requests", type=count(MAX_CLI_REQUESTS), default=None, help="time HF on only the first N requests")
+    b.add_argument("--repeat", type=count(MAX_REPEATS), default=1,
                    help="run every configuration N times, interleaved (median, range)")
     b.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    b.add_argument("--rate", default="8", help="--workload online: arrival rate(s) in requests/s, comma-separated")
+    # An online run lasts about requests / rate: below 0.001 req/s one request arrives every 17 minutes;
+    # above 10**6 req/s every request has arrived before the first step ends (the offline workload).
+    b.add_argument("--rate", type=NumberList(Number(float, 1e-3, 1e6)), default="8",
+                   help="--workload online: arrival rate(s) in requests/s, comma-separated")
     b.add_argument("--breakdown", action="store_true",
                    help="attribute the run's device time to prefill, decode by batch size, padding, idle")
     b.set_defaults(func=cmd_bench)
@@ -135,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="record a run and write a Chrome trace JSON (Perfetto, chrome://tracing)")
     add_engine_args(t)
     t.add_argument("--out", default="trace.json")
-    t.add_argument("--num-requests", type=positive_int, default=8)
+    t.add_argument("--num-requests", type=count(MAX_CLI_REQUESTS), default=8)
     t.set_defaults(func=cmd_trace)
 
     d = sub.add_parser("demo", help="generate with the demo model and show both loops' timelines")
@@ -146,13 +157,40 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("out")
     m.add_argument("--arch", default="qwen3", choices=["llama", "qwen2", "qwen3"])
     m.add_argument("--preset", default="tiny", choices=["tiny", "small", "qwen3-0.6b"])
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=SEED, default=0)
     m.set_defaults(func=cmd_make_tiny)
 
     sub.add_parser("train-demo", help="train the demo model (python -m minisgl train-demo --help)", add_help=False)
     sub.add_parser("course", help="lessons, exercises, hints, student edition, grading (python -m minisgl course --help)",
                    add_help=False)
     return ap
+
+
+MAX_REPEATS = 100  # bench --repeat: runs of every configuration
+SYMPTOM_EXIT = 1  # a switched-off mechanism showed its symptom: not bad input, not a bug of the engine
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """args.func(args). With mechanisms switched off (--disable), a run that fails has shown their
+    symptom (a double free, lost requests, a DeviceError from overwritten metadata: the switch table
+    in docs/usage.md): one line and exit 1, and the warnings of the failed run's clean-up are dropped.
+    With every mechanism on, a failure is a bug and keeps its traceback."""
+    disabled = disabled_names(args) if hasattr(args, "disable") else []
+    if not disabled:
+        return args.func(args)
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            code = args.func(args)
+        except (ValueError, TypeError, OSError, KeyboardInterrupt):
+            raise  # bad input, or Ctrl-C: handled in main()
+        except Exception as exc:  # noqa: BLE001 - the symptom, whatever raised it
+            print(f"error: {type(exc).__name__}: {' '.join(str(exc).split())}; detected: the symptom of "
+                  f"--disable {','.join(disabled)} (see 'The overlap mechanisms in detail' in docs/usage.md)",
+                  file=sys.stderr)
+            return SYMPTOM_EXIT
+    for w in caught:  # a run that succeeded shows its warnings
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return course(argv[1:])
         args = parser().parse_args(argv)  # a bad flag exits with 2 here (OneLineParser)
-        return args.func(args)
+        return run_command(args)
     except (ValueError, TypeError, OSError) as exc:  # OSError: transformers on an unreadable model directory
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,35 +8,77 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..checks import INT64_MAX, MAX_DELAY_MS, MAX_RUNNING_REQUESTS, MAX_TOKENS
 from ..mechanisms import MECHANISMS
 
 
-def _number(text: str, convert, valid, expected: str):
-    """An argparse value: `text` converted, and `valid`, or one error saying what is `expected`."""
-    try:
-        value = convert(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
-    if not valid(value):
-        raise argparse.ArgumentTypeError(f"must be {expected}, got {value}")
-    return value
+# The most requests a CLI run builds (generate's demo prompts, bench, trace, the lab's batch): the
+# workload is built up front, and 16,384 offline requests are ~9M prompt tokens (~300 MB of Python
+# lists), four times the largest GPU run recorded (benchmarks/RESULTS.md).
+MAX_CLI_REQUESTS = 16384
 
 
-def positive_int(text: str) -> int:
-    """argparse type for counts and sizes: 0 or a negative number is an error, not "the default"."""
-    return _number(text, int, lambda v: v >= 1, "an integer >= 1")
+@dataclass(frozen=True)
+class Number:
+    """The argparse type of one numeric flag, and its range. A value outside it (nan, inf, a negative
+    count, a count or time no run could finish) is one `error:` line, exit 2, before anything runs.
+    Whether 0 is valid is decided here, per flag, from its meaning: a delay of 0 is, a count is not."""
+
+    kind: type  # int or float
+    low: float
+    high: float
+    low_open: bool = False  # low itself excluded (a rate must be above 0)
+    special: tuple = ()  # valid values outside [low, high], e.g. --top-k -1 (off)
+
+    def __call__(self, text: str):
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {self.expected()}, got {text!r}") from None
+        if not self.valid(value):
+            raise argparse.ArgumentTypeError(f"must be {self.expected()}, got {text}")
+        return value
+
+    def valid(self, value) -> bool:
+        if value in self.special:
+            return True
+        above = value > self.low if self.low_open else value >= self.low
+        return (self.kind is int or math.isfinite(value)) and above and value <= self.high
+
+    def expected(self) -> str:
+        kind = "an integer" if self.kind is int else "a finite number"
+        low = f"{'>' if self.low_open else '>='} {self.low:g}"
+        special = f" (or {', '.join(map(str, self.special))})" if self.special else ""
+        return f"{kind} {low} and <= {self.high if self.kind is int else format(self.high, 'g')}{special}"
 
 
-def nonnegative_int(text: str) -> int:
-    """argparse type for counts where 0 means "none" (e.g. skip a step)."""
-    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+@dataclass(frozen=True)
+class NumberList:
+    """The argparse type of a comma-separated list of numbers, each in `item`'s range."""
+
+    item: Number
+
+    def __call__(self, text: str) -> list:
+        parts = [x for x in text.split(",") if x.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"must be comma-separated numbers, each {self.item.expected()}")
+        try:
+            return [self.item(x) for x in parts]
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"each comma-separated value {exc}") from None
 
 
-def positive_float(text: str) -> float:
-    """argparse type for rates: a finite number above 0 (nan, inf and 0 are errors)."""
-    return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+def count(high: int, low: int = 1) -> Number:
+    """An integer count or size in [low, high]: 0 or a negative number is an error, not "the default"."""
+    return Number(int, low, high)
+
+
+DELAY_MS = Number(float, 0.0, MAX_DELAY_MS)  # 0: no emulated delay
+SEED = Number(int, 0, INT64_MAX)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -53,13 +95,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loop", default="overlap", choices=["overlap", "normal"])
     p.add_argument("--disable", action="append", default=[], metavar="NAME",
                    help=f"switch a mechanism off (repeatable or comma-separated): {', '.join(MECHANISMS)}")
-    p.add_argument("--device-delay-ms", type=float, default=0.0,
+    p.add_argument("--device-delay-ms", type=DELAY_MS, default=0.0,
                    help="emulated extra device time per forward (CPU teaching aid)")
-    p.add_argument("--host-delay-ms", type=float, default=0.0,
+    p.add_argument("--host-delay-ms", type=DELAY_MS, default=0.0,
                    help="emulated extra scheduler (host) work per loop iteration (the lab's knob for C)")
-    p.add_argument("--max-running-requests", type=positive_int, default=None)
-    p.add_argument("--chunk-size", type=positive_int, default=None)
-    p.add_argument("--kv-tokens", type=positive_int, default=None)
+    p.add_argument("--max-running-requests", type=count(MAX_RUNNING_REQUESTS), default=None)
+    p.add_argument("--chunk-size", type=count(MAX_TOKENS), default=None)
+    # The smallest pool: a one-token prompt, one new token, and the slot an overshoot step writes.
+    p.add_argument("--kv-tokens", type=count(MAX_TOKENS, low=3), default=None)
     p.add_argument("--admission", default="reserve", choices=["reserve", "optimistic"],
                    help="reserve: promise prompt + max_new_tokens per request; optimistic: estimate what running "
                    "requests still need (new-token ratio) and retract when a decode step runs short")
@@ -91,18 +134,16 @@ def build_llm(args: argparse.Namespace, **overrides):
     return LLM(model_dir(args), **kwargs)
 
 
-def parse_numbers(text: str, option: str, allow_zero: bool) -> list[float]:
-    """A comma-separated list of finite numbers >= 0 (or > 0): one clear error otherwise."""
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{option} must be comma-separated numbers, got {text!r}") from None
-    if not values or any(not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero) for v in values):
-        raise ValueError(f"{option} must be {'non-negative' if allow_zero else 'positive'} numbers, got {text!r}")
-    return values
-
-
 def check_output_file(path: str | None, option: str) -> None:
-    """Refuse, before a long run, an output file whose directory does not exist."""
-    if path is not None and not Path(path).resolve().parent.is_dir():
-        raise ValueError(f"{option}: the directory of {path!r} does not exist")
+    """Refuse, before a long run, an output file that cannot be written: opened for appending (which
+    creates it, or keeps what it holds), then removed again if it did not exist."""
+    if path is None:
+        return
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option}: cannot write {path!r}: {exc.strerror or exc}") from None
+    if not existed:
+        os.remove(path)

@@ -11,9 +11,10 @@ opened and read under a guard that names the file.
 from __future__ import annotations
 
 import json
-import math
+import os
+import re
+import stat
 from contextlib import ExitStack
-from numbers import Real
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from ..checks import is_int
+from .rope import check_rope, rope_parameters
 
 # The architecture names we implement, and the `model_type` each one must carry.
 FAMILY_OF_ARCHITECTURE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -33,9 +35,45 @@ REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
-def read_json_object(path: Path) -> dict[str, Any]:
+# The files besides the weights that minisgl or transformers read from a checkpoint folder. Each
+# must be a regular file of at most MAX_METADATA_BYTES: a FIFO blocks its reader forever, and a
+# link to /dev/zero is read until MemoryError. (The largest published tokenizer.json are ~35 MB.)
+METADATA_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                  "tokenizer.model", "chat_template.jinja", "chat_template.json")
+MAX_METADATA_BYTES = 256 << 20
+
+# Floating-point weights we read; float8 and others need scales this loader does not apply.
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_regular_file(path: Path, max_bytes: int | None) -> None:
+    """`path` (symlinks followed) is a regular file of at most `max_bytes`; stat() never blocks."""
     try:
-        value = json.loads(path.read_text())
+        info = os.stat(path)
+    except OSError as exc:
+        raise ValueError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{str(path)!r} is not a regular file (a directory, FIFO or device); it cannot be read")
+    if max_bytes is not None and info.st_size > max_bytes:
+        raise ValueError(f"{str(path)!r} is {info.st_size} bytes, more than the {max_bytes >> 20} MiB a "
+                         f"checkpoint's metadata file may hold")
+
+
+def check_metadata_files(model_dir: Path) -> None:
+    for name in METADATA_FILES:
+        if os.path.lexists(model_dir / name):
+            check_regular_file(model_dir / name, MAX_METADATA_BYTES)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    check_regular_file(path, MAX_METADATA_BYTES)
+    try:
+        with open(path, "rb") as f:
+            text = f.read(MAX_METADATA_BYTES + 1).decode()  # bounded: the file may have grown since stat()
+        if len(text) > MAX_METADATA_BYTES:
+            raise ValueError(f"{str(path)!r} holds more than {MAX_METADATA_BYTES >> 20} MiB")
+        value = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {str(path)!r}: {exc}") from exc
     if not isinstance(value, dict):
@@ -43,11 +81,12 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return value
 
 
-def load_config(model_dir: Path) -> tuple[PretrainedConfig, str]:
-    """The checked config of `model_dir` and its family ("llama", "qwen2" or "qwen3")."""
+def load_config(model_dir: Path, dtype: torch.dtype) -> tuple[PretrainedConfig, str]:
+    """The checked config of `model_dir` (for a model in `dtype`) and its family ("llama", "qwen2" or "qwen3")."""
     if not model_dir.is_dir():
         reason = "is not a directory" if model_dir.exists() else "does not exist"
         raise ValueError(f"model directory {str(model_dir)!r} {reason}")
+    check_metadata_files(model_dir)
     path = model_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"{str(model_dir)!r} has no config.json; expected a Hugging Face checkpoint folder")
@@ -82,6 +121,7 @@ def load_config(model_dir: Path) -> tuple[PretrainedConfig, str]:
         raise ValueError(f"{str(path)!r}: rms_norm_eps must be a number in (0, 1), got {eps!r}")
     if not isinstance(raw.get("tie_word_embeddings", False), bool):
         raise ValueError(f"{str(path)!r}: tie_word_embeddings must be true or false")
+    check_sizes_against_weights(raw, head_dim, model_dir)
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except Exception as exc:  # transformers' own checks raise many types
@@ -90,32 +130,40 @@ def load_config(model_dir: Path) -> tuple[PretrainedConfig, str]:
         raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only silu is implemented")
     if getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not implemented")
-    check_rope(rope_parameters(config), path)
+    check_rope(rope_parameters(config), head_dim, int(config.max_position_embeddings), dtype, path)
     return config, family
 
 
-def rope_parameters(config: PretrainedConfig) -> dict:
-    """Rotary settings as one dict with at least rope_type and rope_theta.
+def check_sizes_against_weights(raw: dict, head_dim: int, model_dir: Path) -> None:
+    """config.json's sizes against the shapes in the weights files' headers (no tensor is read),
+    before anything is built from them: a size larger than the weights (10**5 layers, a vocabulary
+    of 10**12) would otherwise build a huge model first, or fail deep inside torch."""
+    with ExitStack() as stack:
+        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name, (handle, _) in
+                  open_all(safetensors_files(model_dir), torch.device("cpu"), stack).items()}
+    layers = {int(m.group(1)) for name in shapes if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    kv_heads = raw.get("num_key_value_heads") or raw["num_attention_heads"]
 
-    transformers 5.x gives `config.rope_parameters`; 4.x gives `rope_theta` plus an
-    optional `rope_scaling` dict (whose type key was once called "type").
-    """
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    return params
+    def stored(name: str, dim: int) -> int | None:
+        shape = shapes.get(name)
+        return shape[dim] if shape is not None and len(shape) > dim else None  # a missing one is named later
 
-
-def check_rope(params: dict, path: Path) -> None:
-    """The rotary numbers must be positive and finite: a rope_theta of 0 or -1 (or a scaling
-    factor of 0) makes every rotation angle nan, and the model then answers token 0 forever."""
-    for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        value = params.get(key, 1.0 if key != "rope_theta" else None)
-        if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{str(path)!r}: {key} (rotary embedding) must be a positive finite number, got {value!r}")
-    if params["rope_type"] == "llama3" and params["low_freq_factor"] == params["high_freq_factor"]:
-        raise ValueError(f"{str(path)!r}: rope low_freq_factor and high_freq_factor must differ (llama3 blends "
-                         f"between them), both are {params['low_freq_factor']!r}")
+    checks = [  # (the config's field(s), their value, what the weights hold, where)
+        ("vocab_size", raw["vocab_size"], stored("model.embed_tokens.weight", 0), "rows of model.embed_tokens.weight"),
+        ("hidden_size", raw["hidden_size"], stored("model.embed_tokens.weight", 1),
+         "columns of model.embed_tokens.weight"),
+        ("num_hidden_layers", raw["num_hidden_layers"], len(layers) if layers else None, "model.layers.N in the weights"),
+        ("intermediate_size", raw["intermediate_size"], stored("model.layers.0.mlp.gate_proj.weight", 0),
+         "rows of model.layers.0.mlp.gate_proj.weight"),
+        ("num_attention_heads x head_dim", raw["num_attention_heads"] * head_dim,
+         stored("model.layers.0.self_attn.q_proj.weight", 0), "rows of model.layers.0.self_attn.q_proj.weight"),
+        ("num_key_value_heads x head_dim", kv_heads * head_dim, stored("model.layers.0.self_attn.k_proj.weight", 0),
+         "rows of model.layers.0.self_attn.k_proj.weight"),
+    ]
+    for field, value, held, where in checks:
+        if held is not None and value != held:
+            raise ValueError(f"{str(model_dir / 'config.json')!r}: {field} is {value}, the weights hold {held} "
+                             f"({where})")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -137,8 +185,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def open_safetensors(path: Path, device: torch.device):
     """safe_open, with a missing, unreadable or corrupt file reported as a ValueError naming it."""
+    check_regular_file(path, None)
     try:
-        with open(path, "rb"):  # the OS's reason (a directory, no permission...), not safetensors' guess
+        with open(path, "rb"):  # the OS's reason (no permission...), not safetensors' guess
             pass
         return safe_open(str(path), framework="pt", device=str(device))
     except OSError as exc:
@@ -168,8 +217,9 @@ def read_tensor(handle, name: str, path: Path) -> torch.Tensor:
         tensor = handle.get_tensor(name)
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise ValueError(f"cannot read tensor {name!r} from {str(path)!r}: {exc}") from exc
-    if not tensor.is_floating_point():
-        raise ValueError(f"tensor {name!r} in {str(path)!r} is {tensor.dtype}, not floating point")
+    if tensor.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"tensor {name!r} in {str(path)!r} is {tensor.dtype}, not one of the floating-point types "
+                         f"read here: {', '.join(str(d) for d in WEIGHT_DTYPES)} (float8 needs scales not applied here)")
     if not bool(torch.isfinite(tensor).all()):
         raise ValueError(f"tensor {name!r} in {str(path)!r} holds nan or inf values")
     return tensor

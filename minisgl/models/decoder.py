@@ -21,7 +21,7 @@ the model faster ones (minisgl/gpu/fused_ops.py) that compute the same.
 
 from __future__ import annotations
 
-import math
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
@@ -32,7 +32,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from .attention import AttentionBackend, AttentionMetadata, KVCache
-from .checkpoint import FAMILY_OF_ARCHITECTURE, load_config, open_all, read_tensor, rope_parameters, safetensors_files
+from .checkpoint import FAMILY_OF_ARCHITECTURE, load_config, open_all, read_tensor, safetensors_files
+from .rope import rope_inv_freq, rope_parameters
 
 # Our fused parameter -> the checkpoint tensors concatenated (along dim 0) to build it.
 FUSED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -93,28 +94,6 @@ class RMSNorm(nn.Module):
         """(residual + x, its RMSNorm): the residual stream's add and the next norm."""
         residual = residual + x
         return residual, self(residual)
-
-
-def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
-    """Rotation speed of each of the head_dim/2 dimension pairs, float32 on the CPU."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
-    rope_type = params["rope_type"]
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":  # positions divided by `factor`, i.e. every speed slowed equally
-        return inv_freq / params["factor"]
-    if rope_type == "llama3":
-        # Slow pairs (wavelength longer than the original context / low_freq_factor) are
-        # slowed further by `factor`; fast pairs (shorter than context / high_freq_factor)
-        # are kept; pairs in between are blended linearly between the two.
-        factor = params["factor"]
-        low, high = params["low_freq_factor"], params["high_freq_factor"]
-        old_context = params["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        keep = ((old_context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-        return keep * inv_freq + (1 - keep) * inv_freq / factor
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
 
 
 Rotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (q, k) -> rotated (q, k)
@@ -308,7 +287,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     """Build a CausalLM from a local Hugging Face checkpoint folder (config.json + *.safetensors).
     Anything malformed is one ValueError that names the file, key or tensor."""
     model_dir = Path(model_dir)
-    config, _ = load_config(model_dir)
+    config, _ = load_config(model_dir, dtype)
     files = safetensors_files(model_dir)
 
     # Build on the "meta" device: shapes only, no memory, no slow random init.
@@ -316,11 +295,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     with torch.device("meta"):
         model = CausalLM(config)
     expected = model.state_dict()  # name -> meta tensor with the shape the config implies
-    tied = bool(getattr(config, "tie_word_embeddings", False))
     device = torch.device(device)
     with ExitStack() as stack:
         # safe_open maps the files lazily; a tensor is only read when asked for.
         file_of = open_all(files, device, stack)
+        tied = bool(getattr(config, "tie_word_embeddings", False)) and _tie_stored_matrices(file_of, model_dir, dtype)
         params = [name for name in expected if not (tied and name == "lm_head.weight")]
         _check_tensor_names(params, file_of, tied, model_dir)
 
@@ -344,6 +323,23 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
 
 # Checkpoint tensors that are derived, not learned: some exporters store them, we recompute them.
 _DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _tie_stored_matrices(file_of: dict, model_dir: Path, dtype: torch.dtype) -> bool:
+    """With tie_word_embeddings, whether to tie. As in transformers, a checkpoint that stores an
+    lm_head.weight different from the embedding is not tied: the stored head is used, with a
+    warning (tying would silently answer with another model's tokens)."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if head not in file_of or embed not in file_of:
+        return True  # a missing embedding is reported by _check_tensor_names
+    stored = [read_tensor(handle, name, path).to(dtype) for name, (handle, path) in
+              ((embed, file_of[embed]), (head, file_of[head]))]
+    if stored[0].shape == stored[1].shape and torch.equal(*stored):
+        return True
+    warnings.warn(f"{str(model_dir)!r}: config.json says tie_word_embeddings, but the checkpoint stores an "
+                  f"lm_head.weight that differs from model.embed_tokens.weight; it is used, not tied (as transformers "
+                  f"does). Set tie_word_embeddings to false to silence this warning.", UserWarning, stacklevel=3)
+    return False
 
 
 def _check_tensor_names(params: list[str], file_of: dict, tied: bool, model_dir: Path) -> None:

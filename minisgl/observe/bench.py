@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..frontend.options import check_output_file, parse_numbers
+from ..frontend.options import check_output_file
 from ..request import SamplingParams
 from .breakdown import ModelCost, breakdown, measure_ceilings
 from .trace import ideal_ratio, pipeline_metrics, realised_share, request_metrics
@@ -138,7 +138,7 @@ def _progress(label: str, total: int) -> Progress | None:
 
 def run_bench(args: argparse.Namespace) -> int:
     check_output_file(args.json, "--json")
-    delays = parse_numbers(args.delays, "--delays", allow_zero=True) if args.delays else None
+    delays = args.delays
     model = default_model(args)
     args.model = str(model)
     from transformers import AutoConfig
@@ -250,7 +250,7 @@ def run_online_bench(args: argparse.Namespace, workload: Workload) -> int:
     from ..frontend.options import build_llm
     from .online import run_online
 
-    rates = [float(r) for r in str(args.rate).split(",")]
+    rates = args.rate
     loops = ["normal", "overlap"] if args.compare_loops else [args.loop]
     results = []
     for loop in loops:

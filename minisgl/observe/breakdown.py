@@ -65,12 +65,16 @@ class ModelCost:
 
 
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
-    """(HBM bytes/s, bf16 matmul FLOP/s) measured now: a 1 GiB copy and an 8192^3 matmul."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    """(memory bytes/s, matmul FLOP/s) measured now: a 1 GiB copy and an 8192^3 bf16 matmul on a GPU;
+    on the CPU, where those took about 4 minutes before the run began, 64 MiB and a 1024^3 float32
+    matmul (the CPU engine's dtype; bf16 matmuls are emulated there, 100 times slower)."""
+    cuda = device.type == "cuda"
+    copy_bytes, n, dtype = (1 << 30, 8192, torch.bfloat16) if cuda else (64 << 20, 1024, torch.float32)
+    x = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    a = torch.randn(n, n, dtype=dtype, device=device)
     hbm = 2 * x.numel() / timed(lambda: y.copy_(x), device)  # a copy reads and writes every byte
-    flops = 2 * 8192 ** 3 / timed(lambda: a @ a, device)
+    flops = 2 * n ** 3 / timed(lambda: a @ a, device)
     return hbm, flops
 
 

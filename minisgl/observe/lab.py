@@ -34,7 +34,7 @@ from rich.columns import Columns
 from rich.table import Table
 from rich.text import Text
 
-from ..frontend.options import build_llm, check_output_file, parse_numbers, positive_float, positive_int
+from ..frontend.options import DELAY_MS, MAX_CLI_REQUESTS, Number, NumberList, build_llm, check_output_file, count
 from ..request import SamplingParams
 from .bench import Workload, console, default_model
 from .trace import ideal_ratio, pipeline_metrics, realised_share
@@ -42,6 +42,9 @@ from .trace import ideal_ratio, pipeline_metrics, realised_share
 DEFAULT_POINTS = (0.2, 0.5, 1.0, 1.5, 2.0, 3.2)  # ends with a margin: G drifts
 CPU_DEVICE_DELAY_MS = 20.0
 MAX_STEPS = 400  # decode steps of one run, at most
+MAX_POINT = 100.0  # the largest C/G: host work 100 times the device's, an overlap gain of 1%
+MAX_RUN_S = 3600.0  # one normal run lasts at most an hour
+MAX_REPEATS = 100  # paired runs per point
 
 
 @dataclass
@@ -305,8 +308,7 @@ def sweep(runner: Runner, args: argparse.Namespace, workload_of: Callable[[int],
 def run_lab(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     check_output_file(args.json, "--json")
-    targets = parse_numbers(args.points, "--points", allow_zero=False)
-    fixed = parse_numbers(args.host_delays, "--host-delays", allow_zero=True) if args.host_delays else None
+    targets, fixed = args.points, args.host_delays
     model = default_model(args)
     args.model = str(model)
     from transformers import AutoConfig
@@ -365,15 +367,16 @@ def _device_type(args: argparse.Namespace) -> str:
 
 
 def add_lab_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--points", default=",".join(f"{x:g}" for x in DEFAULT_POINTS),
+    p.add_argument("--points", type=NumberList(Number(float, 0.0, MAX_POINT, low_open=True)),
+                   default=",".join(f"{x:g}" for x in DEFAULT_POINTS),
                    help="target C/G values, comma-separated (default: %(default)s)")
-    p.add_argument("--host-delays", default=None, metavar="MS,...",
+    p.add_argument("--host-delays", type=NumberList(DELAY_MS), default=None, metavar="MS,...",
                    help="sweep these host_delay_ms values instead of aiming at --points (e.g. one C for two workloads)")
-    p.add_argument("--repeats", type=positive_int, default=3, help="paired runs per point (default: %(default)s)")
+    p.add_argument("--repeats", type=count(MAX_REPEATS), default=3, help="paired runs per point (default: %(default)s)")
     p.add_argument("--workload", default="decode", choices=["decode", "prefill"],
                    help="decode: a few requests, many steps; prefill: many long prompts, 2 tokens each")
-    p.add_argument("--requests", type=positive_int, default=None, help="requests in the decode batch (default 2; 64 on CUDA)")
-    p.add_argument("--run-s", type=positive_float, default=2.0, help="about how long one normal run lasts (sets the steps)")
-    p.add_argument("--min-steps", type=positive_int, default=60, help="fewest decode steps per run")
+    p.add_argument("--requests", type=count(MAX_CLI_REQUESTS), default=None, help="requests in the decode batch (default 2; 64 on CUDA)")
+    p.add_argument("--run-s", type=Number(float, 0.0, MAX_RUN_S, low_open=True), default=2.0, help="about how long one normal run lasts (sets the steps)")
+    p.add_argument("--min-steps", type=count(MAX_STEPS), default=60, help="fewest decode steps per run")
     p.add_argument("--json", default=None, help="also write the points to this JSON file")
     p.set_defaults(device_delay_ms=None)  # unset: 8 ms on the CPU, 0 on CUDA
