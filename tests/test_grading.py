@@ -87,3 +87,15 @@ def test_a_note_in_a_text_file_is_neither_graded_nor_a_crash(submissions, tmp_pa
     readme = tree / "lessons" / "exercises" / "README.md"
     readme.write_text(readme.read_text() + "\nmy note: # >>> exercise 2: resolve ... # <<< exercise 2 'unfinished\n")
     assert grade.edits_outside_regions(submissions / "empty", tree) == {}
+
+
+def test_identical_region_code_shares_one_check_and_a_code_change_does_not():
+    """The grader runs each exercise's checks once per distinct region code: comments, blank lines
+    and spacing do not make code distinct, a changed statement does."""
+    reference = grade.written_regions(ROOT)
+    for number, bodies in reference.items():
+        restyled = {name: "# my note\n\n" + body.replace(" = ", "  =  ", 1) for name, body in bodies.items()}
+        changed = {name: "_unused = 0\n" + body for name, body in bodies.items()}
+        assert grade.fingerprint(number, restyled) == grade.fingerprint(number, bodies), number
+        assert grade.fingerprint(number, changed) != grade.fingerprint(number, bodies), number
+    assert grade.fingerprint(1, reference[1]) != grade.fingerprint(2, reference[1])
