@@ -59,7 +59,8 @@ def write_class(dest: Path, students: int, distinct: int) -> list[str]:
         tree = put_regions(base, code, dest / name if not patch else dest.parent / f"{dest.name}-{name}")
         if outside:
             scheduler = tree / "minisgl" / "scheduler.py"
-            scheduler.write_text(scheduler.read_text().replace(OUTSIDE_LINE, OUTSIDE_LINE + "        req.cached_len = 0\n"))
+            edited = scheduler.read_text().replace(OUTSIDE_LINE, OUTSIDE_LINE + "        req.cached_len = 0\n")
+            scheduler.write_text(edited)
         if patch:
             as_patch(base, tree, dest / f"{name}.patch")
         made.append(name)

@@ -214,7 +214,10 @@ def read_submission(entry: Path, base: Path) -> Submission:
             return Submission(student, {}, {}, f"not gradable: {exc}")
 
 
-def fingerprint(number: int, bodies: dict[str, str]) -> tuple[int, str]:
+CheckKey = tuple[int, str]  # (exercise, fingerprint of its region code)
+
+
+def fingerprint(number: int, bodies: dict[str, str]) -> CheckKey:
     """Which submissions can share one run of exercise `number`'s checks: the same code in its
     regions, comments, blank lines and spacing aside (each region's syntax tree). Empty skeletons
     and copies of one solution are then checked once."""
@@ -252,23 +255,22 @@ def _warm_worker() -> None:
     import torch  # noqa: F401
 
 
-# A worker runs this many checks, then a fresh one takes its place: a wrong solution's stray
-# threads (a hung test's engine) or leaked memory cannot slow the rest of the class for long.
-CHECKS_PER_WORKER = 20
 CRASHED = ("the checks stopped the grader's worker process (a test blocked in C code past the hang limit, "
            "or a crash): run make_exercise.py check on this submission to see it")
 
 
-def run_checks_in_workers(checks: dict[tuple[int, str], dict[str, str]], jobs: int,
-                          progress: Callable[[tuple[int, str], CheckResult], None]) -> dict[tuple[int, str], CheckResult]:
+def run_checks_in_workers(checks: dict[CheckKey, dict[str, str]], jobs: int,
+                          progress: Callable[[CheckKey, CheckResult], None]) -> dict[CheckKey, CheckResult]:
     """Every check, `jobs` at a time in warm worker processes (torch and pytest imported once per
     worker). A check that kills its worker breaks the pool for the checks queued with it: those
     run again afterwards, each in a process of its own, and only one that kills that one too fails."""
     context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
-    recycle = {"max_tasks_per_child": CHECKS_PER_WORKER} if sys.version_info >= (3, 11) else {}
-    results: dict[tuple[int, str], CheckResult] = {}
-    broken: list[tuple[int, str]] = []
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_warm_worker, **recycle) as pool:
+    # Workers are kept for every check (runner.run_checks puts the modules back after each one).
+    # Not max_tasks_per_child: with it the pool stalled for good once both workers had reached
+    # their limit (Python 3.11.7, 40 checks done, no worker left).
+    results: dict[CheckKey, CheckResult] = {}
+    broken: list[CheckKey] = []
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_warm_worker) as pool:
         futures = {pool.submit(run_one_check, key[0], bodies): key for key, bodies in checks.items()}
         for future in as_completed(futures):
             try:
@@ -294,8 +296,8 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int) -> 
     with tempfile.TemporaryDirectory(prefix="minisgl-grade-base-") as tmp:
         base = write_student_edition(Path(tmp) / "student-edition")  # what every submission started from
         subs = [read_submission(entry, base) for entry in entries]
-    checks: dict[tuple[int, str], dict[str, str]] = {}
-    sharing: Counter[tuple[int, str]] = Counter()  # check -> the submissions it grades
+    checks: dict[CheckKey, dict[str, str]] = {}
+    sharing: Counter[CheckKey] = Counter()  # check -> the submissions it grades
     for sub in subs:
         for number in numbers:
             if not sub.not_gradable and number not in sub.flagged:
@@ -309,7 +311,7 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int) -> 
 
     checks_start, done = time.monotonic(), 0
 
-    def progress(key: tuple[int, str], result: CheckResult) -> None:
+    def progress(key: CheckKey, result: CheckResult) -> None:
         nonlocal done
         done += 1
         elapsed = time.monotonic() - checks_start
