@@ -354,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="checks run at once, one worker process each (default: one per core)")
     ap.add_argument("--exercises", type=int, nargs="+", default=sorted(EXERCISES), choices=sorted(EXERCISES))
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs must be at least 1, not {args.jobs}")
+    if not args.submissions.is_dir():
+        ap.error(f"{args.submissions} is not a folder of submissions")
     start = time.monotonic()
     grades = grade_class(args.submissions, args.out, args.exercises, args.jobs)
     students = len({g.student for g in grades})
