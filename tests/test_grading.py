@@ -99,3 +99,19 @@ def test_identical_region_code_shares_one_check_and_a_code_change_does_not():
         assert grade.fingerprint(number, restyled) == grade.fingerprint(number, bodies), number
         assert grade.fingerprint(number, changed) != grade.fingerprint(number, bodies), number
     assert grade.fingerprint(1, reference[1]) != grade.fingerprint(2, reference[1])
+
+
+@pytest.mark.full
+def test_a_check_that_kills_its_worker_fails_alone():
+    """A submission whose code kills the grader's worker process (here: exits in the middle of a test)
+    gets that one check failed; the checks that were queued with it are graded as usual."""
+    reference = grade.written_regions(ROOT)
+    killer = {"snapshot": "import os\nos._exit(3)\n"}
+    checks = {grade.fingerprint(3, killer): killer, grade.fingerprint(2, reference[2]): reference[2],
+              grade.fingerprint(3, reference[3]): reference[3]}
+    seen = []
+    results = grade.run_checks_in_workers(checks, 1, lambda key, result: seen.append(key))
+    assert sorted(seen) == sorted(checks)
+    crashed, *graded = (results[key] for key in checks)
+    assert crashed.failed_rules == [grade.CRASHED] and crashed.score == 0.0
+    assert all(r.score == 1.0 and r.passed == r.total > 0 for r in graded), graded

@@ -255,36 +255,42 @@ def _warm_worker() -> None:
     import torch  # noqa: F401
 
 
-CRASHED = ("the checks stopped the grader's worker process (a test blocked in C code past the hang limit, "
+CRASHED = ("the checks killed the grader's worker process (a test blocked in C code past the hang limit, "
            "or a crash): run make_exercise.py check on this submission to see it")
 
 
 def run_checks_in_workers(checks: dict[CheckKey, dict[str, str]], jobs: int,
                           progress: Callable[[CheckKey, CheckResult], None]) -> dict[CheckKey, CheckResult]:
     """Every check, `jobs` at a time in warm worker processes (torch and pytest imported once per
-    worker). A check that kills its worker breaks the pool for the checks queued with it: those
-    run again afterwards, each in a process of its own, and only one that kills that one too fails."""
+    worker). A check that kills its worker (a test blocked in C code past the hang limit, a crash)
+    breaks the pool: every unfinished check comes back broken. The pool hands out at most jobs + 1
+    checks at a time, in order, so the culprit is among the first jobs + 1 broken ones: those run
+    again each in a process of its own (only the culprit fails there), the rest in a fresh pool."""
     context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
     # Workers are kept for every check (runner.run_checks puts the modules back after each one).
     # Not max_tasks_per_child: with it the pool stalled for good once both workers had reached
     # their limit (Python 3.11.7, 40 checks done, no worker left).
     results: dict[CheckKey, CheckResult] = {}
-    broken: list[CheckKey] = []
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_warm_worker) as pool:
-        futures = {pool.submit(run_one_check, key[0], bodies): key for key, bodies in checks.items()}
-        for future in as_completed(futures):
-            try:
-                results[futures[future]] = future.result()
-                progress(futures[future], results[futures[future]])
-            except BrokenProcessPool:
-                broken.append(futures[future])
-    for key in broken:
-        with ProcessPoolExecutor(max_workers=1, mp_context=context) as alone:
-            try:
-                results[key] = alone.submit(run_one_check, key[0], checks[key]).result()
-            except BrokenProcessPool:
-                results[key] = CheckResult(0, 0, 0.0, [CRASHED])
-        progress(key, results[key])
+    pending = list(checks)
+    while pending:
+        broken = []
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_warm_worker) as pool:
+            futures = {pool.submit(run_one_check, key[0], checks[key]): key for key in pending}
+            for future in as_completed(futures):
+                try:
+                    results[futures[future]] = future.result()
+                    progress(futures[future], results[futures[future]])
+                except BrokenProcessPool:
+                    broken.append(futures[future])
+        broken.sort(key=pending.index)
+        suspects, pending = broken[:jobs + 1], broken[jobs + 1:]
+        for key in suspects:
+            with ProcessPoolExecutor(max_workers=1, mp_context=context) as alone:
+                try:
+                    results[key] = alone.submit(run_one_check, key[0], checks[key]).result()
+                except BrokenProcessPool:
+                    results[key] = CheckResult(0, 0, 0.0, [CRASHED])
+            progress(key, results[key])
     return results
 
 
