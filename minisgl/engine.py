@@ -248,9 +248,10 @@ class Engine:
         self.graphs = None
         self.model = self.kv = self.future_map = self.backend = None  # type: ignore[assignment]
         self.closed = True
-        # Reference cycles (FlashInfer wrappers, closures) would otherwise keep tensors alive
-        # until some later collection, possibly in the middle of the next engine's graph capture.
-        gc.collect()
+        if self.device.type == "cuda":
+            # Reference cycles (FlashInfer wrappers, closures) would otherwise keep tensors alive
+            # until some later collection, possibly in the middle of the next engine's graph capture.
+            gc.collect()
         if cuda_ok:
             torch.cuda.synchronize(self.device)
             _LIVE_CUDA_ENGINES.discard(self)

@@ -138,21 +138,23 @@ class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
         return inflight
 
     def _must_commit_first(self, last: InFlight | None, planned: Planned | None) -> bool:
-        """The sync boundaries: batch n-1 must be committed before batch n launches when
+        """The sync boundaries: whether batch n-1 (`last`) must be committed before batch n.
 
-        - before planning (`planned` is None), the FutureMap is off: batch n's input ids must
-          then be committed host tokens, so the bubble is back (lessons/readings §6);
-        - after planning, n-1 and n are both prefills and prefill_sync is on: commit the first
-          so its first tokens are out one batch sooner (lessons/readings §3; SGLang's default
-          differs: §14).
+        overlap_loop asks twice per call: before schedule() (`planned` None) and after it. When
+        the answer is True, the loop commits `last` at once with commit(last, early=True), and
+        then has no batch in flight. Never True without a batch in flight. It is True
+
+        - before planning, when the FutureMap is off: batch n's input ids must then be committed
+          host tokens, so the bubble is back (lesson 4; lessons/readings §6);
+        - after planning, when n-1 and n are both prefills and prefill_sync is on: commit the
+          first so its first tokens are out one batch sooner (lesson 8; lessons/readings §3;
+          SGLang's default differs: §14).
         """
-        # >>> exercise 1: the sync boundaries
         if last is None:
             return False
         if planned is None:
             return not self.on("future_map")
         return planned.forward.is_prefill and last.view.is_prefill and self.on("prefill_sync")
-        # <<< exercise 1
 
     # ------------------------------------------------------------------ requests in and out
     def check_fits(self, req: Req) -> None:

@@ -87,3 +87,31 @@ def test_a_note_in_a_text_file_is_neither_graded_nor_a_crash(submissions, tmp_pa
     readme = tree / "lessons" / "exercises" / "README.md"
     readme.write_text(readme.read_text() + "\nmy note: # >>> exercise 2: resolve ... # <<< exercise 2 'unfinished\n")
     assert grade.edits_outside_regions(submissions / "empty", tree) == {}
+
+
+def test_identical_region_code_shares_one_check_and_a_code_change_does_not():
+    """The grader runs each exercise's checks once per distinct region code: comments, blank lines
+    and spacing do not make code distinct, a changed statement does."""
+    reference = grade.written_regions(ROOT)
+    for number, bodies in reference.items():
+        restyled = {name: "# my note\n\n" + body.replace(" = ", "  =  ", 1) for name, body in bodies.items()}
+        changed = {name: "_unused = 0\n" + body for name, body in bodies.items()}
+        assert grade.fingerprint(number, restyled) == grade.fingerprint(number, bodies), number
+        assert grade.fingerprint(number, changed) != grade.fingerprint(number, bodies), number
+    assert grade.fingerprint(1, reference[1]) != grade.fingerprint(2, reference[1])
+
+
+@pytest.mark.full
+def test_a_check_that_kills_its_worker_fails_alone():
+    """A submission whose code kills the grader's worker process (here: exits in the middle of a test)
+    gets that one check failed; the checks that were queued with it are graded as usual."""
+    reference = grade.written_regions(ROOT)
+    killer = {"snapshot": "import os\nos._exit(3)\n"}
+    checks = {grade.fingerprint(3, killer): killer, grade.fingerprint(2, reference[2]): reference[2],
+              grade.fingerprint(3, reference[3]): reference[3]}
+    seen = []
+    results = grade.run_checks_in_workers(checks, 1, lambda key, result: seen.append(key))
+    assert sorted(seen) == sorted(checks)
+    crashed, *graded = (results[key] for key in checks)
+    assert crashed.failed_rules == [grade.CRASHED] and crashed.score == 0.0
+    assert all(r.score == 1.0 and r.passed == r.total > 0 for r in graded), graded

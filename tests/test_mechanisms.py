@@ -242,3 +242,26 @@ def test_prefill_sync_commits_consecutive_prefills(qwen3):
     # On: a prefill batch is committed before the next prefill batch is launched.
     assert on.stats.early_commits == on.stats.prefill_batches - 1
     assert off.stats.early_commits == 0
+
+
+def test_prefill_sync_leaves_a_prefill_after_a_decode_overlapped(qwen3):
+    """prefill_sync applies only to two prefills in a row: a prefill launched right after a decode
+    batch still runs ahead of that decode's commit."""
+    llm = overlap(qwen3)
+    kinds, launch = [], llm.scheduler.launch
+
+    def recorded_launch(planned):
+        kinds.append("P" if planned.forward.is_prefill else "D")
+        return launch(planned)
+
+    llm.scheduler.launch = recorded_launch
+    llm.add_request("hello there", SamplingParams(max_new_tokens=12, ignore_eos=True))
+    for _ in range(4):
+        llm.step()
+    llm.add_request("the lazy dog", GREEDY)
+    while llm.has_unfinished():
+        llm.step()
+    pos = {e: i for i, e in enumerate(llm.stats.events)}
+    after_decode = [n for n in range(1, len(kinds)) if kinds[n - 1] == "D" and kinds[n] == "P"]
+    assert after_decode and llm.stats.early_commits == 0
+    assert all(pos[(SpanName.LAUNCH, n)] < pos[(SpanName.COMMIT, n - 1)] for n in after_decode)

@@ -28,8 +28,6 @@ EXERCISES = {e.number: e for e in (
         "tests/test_ex1_overlap_loop.py",
         "tests/test_overlap.py::test_overlap_pipelines_launches_ahead_of_commits",
         "tests/test_overlap.py::test_overlap_equals_normal[3.0-0]",
-        "tests/test_mechanisms.py::test_future_map_off_brings_the_bubble_back",
-        "tests/test_mechanisms.py::test_prefill_sync_commits_consecutive_prefills",
     ), (
         "normal_loop waits for batch n before it plans n+1. Which of its three calls could wait until "
         "the next iteration, and what must the loop carry across iterations to do that? "
@@ -37,23 +35,22 @@ EXERCISES = {e.number: e for e in (
         "Schedule and launch the new batch first, then commit the batch that was in flight (`last`), "
         "and leave the new in-flight batch (an InFlight of its view and result, or None) in `inflight`: the "
         "code after the region hands it to the next call. "
-        "Commit `last` even when nothing new was planned. Two boundaries commit `last` early instead, "
-        "with commit(last, early=True): before scheduling when future_map is off (the new input ids "
-        "must be committed tokens), and before launching when prefill_sync is on and the new batch and "
-        "`last` are both prefills. Unlike normal_loop, the InFlight must hold a snapshot of the view "
-        "(planned.view.snapshot(): schedule() changes the live batch before the commit, lesson 5); "
-        "with batch_snapshot off, the live view.",
-        "First the boundary check with no plan yet (if it says so: an early commit of last, which is then "
-        "gone); then schedule(); then the same check with the plan. If there is a plan, launch it and keep an "
-        "InFlight of (its view's snapshot, or the live view when batch_snapshot is off; the result) in "
-        "`inflight` (None without a plan). Then the usual commit of last, if any is left; do not return: the "
-        "lines after the region return `inflight`. The boundary function: False "
-        "without a batch in flight; before planning, whether future_map is off; after planning, whether the "
-        "planned batch and last are both prefills while prefill_sync is on.",
+        "Commit `last` even when nothing new was planned. _must_commit_first is given: ask it before "
+        "schedule() (planned=None) and again after it; where it says so, commit `last` at once with "
+        "commit(last, early=True), before that point, and it is then no longer in flight. Unlike "
+        "normal_loop, the InFlight must hold a frozen copy of the view (planned.view.snapshot(): schedule() "
+        "changes the live batch before the commit; lesson 3, and lesson 5 for why), and keep the "
+        "batch_snapshot switch: with it off, the live view.",
+        "_must_commit_first(last, planned=None); if True, commit(last, early=True) and last = None. Then "
+        "schedule(); then the same question with the plan, and the same early commit. If there is a plan, "
+        "launch it and keep an InFlight of (its view's snapshot, or the live view when batch_snapshot is "
+        "off; the result) in `inflight` (None without a plan). Then the usual commit of last, if any is "
+        "left; do not return: the lines after the region return `inflight`.",
     )),
     Exercise(2, "FutureMap publish and resolve (future_map.py)", 4, (
         "tests/test_ex2_future_map.py",
         "tests/test_overlap.py::test_overlap_equals_normal[0.0-0]",
+        "tests/test_mechanisms.py::test_future_map_off_brings_the_bubble_back",
     ), (
         "Batch n+1 needs batch n's sampled tokens as input ids, but the host has not seen them. The "
         "host does know *where* each token will be. What is stable for a request's whole life, and "

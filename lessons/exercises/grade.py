@@ -13,8 +13,11 @@ Per student and exercise N:
   costs every exercise its marks. The change is named in the failed rules.
 - the checks: exercise N's tests run against the reference package with only exercise N's
   regions taken from the submission (make_exercise.generate, as for a known-wrong solution), so
-  that a mistake in one exercise costs no marks in another. All of them run in one process per
-  student (runner.run_checks, in-process pytest); --jobs students are graded at once.
+  that a mistake in one exercise costs no marks in another. Submissions with the same code in
+  exercise N's regions (comments and spacing aside: an untouched skeleton, a shared solution)
+  share one run of its checks. The checks run in --jobs warm worker processes (runner.run_checks,
+  in-process pytest; torch imported once per worker), and each finished check prints a progress
+  line with the time to go.
 
 Writes DIR/grades.json and DIR/grades.csv: one row per student and exercise with the score
 (passed tests / tests of the exercise; 0 when flagged), and the failed rules (each failed test's
@@ -27,17 +30,22 @@ import argparse
 import ast
 import csv
 import difflib
+import hashlib
 import json
 import multiprocessing
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
-from concurrent.futures import ProcessPoolExecutor
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -165,6 +173,24 @@ def edits_outside_regions(base: Path, tree: Path) -> dict[int, list[str]]:
 
 # --------------------------------------------------------------------------- grading
 
+@dataclass(frozen=True)
+class CheckResult:
+    """Exercise N's tests on one version of its regions (shared by every submission with that code)."""
+    passed: int
+    total: int
+    score: float  # passed / total; 0 when pytest could not run the tests (a collection error)
+    failed_rules: list[str]
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What grading needs of one submission, read in the main process: its regions and its flags."""
+    student: str
+    code: dict[int, dict[str, str]]  # exercise -> region name -> the code between its markers
+    flagged: dict[int, list[str]]  # exercise -> the edits outside the regions that cost it its marks
+    not_gradable: str = ""  # why no exercise of it can be graded (e.g. a patch that does not apply)
+
+
 def submission_tree(entry: Path, base: Path, scratch: Path) -> Path:
     """The work tree of a submission: the folder itself, or the student edition with the patch applied."""
     if entry.is_dir():
@@ -178,54 +204,139 @@ def submission_tree(entry: Path, base: Path, scratch: Path) -> Path:
     return tree
 
 
-def grade_student(entry: Path, base: Path, numbers: list[int]) -> list[Grade]:
-    """Every exercise of one submission. Runs in its own process (one per student, see grade_class)."""
-    from runner import run_checks  # imports pytest and, through the tests, torch: only in the workers
-
+def read_submission(entry: Path, base: Path) -> Submission:
     student = entry.name.removesuffix(entry.suffix) if entry.suffix in PATCH_SUFFIXES else entry.name
     with tempfile.TemporaryDirectory(prefix=f"minisgl-grade-{student}-") as tmp:
-        scratch = Path(tmp)
         try:
-            tree = submission_tree(entry, base, scratch)
-            flagged = edits_outside_regions(base, tree)
-            code = written_regions(tree)
+            tree = submission_tree(entry, base, Path(tmp))
+            return Submission(student, written_regions(tree), edits_outside_regions(base, tree))
         except (ValueError, FileNotFoundError, SyntaxError) as exc:
-            return [Grade(student, n, 0.0, 0, len(EXERCISES[n].tests), True, [f"not gradable: {exc}"])
-                    for n in numbers]
-        grades = []
-        for number in numbers:
-            if number in flagged:
-                grades.append(Grade(student, number, 0.0, 0, 0, True, flagged[number]))
-                continue
-            work = scratch / f"ex{number}"
-            wrong = Wrong(number, student, "the submission", "", code.get(number, {}))
-            try:
-                generate(number, work, force=True, wrong=wrong)
-            except SyntaxError as exc:
-                grades.append(Grade(student, number, 0.0, 0, 0, False,
-                                    [f"the code between the exercise {number} markers is not valid Python: {exc}"]))
-                continue
-            report = run_checks(work, number)
-            passed = sum(o.outcome == "passed" for o in report.outcomes)
-            total = max(len(report.outcomes), 1)
-            failed = [f"{o.nodeid}: {o.message[:RULE_CHARS]}" for o in report.outcomes if o.outcome == "failed"]
-            grades.append(Grade(student, number, round(passed / total, 3) if report.exit_code in (0, 1) else 0.0,
-                                passed, total, False, failed))
-    return grades
+            return Submission(student, {}, {}, f"not gradable: {exc}")
+
+
+CheckKey = tuple[int, str]  # (exercise, fingerprint of its region code)
+
+
+def fingerprint(number: int, bodies: dict[str, str]) -> CheckKey:
+    """Which submissions can share one run of exercise `number`'s checks: the same code in its
+    regions, comments, blank lines and spacing aside (each region's syntax tree). Empty skeletons
+    and copies of one solution are then checked once."""
+    parts = []
+    for name in sorted(bodies):
+        try:
+            parts.append(ast.dump(ast.parse("def region():\n" + textwrap.indent(bodies[name] or "pass\n", "    "))))
+        except SyntaxError:  # graded as written: the check reports the syntax error
+            parts.append(bodies[name])
+    return number, hashlib.sha256(repr((sorted(bodies), parts)).encode()).hexdigest()
+
+
+def run_one_check(number: int, bodies: dict[str, str]) -> CheckResult:
+    """Exercise `number`'s tests against the reference package with `bodies` between its markers.
+    Runs in a grading worker (grade_class), one check after another in the same process."""
+    from runner import run_checks  # imports pytest and, through the tests, torch: only in the workers
+
+    with tempfile.TemporaryDirectory(prefix=f"minisgl-grade-ex{number}-") as tmp:
+        work = Path(tmp) / f"ex{number}"
+        try:
+            generate(number, work, force=True, wrong=Wrong(number, "submission", "the submission", "", bodies))
+        except SyntaxError as exc:
+            return CheckResult(0, 0, 0.0, [f"the code between the exercise {number} markers is not valid Python: "
+                                           f"{exc}"])
+        report = run_checks(work, number)
+    passed = sum(o.outcome == "passed" for o in report.outcomes)
+    total = max(len(report.outcomes), 1)
+    failed = [f"{o.nodeid}: {o.message[:RULE_CHARS]}" for o in report.outcomes if o.outcome == "failed"]
+    return CheckResult(passed, total, round(passed / total, 3) if report.exit_code in (0, 1) else 0.0, failed)
+
+
+def _warm_worker() -> None:
+    """Import pytest and torch once per worker, before its first check."""
+    import runner  # noqa: F401
+    import torch  # noqa: F401
+
+
+CRASHED = ("the checks killed the grader's worker process (a test blocked in C code past the hang limit, "
+           "or a crash): run make_exercise.py check on this submission to see it")
+
+
+def run_checks_in_workers(checks: dict[CheckKey, dict[str, str]], jobs: int,
+                          progress: Callable[[CheckKey, CheckResult], None]) -> dict[CheckKey, CheckResult]:
+    """Every check, `jobs` at a time in warm worker processes (torch and pytest imported once per
+    worker). A check that kills its worker (a test blocked in C code past the hang limit, a crash)
+    breaks the pool: every unfinished check comes back broken. The pool hands out at most jobs + 1
+    checks at a time, in order, so the culprit is among the first jobs + 1 broken ones: those run
+    again each in a process of its own (only the culprit fails there), the rest in a fresh pool."""
+    context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
+    # Workers are kept for every check (runner.run_checks puts the modules back after each one).
+    # Not max_tasks_per_child: with it the pool stalled for good once both workers had reached
+    # their limit (Python 3.11.7, 40 checks done, no worker left).
+    results: dict[CheckKey, CheckResult] = {}
+    pending = list(checks)
+    while pending:
+        broken = []
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_warm_worker) as pool:
+            futures = {pool.submit(run_one_check, key[0], checks[key]): key for key in pending}
+            for future in as_completed(futures):
+                try:
+                    results[futures[future]] = future.result()
+                    progress(futures[future], results[futures[future]])
+                except BrokenProcessPool:
+                    broken.append(futures[future])
+        broken.sort(key=pending.index)
+        suspects, pending = broken[:jobs + 1], broken[jobs + 1:]
+        for key in suspects:
+            with ProcessPoolExecutor(max_workers=1, mp_context=context) as alone:
+                try:
+                    results[key] = alone.submit(run_one_check, key[0], checks[key]).result()
+                except BrokenProcessPool:
+                    results[key] = CheckResult(0, 0, 0.0, [CRASHED])
+            progress(key, results[key])
+    return results
 
 
 def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int) -> list[Grade]:
     entries = sorted(p for p in submissions.iterdir() if p.is_dir() or p.suffix in PATCH_SUFFIXES)
     if not entries:
         raise SystemExit(f"no submission (a folder, or a {' or '.join(PATCH_SUFFIXES)} file) in {submissions}")
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="minisgl-grade-base-") as tmp:
         base = write_student_edition(Path(tmp) / "student-edition")  # what every submission started from
-        # a fresh process per student: torch, the engine's threads and the swapped modules of one
-        # student's run cannot reach the next one
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
-            futures = [pool.submit(grade_student, entry, base, numbers) for entry in entries]
-            grades = [g for future in futures for g in future.result()]
+        subs = [read_submission(entry, base) for entry in entries]
+    checks: dict[CheckKey, dict[str, str]] = {}
+    sharing: Counter[CheckKey] = Counter()  # check -> the submissions it grades
+    for sub in subs:
+        for number in numbers:
+            if not sub.not_gradable and number not in sub.flagged:
+                bodies = sub.code.get(number, {})
+                key = fingerprint(number, bodies)
+                checks.setdefault(key, bodies)
+                sharing[key] += 1
+    print(f"{len(subs)} submissions read in {time.monotonic() - start:.0f} s: {sharing.total()} exercises to grade, "
+          f"{len(checks)} distinct checks to run (identical region code is checked once), {jobs} at a time",
+          flush=True)
+
+    checks_start, done = time.monotonic(), 0
+
+    def progress(key: CheckKey, result: CheckResult) -> None:
+        nonlocal done
+        done += 1
+        elapsed = time.monotonic() - checks_start
+        print(f"[{done}/{len(checks)}] exercise {key[0]} ({sharing[key]} submission{'s' * (sharing[key] > 1)}): "
+              f"{result.passed}/{result.total} passed; {elapsed:.0f} s, about "
+              f"{elapsed / done * (len(checks) - done):.0f} s to go", flush=True)
+
+    results = run_checks_in_workers(checks, jobs, progress)
+    grades = []
+    for sub in subs:
+        for number in numbers:
+            if sub.not_gradable:
+                grades.append(Grade(sub.student, number, 0.0, 0, len(EXERCISES[number].tests), True,
+                                    [sub.not_gradable]))
+            elif number in sub.flagged:
+                grades.append(Grade(sub.student, number, 0.0, 0, 0, True, sub.flagged[number]))
+            else:
+                r = results[fingerprint(number, sub.code.get(number, {}))]
+                grades.append(Grade(sub.student, number, r.score, r.passed, r.total, False, r.failed_rules))
     write_report(grades, out)
     return grades
 
@@ -245,9 +356,14 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("submissions", type=Path)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--jobs", type=int, default=2, help="students graded at once (one process each)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2,
+                    help="checks run at once, one worker process each (default: one per core)")
     ap.add_argument("--exercises", type=int, nargs="+", default=sorted(EXERCISES), choices=sorted(EXERCISES))
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs must be at least 1, not {args.jobs}")
+    if not args.submissions.is_dir():
+        ap.error(f"{args.submissions} is not a folder of submissions")
     start = time.monotonic()
     grades = grade_class(args.submissions, args.out, args.exercises, args.jobs)
     students = len({g.student for g in grades})

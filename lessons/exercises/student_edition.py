@@ -35,6 +35,8 @@ TEACHER_ONLY = frozenset({
     "tests/test_exercises.py",
     "tests/test_student_edition.py",
     "tests/test_grading.py",
+    "lessons/check_figures.py",  # checks the guide's figures: reads TEACHER.md
+    "benchmarks/grading_class.py",  # a synthetic class for timing the grader: made from the wrong solutions
 })
 COMMIT_MESSAGE = "minisgl course: student edition (every exercise region raises NotImplementedError)"
 

@@ -61,20 +61,9 @@ if planned is None:
 result = self.launch(planned)
 return InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
 """}),
-    Wrong(1, "prefill-sync-after-launch", "the prefill_sync commit is placed after launch()",
+    Wrong(1, "early-commit-after-launch", "makes the early commit after planning only once the new batch is launched",
           "must be committed BEFORE batch n is launched",
           {"overlap_loop": overlap_loop(before_launch="", after_launch=EARLY)}),
-    Wrong(1, "sync-any-prefill", "syncs on every prefill, also one that follows a decode",
-          "applies only to two prefills in a row", {"the sync boundaries": """
-if last is None:
-    return False
-if planned is None:
-    return not self.on("future_map")
-return planned.forward.is_prefill and self.on("prefill_sync")
-"""}),
-    Wrong(1, "ignore-batch-snapshot", "always snapshots, ignoring the batch_snapshot switch",
-          "the live RunningBatch itself when it is switched off",
-          {"overlap_loop": overlap_loop(view="planned.view.snapshot()")}),
     Wrong(1, "drop-last-when-idle", "returns as soon as nothing new is planned, dropping the batch in flight",
           "must still be committed when schedule() plans nothing", {"overlap_loop": """
 planned = self.schedule()
@@ -91,12 +80,26 @@ return inflight
 """}),
     Wrong(1, "live-view-like-normal-loop", "keeps normal_loop's InFlight(planned.view, result): no snapshot",
           "must hold a snapshot of the batch", {"overlap_loop": overlap_loop(view="planned.view")}),
-    Wrong(1, "no-future-map-boundary", "never commits early when future_map is off",
-          "future_map off", {"the sync boundaries": """
-if last is None or planned is None:
-    return False
-return planned.forward.is_prefill and last.view.is_prefill and self.on("prefill_sync")
+    Wrong(1, "no-question-before-planning", "asks _must_commit_first only after schedule(), never before it",
+          "before schedule() in every call", {"overlap_loop": """
+planned = self.schedule()
+if self._must_commit_first(last, planned):
+    self.commit(last, early=True)
+    last = None
+inflight = None
+if planned is not None:
+    result = self.launch(planned)
+    inflight = InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
+if last is not None:
+    self.commit(last)
+return inflight
 """}),
+    Wrong(1, "early-commit-not-marked", "commits early where _must_commit_first says so, but as a usual commit",
+          "commit(last, early=True)", {"overlap_loop": overlap_loop(before_launch="""
+if self._must_commit_first(last, planned):
+    self.commit(last)
+    last = None
+""")}),
 ]
 WRONG += [
     # ---------------------------------------------------------------- exercise 2: FutureMap
@@ -339,8 +342,8 @@ return torch.where(is_future, self.tokens[-input_ids - 1], input_ids)
 if self._must_commit_first(last, planned):
     self.commit(last, early=True)
 """)}),
-    Wrong(1, "future-map-boundary-after-schedule", "makes the future_map-off early commit after schedule() instead "
-          "of before it", "committed BEFORE schedule() plans batch n", {"overlap_loop": """
+    Wrong(1, "first-question-after-schedule", "asks the before-planning question (planned=None) after schedule() "
+          "instead of before it", "committed BEFORE schedule() plans batch n", {"overlap_loop": """
 planned = self.schedule()
 if self._must_commit_first(last, planned=None):
     self.commit(last, early=True)
