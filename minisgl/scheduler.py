@@ -23,7 +23,7 @@ from itertools import accumulate
 
 import torch
 
-from .admission import NewTokenRatio, optimistic_charge
+from .admission import NewTokenRatio, PrefillGate, optimistic_charge
 from .batch import BatchView, InFlight, Planned, RunningBatch, SchedulerStats
 from .config import EngineConfig
 from .engine import Engine, ForwardBatch, ForwardResult
@@ -79,6 +79,7 @@ class Scheduler:
         self.deferred_rows: list[int] = []  # rows of released requests that a batch in flight still uses
         self._reserved = 0  # KV slots promised to admitted requests but not yet allocated
         self.new_token_ratio = NewTokenRatio()  # admission="optimistic": the share of decode slots charged
+        self.prefill_gate = PrefillGate(config.min_prefill_tokens, max_running_requests)
 
     def on(self, mechanism: str) -> bool:
         return self.mechanisms.on(mechanism)
@@ -186,7 +187,9 @@ class Scheduler:
             if n > 0:
                 chunks.append((req, n))
                 budget -= n
-        while self.waiting and budget > 0 and self._admit(self.waiting[0]):
+        # On a GPU, new requests wait until their prefill is worth a launch (admission.PrefillGate).
+        gate_open = bool(self.waiting) and self._prefill_gate_open(continuing_tokens=self.config.chunk_size - budget)
+        while gate_open and self.waiting and budget > 0 and self._admit(self.waiting[0]):
             req = self.waiting.popleft()
             self.prefilling.append(req)
             n = min(budget, req.prefill_len - req.launched_len)
@@ -208,6 +211,7 @@ class Scheduler:
             kv_lens.append(req.launched_len)
             samples.append(sampled)
         self.stats.prefill_batches += 1
+        self.stats.prefill_tokens += sum(qo_lens)
         return self._plan(reqs, tokens, qo_lens, kv_lens, samples, is_prefill=True)
 
     def _schedule_decode(self) -> Planned | None:
@@ -298,11 +302,7 @@ class Scheduler:
         matched, node = self.cache.match_prefix(req.committed_ids()[:req.prefill_len - 1])
         self.cache.lock(node)
         need = req.prefill_len - len(matched) + req.max_new_tokens - len(req.output_ids) + 1
-        if self.config.admission == "reserve":
-            promised = self._reserved
-        else:
-            promised = optimistic_charge(self.running.reqs + self.prefilling, self.new_token_ratio.current)
-        if self.kv_pool.free_count + self.cache.evictable_size - promised < need:
+        if self._kv_headroom() < need:
             self.cache.unlock(node)
             return False
         req.prefix_node = node
@@ -325,6 +325,21 @@ class Scheduler:
             self.stream.launch(lambda: self.req_to_token.table[row, :len(matched)].copy_(
                 matched.to(self.device, non_blocking=True)))
         return True
+
+    def _kv_headroom(self) -> int:
+        """KV slots a new request may be promised: free or evictable, less what the admitted ones
+        are counted as still needing (all of it with "reserve", `optimistic_charge` otherwise)."""
+        if self.config.admission == "reserve":
+            promised = self._reserved
+        else:
+            promised = optimistic_charge(self.running.reqs + self.prefilling, self.new_token_ratio.current)
+        return self.kv_pool.free_count + self.cache.evictable_size - promised
+
+    def _prefill_gate_open(self, continuing_tokens: int) -> bool:
+        running = len(self.running.reqs)
+        free_rows = min(self.req_to_token.free_count, self.config.max_running_requests - running - len(self.prefilling))
+        return self.prefill_gate.is_open(self.waiting, running=running, continuing_tokens=continuing_tokens,
+                                         free_rows=free_rows, kv_headroom=self._kv_headroom)
 
     def _decode_slots_available(self) -> bool:
         """admission="optimistic": make sure the next decode step gets one slot per running
