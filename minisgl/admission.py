@@ -91,7 +91,7 @@ class PrefillGate:
 
     - `target` is 0 (off: admit whatever fits at every step; the default on the CPU);
     - nothing decodes (the device would idle: never stall);
-    - a chunked prompt continues (the batch launches anyway: new requests ride along);
+    - a chunked prompt continues (`prefilling`: the batch launches anyway, new requests ride along);
     - the requests that fit now form at least `target` prompt tokens;
     - the waiting queue holds fewer than `target` tokens in all (slow arrivals: waiting for
       more would only add latency, without bound in an online workload);
@@ -106,14 +106,17 @@ class PrefillGate:
     target: int  # prompt tokens a prefill batch should reach; 0: off
     max_running_requests: int
 
-    def is_open(self, waiting: Iterable[Req], *, running: int, continuing_tokens: int, free_rows: int,
+    def is_open(self, waiting: Iterable[Req], *, running: int, prefilling: int, free_rows: int,
                 kv_headroom: Callable[[], int]) -> bool:
-        """`kv_headroom()`: slots a new request may be promised (`Scheduler._kv_headroom`), asked
-        only when the queue must be walked (optimistic admission sums over every running request)."""
-        if self.target == 0 or running == 0 or continuing_tokens > 0:
+        """`running`, `prefilling`: requests decoding, and admitted with a prompt left to launch;
+        `free_rows`: the request table's free rows; `kv_headroom()`: the slots a new request may be
+        promised (`Scheduler._kv_headroom`), asked only when the queue must be walked (optimistic
+        admission sums over every running request)."""
+        if self.target == 0 or running == 0 or prefilling > 0:
             return True
         if running <= GATE_DRAIN_FRACTION * self.max_running_requests:
             return True
+        free_rows = min(free_rows, self.max_running_requests - running - prefilling)
         queued = fitting = 0  # prompt tokens in the queue so far, and of the requests that fit
         fits, headroom = True, kv_headroom()
         for req in waiting:

@@ -188,7 +188,8 @@ class Scheduler:
                 chunks.append((req, n))
                 budget -= n
         # On a GPU, new requests wait until their prefill is worth a launch (admission.PrefillGate).
-        gate_open = bool(self.waiting) and self._prefill_gate_open(continuing_tokens=self.config.chunk_size - budget)
+        gate_open = self.prefill_gate.is_open(self.waiting, running=len(self.running.reqs), prefilling=len(self.prefilling),
+                                              free_rows=self.req_to_token.free_count, kv_headroom=self._kv_headroom)
         while gate_open and self.waiting and budget > 0 and self._admit(self.waiting[0]):
             req = self.waiting.popleft()
             self.prefilling.append(req)
@@ -334,12 +335,6 @@ class Scheduler:
         else:
             promised = optimistic_charge(self.running.reqs + self.prefilling, self.new_token_ratio.current)
         return self.kv_pool.free_count + self.cache.evictable_size - promised
-
-    def _prefill_gate_open(self, continuing_tokens: int) -> bool:
-        running = len(self.running.reqs)
-        free_rows = min(self.req_to_token.free_count, self.config.max_running_requests - running - len(self.prefilling))
-        return self.prefill_gate.is_open(self.waiting, running=running, continuing_tokens=continuing_tokens,
-                                         free_rows=free_rows, kv_headroom=self._kv_headroom)
 
     def _decode_slots_available(self) -> bool:
         """admission="optimistic": make sure the next decode step gets one slot per running

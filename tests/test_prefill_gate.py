@@ -30,10 +30,10 @@ def req(prompt_len: int, max_new_tokens: int = 10) -> Req:
     return Req(0, [5] * prompt_len, SamplingParams(max_new_tokens=max_new_tokens), frozenset(), 4096, 0)
 
 
-def is_open(waiting: list[Req], target: int = 100, running: int = 16, continuing_tokens: int = 0,
+def is_open(waiting: list[Req], target: int = 100, running: int = 90, prefilling: int = 0,
             free_rows: int = 8, kv_headroom: int = 10_000) -> bool:
-    gate = PrefillGate(target, max_running_requests=16)
-    return gate.is_open(waiting, running=running, continuing_tokens=continuing_tokens, free_rows=free_rows,
+    gate = PrefillGate(target, max_running_requests=100)
+    return gate.is_open(waiting, running=running, prefilling=prefilling, free_rows=free_rows,
                         kv_headroom=lambda: kv_headroom)
 
 
@@ -49,9 +49,10 @@ def test_gate_opens_for_a_small_queue_nothing_running_a_continuing_chunk_or_a_dr
     queue = [req(30) for _ in range(10)]
     assert is_open(queue[:3], free_rows=1)  # 90 tokens in all: more waiting would only add latency
     assert is_open(queue, free_rows=1, running=0)  # nothing decodes: never stall
-    assert is_open(queue, free_rows=1, continuing_tokens=5)  # the batch launches anyway
-    assert is_open(queue, free_rows=1, running=int(GATE_DRAIN_FRACTION * 16))  # decode would no longer be full
-    assert not is_open(queue, free_rows=1, running=int(GATE_DRAIN_FRACTION * 16) + 1)
+    assert is_open(queue, free_rows=1, prefilling=1)  # a chunk continues: the batch launches anyway
+    assert is_open(queue, free_rows=1, running=int(GATE_DRAIN_FRACTION * 100))  # decode would no longer be full
+    assert not is_open(queue, free_rows=1, running=int(GATE_DRAIN_FRACTION * 100) + 1)
+    assert not is_open(queue, running=98)  # 8 free rows in the table, but 2 left under max_running_requests
     assert is_open(queue, free_rows=0, target=0)  # off: _admit alone decides
 
 
