@@ -114,7 +114,11 @@ class FlashInferBackend:
         k_pool, v_pool = store_new_kv(k, v, layer_id, meta, kv)
         # [slots, heads, dim] viewed as [pages, page_size=1, heads, dim] (the "NHD" layout)
         paged = (k_pool.unsqueeze(1), v_pool.unsqueeze(1))
-        return self._active.run(q.contiguous(), paged)
+        q = q.contiguous()
+        # Prefill: FlashInfer's run() zero-fills the output it allocates (a memset kernel per layer);
+        # every row is written anyway (a causal query sees at least its own key), so pass it empty.
+        out = None if meta.is_decode else torch.empty_like(q)
+        return self._active.run(q, paged, out=out)
 
     def close(self) -> None:
         """Drop the wrappers (they hold the workspace and their plans' buffers)."""
