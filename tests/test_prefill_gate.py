@@ -68,9 +68,9 @@ def test_gate_takes_requests_in_queue_order():
 
 
 def offline(loop: str, target: int) -> tuple[LLM, list[list[int]]]:
-    """96 prompts at once, lengths staggered so that requests finish a few at a time."""
+    """64 prompts at once, lengths staggered so that requests finish a few at a time."""
     llm = LLM(demo_model_path(), loop=loop, max_running_requests=ROWS, min_prefill_tokens=target)
-    prompts = [prompt for prompt, _ in demo_prompts(96, seed=0)]
+    prompts = [prompt for prompt, _ in demo_prompts(64, seed=0)]
     params = [SamplingParams(max_new_tokens=8 + (i * 7) % 33, ignore_eos=True) for i in range(len(prompts))]
     return llm, [o.token_ids for o in llm.generate(prompts, params)]
 
