@@ -1,6 +1,6 @@
 """GPU measurements that are not the offline benchmark (H200; see benchmarks/RESULTS.md).
 
-    python benchmarks/gpu_checks.py MODEL_DIR batch1|eager|host|eager-ab|invariance [OUT_DIR]
+    python benchmarks/gpu_checks.py MODEL_DIR batch1|eager|host|prefill|eager-ab|invariance [OUT_DIR]
 
 batch1: TPOT of one request (256 prompt + 256 new tokens) in both loops, CUDA graphs on and
         off, against the weights-read floor (weight bytes / measured HBM bandwidth).
@@ -10,6 +10,11 @@ eager:  lesson 9's workload (64 requests x 64 tokens, graphs off) in both loops,
         (synchronizations, copies, allocations) and kernel launches per step.
 host:   256 requests with 800-token prompts at steady decode, graphs on: host ms per step by
         span (schedule, launch, commit, wait), and cProfile's top functions, for both loops.
+prefill: one eager prefill batch at a time on an idle engine, 256 to 8,192 tokens of ~560-token
+        prompts (the offline workload's mean): host ms to launch it, device ms of its forward,
+        its floor (observe/breakdown.py) and floor / device; then cProfile's top functions over
+        launches of 1,024-token batches. Where device ms stops following host ms is where a
+        batch's compute covers its launches: the value for min_prefill_tokens (config.py).
 eager-ab: lesson 9's workload again, both loops built once and run in ABBA order (4 pairs, the
         first a warm-up), then one overlap run under torch's sync debug mode (every synchronizing
         CUDA call warns): is eager overlap's loss steady, and does any hidden synchronization remain?
@@ -202,6 +207,53 @@ def host(model: str) -> None:
         llm.close()
 
 
+def prefill(model: str) -> None:
+    hbm, flops = measure_ceilings(torch.device("cuda"))
+    cost = ModelCost.from_config(model)
+    rng = random.Random(0)
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)  # the prefill's sample is the last token
+
+    def prompts(tokens: int) -> list[list[int]]:
+        lengths = [560] * (tokens // 560) + ([tokens % 560] if tokens % 560 else [])
+        return [[rng.randint(0, 10000) for _ in range(n)] for n in lengths]
+
+    llm = LLM(model, device="cuda", loop="overlap", trace=True)
+    llm.generate(prompts(8192), one)  # warm-up: kernels and plans for every size below
+    print(f"eager prefill batches on an idle engine (HBM {hbm / 1e9:.0f} GB/s, {flops / 1e12:.0f} TFLOP/s), "
+          f"median of 5:")
+    print(f"  {'tokens':>6} {'requests':>8} {'launch ms':>9} {'device ms':>9} {'floor ms':>8} {'floor/device':>12}")
+    for tokens in (256, 512, 1024, 2048, 3072, 4096, 6144, 8192):
+        launch, device, floor = [], [], []
+        for _ in range(5):
+            llm.engine.tracer.clear()
+            llm.generate(prompts(tokens), one)
+            torch.cuda.synchronize()
+            spans = llm.engine.tracer.resolve()
+            records = [r for r in llm.engine.tracer.batches if r.is_prefill]
+            ids = {r.batch_id for r in records}
+            launch.append(sum(sp.duration for sp in spans if sp.name == SpanName.LAUNCH and sp.batch_id in ids))
+            device.append(sum(sp.duration for sp in spans
+                              if sp.lane != HOST_LANE and sp.name == SpanName.FORWARD and sp.batch_id in ids))
+            floor.append(sum(cost.prefill_floor(r.num_tokens, r.attention_pairs, r.kv_tokens, hbm, flops)
+                             for r in records))
+        med = [sorted(v)[2] * 1000 for v in (launch, device, floor)]
+        print(f"  {tokens:>6} {-(-tokens // 560):>8} {med[0]:>9.2f} {med[1]:>9.2f} {med[2]:>8.2f} "
+              f"{med[2] / med[1]:>12.0%}")
+    llm.engine.tracer.enabled = False
+    batches = [prompts(1024) for _ in range(10)]
+    prof = cProfile.Profile()
+    prof.enable()
+    for batch in batches:
+        llm.generate(batch, one)
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+    print("cProfile, 10 generate() calls of one 1,024-token prefill each:")
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-3500:])
+    llm.close()
+
+
 def record_batches(llm: LLM) -> tuple[list[tuple[list[tuple[int, ...]], list[int], bool]], list[torch.Tensor]]:
     """(prompts, kv_lens, is_prefill) of every launched batch and the logits of every forward, both
     in launch order (eager engines only), filled as the engine runs: zip them after the run."""
@@ -269,4 +321,5 @@ if __name__ == "__main__":
     model, what = sys.argv[1], sys.argv[2]
     out = Path(sys.argv[3]) if len(sys.argv) > 3 else Path("/tmp")
     {"batch1": lambda: batch1(model), "eager": lambda: eager(model, out), "host": lambda: host(model),
+     "prefill": lambda: prefill(model),
      "invariance": lambda: invariance(model), "eager-ab": lambda: eager_ab(model)}[what]()

@@ -4,6 +4,8 @@
 #   bash benchmarks/h200.sh bench   # offline benchmark: both loops, graphs on/off, HF, roofline
 #   bash benchmarks/h200.sh breakdown      # offline, both loops, graphs on, with the run-level breakdown
 #   bash benchmarks/h200.sh deterministic  # offline, overlap loop, deterministic=True (its cost)
+#   bash benchmarks/h200.sh gate           # issue 27: offline breakdown, overlap loop, prefill gate off/on (GATE_RUNS)
+#   bash benchmarks/h200.sh prefill        # eager prefill batches alone, 256..8192 tokens: launch vs device vs floor
 #   bash benchmarks/h200.sh online         # Poisson arrivals, both loops; overlap with prefill_sync off
 #   bash benchmarks/h200.sh checks         # batch-1 TPOT, eager overlap vs normal profile, host profile
 #   bash benchmarks/h200.sh host           # host work per decode step at 256 requests, both loops
@@ -12,7 +14,8 @@
 #   bash benchmarks/h200.sh eager-ab       # eager overlap vs normal, ABBA, then sync debug mode
 #   bash benchmarks/h200.sh profile        # kernel time of a whole offline run by kind (PROFILE=attention|steps|batches|gemm: others)
 # Several modes in one device call: `timeout 200 bash benchmarks/h200.sh A; timeout 300 bash ... B`.
-# Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online).
+# Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online), GATE_RUNS
+# (gate: REQUESTS:MIN_PREFILL_TOKENS pairs, default "1024:0 1024:4096 4096:4096"; 0 is the gate off).
 # Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -54,6 +57,16 @@ case "$what" in
     if [ "$what" = breakdown ]; then flags="--compare-loops --delays 0"; else flags="--loop overlap --deterministic"; fi
     python3 -m minisgl bench --workload offline --num-requests "$N" --model /tmp/qwen3-0.6b $flags --breakdown \
       --json "$OUT/$what.json" 2>&1 | tee "$OUT/bench_$what.log" ;;
+  gate)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    for run in ${GATE_RUNS:-1024:0 1024:4096 4096:4096}; do
+      n=${run%%:*}; tokens=${run##*:}
+      python3 -m minisgl bench --workload offline --num-requests "$n" --model /tmp/qwen3-0.6b --loop overlap \
+        --min-prefill-tokens "$tokens" --breakdown --json "$OUT/gate_${n}_${tokens}.json" 2>&1 | tee "$OUT/gate_${n}_${tokens}.log"
+    done ;;
+  prefill)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    python3 benchmarks/gpu_checks.py /tmp/qwen3-0.6b prefill 2>&1 | tee "$OUT/prefill.log" ;;
   online)
     N=${N:-128}
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b

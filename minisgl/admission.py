@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 from .request import Req
 
@@ -71,3 +71,64 @@ def optimistic_charge(reqs: Iterable[Req], ratio: float) -> int:
         prompt_left = max(0, r.prefill_len - r.launched_len)
         total += prompt_left + math.ceil(ratio * max(0, r.reserved_tokens - prompt_left))
     return total
+
+
+# Open the gate anyway once this share of the rows is free (the running batch drained to 7/8 of
+# max_running_requests): where the target cannot be reached (short prompts, a small KV pool) the
+# decode batch still stays nearly full. At 256 rows that is 32 free rows, far more than the ~7
+# prompts of the offline workload (~560 tokens each) a 4,096-token target needs.
+GATE_DRAIN_FRACTION = 0.875
+
+
+@dataclass(frozen=True)
+class PrefillGate:
+    """Whether new requests may be admitted now, while others decode (issue 27).
+
+    On a GPU an eager prefill batch costs a fixed host time to launch (about 6 ms for the
+    Qwen3-0.6B shape) whatever its size, up to a few thousand tokens. Admitted as running
+    requests finish, one or two at a time, every prefill batch is that fixed cost. The gate
+    lets requests in only when the batch they form is worth a launch. It is open when:
+
+    - `target` is 0 (off: admit whatever fits at every step; the default on the CPU);
+    - nothing decodes (the device would idle: never stall);
+    - a chunked prompt continues (`prefilling`: the batch launches anyway, new requests ride along);
+    - the requests that fit now form at least `target` prompt tokens;
+    - the waiting queue holds fewer than `target` tokens in all (slow arrivals: waiting for
+      more would only add latency, without bound in an online workload);
+    - the running batch has drained to GATE_DRAIN_FRACTION of max_running_requests.
+
+    "Fit now" is an estimate made before admitting: a free row each and their whole KV promise
+    against `kv_headroom`, in queue order, as `Scheduler._admit` takes them, but without the
+    radix cache's prefix matches (a lookup locks nodes): a cached prefix makes the real batch
+    smaller and its promise smaller. The gate only delays admission, `_admit` still decides it.
+    """
+
+    target: int  # prompt tokens a prefill batch should reach; 0: off
+    max_running_requests: int
+
+    def is_open(self, waiting: Iterable[Req], *, running: int, prefilling: int, free_rows: int,
+                kv_headroom: Callable[[], int]) -> bool:
+        """`running`, `prefilling`: requests decoding, and admitted with a prompt left to launch;
+        `free_rows`: the request table's free rows; `kv_headroom()`: the slots a new request may be
+        promised (`Scheduler._kv_headroom`), asked only when the queue must be walked (optimistic
+        admission sums over every running request)."""
+        if self.target == 0 or running == 0 or prefilling > 0:
+            return True
+        if running <= GATE_DRAIN_FRACTION * self.max_running_requests:
+            return True
+        free_rows = min(free_rows, self.max_running_requests - running - prefilling)
+        queued = fitting = 0  # prompt tokens in the queue so far, and of the requests that fit
+        fits, headroom = True, kv_headroom()
+        for req in waiting:
+            queued += req.prefill_len
+            need = req.prefill_len + req.max_new_tokens - len(req.output_ids) + 1  # _admit's promise, no prefix
+            fits = fits and free_rows > 0 and need <= headroom
+            if fits:
+                fitting += req.prefill_len
+                free_rows -= 1
+                headroom -= need
+            if fitting >= self.target:
+                return True
+            if not fits and queued >= self.target:
+                return False
+        return queued < self.target

@@ -90,6 +90,7 @@ class SchedulerStats:
     cached_tokens: int = 0  # prompt tokens served from the radix cache at admission
     early_commits: int = 0  # batch n-1 committed before batch n launched (future_map off, prefill_sync)
     decode_rows: int = 0  # requests over all decode batches: / decode_batches = requests decoding at once
+    prefill_tokens: int = 0  # prompt tokens over all prefill batches: / prefill_batches = tokens per prefill batch
     retractions: int = 0  # running requests sent back to waiting for lack of KV (admission="optimistic")
     retracted_late_results: int = 0  # in-flight results of requests retracted since their launch, skipped
     delayed_samples: int = 0  # grammar batches whose sampling waited for the previous commit

@@ -54,6 +54,15 @@ class EngineDefaults:
     # CPU so that a long prompt does not stall the decodes behind it for long.
     chunk_size_cuda: int = 8192
     chunk_size_cpu: int = 512
+    # While requests decode, admit new ones only when their prefill reaches this many tokens
+    # (admission.PrefillGate; issue 27). On the H200 an eager prefill batch of the Qwen3-0.6B
+    # shape took about 6 ms whatever its size up to a few thousand tokens (launch-bound: ~900
+    # tokens per batch, 24% of its floor at 1,024 requests), and 8,192-token chunks reached 74%
+    # of their floor at about 2 us per token: from ~4k tokens the batch's compute covers its
+    # launches. On the CPU prefill is compute-bound (a token costs the same in any batch) and
+    # the lessons count batches: 0, the gate is off, requests are admitted as soon as they fit.
+    min_prefill_tokens_cuda: int = 4096
+    min_prefill_tokens_cpu: int = 0
     # KV pool on a GPU: this fraction of the memory free after loading the weights, minus a
     # headroom for activations, CUDA graphs and sampling (vocab-wide float32 rows per request).
     kv_memory_fraction: float = 0.8
@@ -71,6 +80,9 @@ class EngineDefaults:
 
     def chunk_size(self, device: torch.device) -> int:
         return self.chunk_size_cuda if device.type == "cuda" else self.chunk_size_cpu
+
+    def min_prefill_tokens(self, device: torch.device) -> int:
+        return self.min_prefill_tokens_cuda if device.type == "cuda" else self.min_prefill_tokens_cpu
 
     def kv_tokens(self, device: torch.device, kv_bytes_per_token: int, weight_bytes: int) -> int:
         """KV slots that fit the memory budget of `device` once the weights are loaded,
@@ -104,6 +116,7 @@ class EngineConfig:
     host_delay_ms: float  # emulated extra scheduler work per step (the lab's knob)
     max_running_requests: int
     chunk_size: int  # prompt tokens per prefill batch
+    min_prefill_tokens: int  # while requests decode, admit when the prefill reaches this (0: always); <= chunk_size
     kv_tokens: int  # usable KV slots (the pool has one more: slot 0 is reserved, see kv_pool.py)
     model_window: int
     kv_bytes_per_token: int  # K and V of one position, every layer, in `dtype`
@@ -126,7 +139,8 @@ class EngineConfig:
 def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device | None, loop: str,
                    disable: object, device_delay_ms: float, dtype: str | torch.dtype | None,
                    max_running_requests: int | None, chunk_size: int | None, kv_tokens: int | None, trace: bool,
-                   attention_backend: str, host_delay_ms: float, deterministic: bool, admission: str) -> EngineConfig:
+                   attention_backend: str, host_delay_ms: float, deterministic: bool, admission: str,
+                   min_prefill_tokens: int | None) -> EngineConfig:
     """`LLM(...)`'s arguments -> one EngineConfig; reads config.json, not the weights."""
     if not isinstance(model_path, (str, os.PathLike)):
         raise TypeError(f"model_path must be a path, got {type(model_path).__name__}")
@@ -141,6 +155,7 @@ def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device 
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     max_running_requests = optional_size("max_running_requests", max_running_requests, MAX_RUNNING_REQUESTS)
     chunk_size = optional_size("chunk_size", chunk_size, MAX_TOKENS)
+    min_prefill_tokens = optional_size("min_prefill_tokens", min_prefill_tokens, MAX_TOKENS, low=0)
     # The smallest request: a one-token prompt, one new token, and the slot an overshoot step writes.
     kv_tokens = optional_size("kv_tokens", kv_tokens, MAX_TOKENS, low=3)
     check_bool("deterministic", deterministic)
@@ -155,13 +170,19 @@ def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device 
         # cycles: collect it, so that the free memory measured below is what this engine gets.
         gc.collect()
         torch.cuda.empty_cache()
+    chunk_size = chunk_size or DEFAULTS.chunk_size(resolved_device)
+    if min_prefill_tokens is None:  # the default, within the chunk size a user may have lowered
+        min_prefill_tokens = min(DEFAULTS.min_prefill_tokens(resolved_device), chunk_size)
+    elif min_prefill_tokens > chunk_size:
+        raise ValueError(f"min_prefill_tokens must be at most chunk_size ({chunk_size}): no prefill batch holds "
+                         f"more tokens; got {min_prefill_tokens}")
     config = EngineConfig(
         model_path=Path(model_path), device=resolved_device, dtype=resolved_dtype, loop=loop,  # type: ignore[arg-type]
         admission=admission, mechanisms=mechanisms, attention_backend=backend,  # type: ignore[arg-type]
         deterministic=deterministic, trace=trace,
         device_delay_ms=device_delay_ms, host_delay_ms=host_delay_ms,
         max_running_requests=max_running_requests or DEFAULTS.max_running_requests(resolved_device),
-        chunk_size=chunk_size or DEFAULTS.chunk_size(resolved_device),
+        chunk_size=chunk_size, min_prefill_tokens=min_prefill_tokens,
         kv_tokens=kv_tokens or DEFAULTS.kv_tokens(resolved_device, kv_bytes_per_token, weight_bytes),
         model_window=int(checkpoint.max_position_embeddings), kv_bytes_per_token=kv_bytes_per_token,
         weight_bytes=weight_bytes)

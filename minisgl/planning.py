@@ -35,7 +35,10 @@ class PlanningMixin:
             if n > 0:
                 chunks.append((req, n))
                 budget -= n
-        while self.waiting and budget > 0 and self._admit(self.waiting[0]):
+        # On a GPU, new requests wait until their prefill is worth a launch (admission.PrefillGate).
+        gate_open = self.prefill_gate.is_open(self.waiting, running=len(self.running.reqs), prefilling=len(self.prefilling),
+                                              free_rows=self.req_to_token.free_count, kv_headroom=self._kv_headroom)
+        while gate_open and self.waiting and budget > 0 and self._admit(self.waiting[0]):
             req = self.waiting.popleft()
             self.prefilling.append(req)
             n = min(budget, req.prefill_len - req.launched_len)
@@ -57,6 +60,7 @@ class PlanningMixin:
             kv_lens.append(req.launched_len)
             samples.append(sampled)
         self.stats.prefill_batches += 1
+        self.stats.prefill_tokens += sum(qo_lens)
         return self._plan(reqs, tokens, qo_lens, kv_lens, samples, is_prefill=True)
 
     def _schedule_decode(self) -> Planned | None:
@@ -147,11 +151,7 @@ class PlanningMixin:
         matched, node = self.cache.match_prefix(req.committed_ids()[:req.prefill_len - 1])
         self.cache.lock(node)
         need = req.prefill_len - len(matched) + req.max_new_tokens - len(req.output_ids) + 1
-        if self.config.admission == "reserve":
-            promised = self._reserved
-        else:
-            promised = optimistic_charge(self.running.reqs + self.prefilling, self.new_token_ratio.current)
-        if self.kv_pool.free_count + self.cache.evictable_size - promised < need:
+        if self._kv_headroom() < need:
             self.cache.unlock(node)
             return False
         req.prefix_node = node
@@ -174,6 +174,15 @@ class PlanningMixin:
             self.stream.launch(lambda: self.req_to_token.table[row, :len(matched)].copy_(
                 matched.to(self.device, non_blocking=True)))
         return True
+
+    def _kv_headroom(self) -> int:
+        """KV slots a new request may be promised: free or evictable, less what the admitted ones
+        are counted as still needing (all of it with "reserve", `optimistic_charge` otherwise)."""
+        if self.config.admission == "reserve":
+            promised = self._reserved
+        else:
+            promised = optimistic_charge(self.running.reqs + self.prefilling, self.new_token_ratio.current)
+        return self.kv_pool.free_count + self.cache.evictable_size - promised
 
     def _decode_slots_available(self) -> bool:
         """admission="optimistic": make sure the next decode step gets one slot per running

@@ -29,7 +29,7 @@ import os
 import time
 from collections import deque
 
-from .admission import NewTokenRatio
+from .admission import NewTokenRatio, PrefillGate
 from .batch import InFlight, Planned, RunningBatch, SchedulerStats
 from .commit_results import CommitResultsMixin
 from .config import EngineConfig
@@ -85,6 +85,7 @@ class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
         self.deferred_rows: list[int] = []  # rows of released requests that a batch in flight still uses
         self._reserved = 0  # KV slots promised to admitted requests but not yet allocated
         self.new_token_ratio = NewTokenRatio()  # admission="optimistic": the share of decode slots charged
+        self.prefill_gate = PrefillGate(config.min_prefill_tokens, max_running_requests)
 
     def on(self, mechanism: str) -> bool:
         return self.mechanisms.on(mechanism)

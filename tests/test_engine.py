@@ -142,34 +142,45 @@ def test_cuda_graph_replay_plans_with_its_batch_parity():
 
 
 def test_flashinfer_plan_inputs_alternate_by_parity():
-    """A CPU check of the GPU-only planning: batch n's indptr stays untouched while batch n+1 (the
-    other parity) is planned, since FlashInfer's queued upload of it may not have run yet."""
+    """A CPU check of the GPU-only planning: batch n's indptr and KV lengths stay untouched while
+    batch n+1 (the other parity) is planned, since FlashInfer's queued upload of them may not have
+    run yet; decode and prefill plans both get the lengths (`seq_lens`) from those buffers."""
     import torch
 
     from minisgl.gpu.flashinfer_backend import FlashInferBackend
     from minisgl.models.attention import AttentionMetadata
 
-    seen: list[list[int]] = []
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (kv_indptr, seq_lens): what FlashInfer reads later
 
-    class Wrapper:
-        def plan(self, kv_indptr, kv_indices, last_page_len, *args, **kwargs) -> None:
-            seen.append(kv_indptr)  # the tensor FlashInfer would upload later, not a copy
+    class Decode:
+        def plan(self, kv_indptr, *args, seq_lens, **kwargs) -> None:
+            seen.append((kv_indptr, seq_lens))
+
+    class Prefill:
+        def plan(self, qo_indptr, kv_indptr, *args, seq_lens, **kwargs) -> None:
+            seen.append((kv_indptr, seq_lens))
 
     backend = object.__new__(FlashInferBackend)
     backend.shape, backend.dtype = (4, 2, 8), torch.bfloat16
     backend.deterministic, backend.prefill_reference = False, None
-    backend.decode, backend.prefill = [Wrapper(), Wrapper()], [Wrapper(), Wrapper()]
+    backend.decode, backend.prefill = [Decode(), Decode()], [Prefill(), Prefill()]
     backend._kv_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
     backend._qo_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
+    backend._kv_lens = [torch.zeros(4, dtype=torch.int32) for _ in range(2)]
     backend._last_page_len = torch.ones(4, dtype=torch.int32)
 
-    def decode(kv_lens: list[int]) -> AttentionMetadata:
-        return AttentionMetadata(positions=torch.zeros(len(kv_lens)), out_slots=torch.zeros(len(kv_lens)),
-                                 qo_indptr=torch.arange(len(kv_lens) + 1), kv_indptr=torch.zeros(len(kv_lens) + 1),
-                                 kv_indices=torch.arange(sum(kv_lens)), qo_lens=[1] * len(kv_lens), kv_lens=kv_lens)
+    def batch(kv_lens: list[int], prefill: bool = False) -> AttentionMetadata:
+        qo_lens = [2] * len(kv_lens) if prefill else [1] * len(kv_lens)
+        return AttentionMetadata(positions=torch.zeros(sum(qo_lens)), out_slots=torch.zeros(sum(qo_lens)),
+                                 qo_indptr=torch.zeros(len(kv_lens) + 1), kv_indptr=torch.zeros(len(kv_lens) + 1),
+                                 kv_indices=torch.arange(sum(kv_lens)), qo_lens=qo_lens, kv_lens=kv_lens,
+                                 prefill=prefill)
 
-    backend.plan(decode([3, 5]), parity=0)
-    backend.plan(decode([9, 1, 2]), parity=1)
-    assert [t.tolist() for t in seen] == [[0, 3, 8], [0, 9, 10, 12]], "planning n+1 rewrote batch n's indptr"
-    backend.plan(decode([4]), parity=0)  # batch n+2: n was committed, its buffer may be reused
-    assert seen[2].tolist() == [0, 4] and seen[1].tolist() == [0, 9, 10, 12]
+    def planned() -> list[tuple[list[int], list[int]]]:
+        return [(indptr.tolist(), lens.tolist()) for indptr, lens in seen]
+
+    backend.plan(batch([3, 5]), parity=0)
+    backend.plan(batch([9, 1, 2], prefill=True), parity=1)
+    assert planned() == [([0, 3, 8], [3, 5]), ([0, 9, 10, 12], [9, 1, 2])], "planning n+1 rewrote batch n's inputs"
+    backend.plan(batch([4]), parity=0)  # batch n+2: n was committed, its buffers may be reused
+    assert planned()[1:] == [([0, 9, 10, 12], [9, 1, 2]), ([0, 4], [4])]

@@ -103,6 +103,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=count(MAX_TOKENS), default=None)
     # The smallest pool: a one-token prompt, one new token, and the slot an overshoot step writes.
     p.add_argument("--kv-tokens", type=count(MAX_TOKENS, low=3), default=None)
+    p.add_argument("--min-prefill-tokens", type=count(MAX_TOKENS, low=0), default=None,
+                   help="while requests decode, admit new ones only when their prefill reaches this many tokens "
+                   "(0: as soon as they fit; default: 4096 on CUDA, 0 on the CPU)")
     p.add_argument("--admission", default="reserve", choices=["reserve", "optimistic"],
                    help="reserve: promise prompt + max_new_tokens per request; optimistic: estimate what running "
                    "requests still need (new-token ratio) and retract when a decode step runs short")
@@ -129,7 +132,8 @@ def build_llm(args: argparse.Namespace, **overrides):
                   device_delay_ms=args.device_delay_ms, host_delay_ms=args.host_delay_ms, max_running_requests=args.max_running_requests,
                   chunk_size=args.chunk_size, kv_tokens=args.kv_tokens,
                   deterministic=getattr(args, "deterministic", False),
-                  admission=getattr(args, "admission", "reserve"))
+                  admission=getattr(args, "admission", "reserve"),
+                  min_prefill_tokens=getattr(args, "min_prefill_tokens", None))
     kwargs.update(overrides)
     return LLM(model_dir(args), **kwargs)
 

@@ -84,6 +84,10 @@ class FlashInferBackend:
         pinned = dict(dtype=torch.int32, pin_memory=True)
         self._kv_indptr = [torch.zeros(max_batch + 1, **pinned) for _ in range(2)]
         self._qo_indptr = [torch.zeros(max_batch + 1, **pinned) for _ in range(2)]
+        # The KV lengths, passed as `seq_lens`: without them FlashInfer derives the lengths from the
+        # indptr into a new pageable tensor, and its prefill plan uploads that one (non_blocking
+        # from pageable memory: the wait above, once per prefill batch).
+        self._kv_lens = [torch.zeros(max_batch, **pinned) for _ in range(2)]
         self._last_page_len = torch.ones(max_batch, **pinned)  # page size 1: never rewritten
 
     def plan(self, meta: AttentionMetadata, parity: int = 0, decode_wrapper=None) -> None:
@@ -95,16 +99,20 @@ class FlashInferBackend:
         # wrapper, of the same parity.
         kv_indptr = self._kv_indptr[parity][:fill_indptr(meta.kv_lens, self._kv_indptr[parity].numpy())]
         last_page_len = self._last_page_len[:meta.num_requests]
+        kv_lens = self._kv_lens[parity][:meta.num_requests]
+        kv_lens.numpy()[:] = meta.kv_lens
         kv_indices = meta.kv_indices.to(torch.int32)
         if meta.is_decode:
             self._active = decode_wrapper or self.decode[parity]
             self._active.plan(kv_indptr, kv_indices, last_page_len, num_qo, num_kv, head_dim, 1,
-                              q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=self.deterministic)
+                              q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=self.deterministic,
+                              seq_lens=kv_lens)
         elif self.prefill_reference is None:
             self._active = self.prefill[parity]
             qo_indptr = self._qo_indptr[parity][:fill_indptr(meta.qo_lens, self._qo_indptr[parity].numpy())]
             self._active.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo, num_kv,
-                              head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
+                              head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype,
+                              seq_lens=kv_lens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
                 meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
@@ -113,7 +121,11 @@ class FlashInferBackend:
         k_pool, v_pool = store_new_kv(k, v, layer_id, meta, kv)
         # [slots, heads, dim] viewed as [pages, page_size=1, heads, dim] (the "NHD" layout)
         paged = (k_pool.unsqueeze(1), v_pool.unsqueeze(1))
-        return self._active.run(q.contiguous(), paged)
+        q = q.contiguous()
+        # Prefill: FlashInfer's run() zero-fills the output it allocates (a memset kernel per layer);
+        # every row is written anyway (a causal query sees at least its own key), so pass it empty.
+        out = None if meta.is_decode else torch.empty_like(q)
+        return self._active.run(q, paged, out=out)
 
     def close(self) -> None:
         """Drop the wrappers (they hold the workspace and their plans' buffers)."""

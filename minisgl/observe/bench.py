@@ -105,6 +105,8 @@ def measure(args: argparse.Namespace, workload: Workload, loop: str, delay_ms: f
     result = {"loop": loop, "delay_ms": delay_ms, "wall_s": wall, "output_tokens": out_tokens,
               "input_tokens": workload.input_tokens, "output_tok_per_s": out_tokens / wall,
               "overshoot_steps": llm.stats.overshoot_steps, "overshoot_tokens": llm.stats.overshoot_tokens,
+              "min_prefill_tokens": llm.config.min_prefill_tokens, "prefill_batches": llm.stats.prefill_batches,
+              "prefill_tokens": llm.stats.prefill_tokens,
               **{f"pipe_{k}": v for k, v in pipeline_metrics(spans).items()},
               **{f"req_{k}": v for k, v in request_metrics(outs).items()}}
     result["token_ids"] = [o.token_ids for o in outs]
