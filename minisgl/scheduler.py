@@ -78,6 +78,7 @@ class Scheduler:
         self._row_owner: list[Req | None] = [None] * max_running_requests
         self.deferred_rows: list[int] = []  # rows of released requests that a batch in flight still uses
         self._reserved = 0  # KV slots promised to admitted requests but not yet allocated
+        self._aborts_pending = False  # abort() since the last scan: only then are the queues scanned
         self.new_token_ratio = NewTokenRatio()  # admission="optimistic": the share of decode slots charged
 
     def on(self, mechanism: str) -> bool:
@@ -165,7 +166,7 @@ class Scheduler:
                     or self.finished)
 
     def abort(self, req: Req) -> None:
-        req.abort_requested = True  # acted on at the start of the next schedule
+        req.abort_requested = self._aborts_pending = True  # acted on at the start of the next schedule
 
     # ------------------------------------------------------------------ scheduling (planning)
     def schedule(self) -> Planned | None:
@@ -525,16 +526,19 @@ class Scheduler:
     def _handle_aborts(self) -> None:
         """An aborted request stops being scheduled at once. Its resources go back like a
         finish's, at the commit point of its last batch in flight: until then the device may
-        still write its slots and row (lessons/readings §9)."""
-        for req in [r for r in self.waiting if r.abort_requested]:
-            self.waiting.remove(req)
-            req.finish_reason = "abort"
-            self.finished.append(req)
-        for queue in (self.prefilling, self.running.reqs):
-            for req in [r for r in queue if r.abort_requested and not r.finished]:
-                req.finish_reason = "abort"  # its queued results are dropped at commit (skip_finished)
-                queue.remove(req)
-                self.releasing.append(req)
+        still write its slots and row (lessons/readings §9). The queues are scanned only after
+        an abort(): a scan at every step would grow the host's work with the waiting queue."""
+        if self._aborts_pending:
+            for req in [r for r in self.waiting if r.abort_requested]:
+                self.waiting.remove(req)
+                req.finish_reason = "abort"
+                self.finished.append(req)
+            for queue in (self.prefilling, self.running.reqs):
+                for req in [r for r in queue if r.abort_requested and not r.finished]:
+                    req.finish_reason = "abort"  # its queued results are dropped at commit (skip_finished)
+                    queue.remove(req)
+                    self.releasing.append(req)
+            self._aborts_pending = False
         self._release_committed_aborts()
 
     def _release_committed_aborts(self) -> None:

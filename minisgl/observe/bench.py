@@ -236,13 +236,17 @@ def print_results(results: list[dict]) -> None:
 def print_breakdown(result: dict) -> None:
     table = Table(title=f"where the device time went: {result['loop']} loop (observe/breakdown.py)",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for col in ("phase", "batches", "tokens\nor slots", "device\ns", "share", "floor\ns", "floor\n/dev"):
+    for col in ("phase", "batches", "tokens\nor slots", "device\ns", "share", "floor\ns", "floor\n/dev",
+                "C ms\n/iter"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in result["breakdown"]:
         ratio = f"{row['floor_s'] / row['device_s']:.0%}" if row["floor_s"] and row["device_s"] else ""
+        c_ms = f"{row['host_s'] / row['iterations'] * 1000:.2f}" if row.get("iterations") else ""
         table.add_row(row["phase"], str(row["batches"] or ""), str(row["tokens"]), f"{row['device_s']:.3f}",
-                      f"{row['share']:.1%}", f"{row['floor_s']:.3f}" if row["floor_s"] else "", ratio)
+                      f"{row['share']:.1%}", f"{row['floor_s']:.3f}" if row["floor_s"] else "", ratio, c_ms)
     console.print(table)
+    console.print("C ms/iter: host work per iteration that launched a batch of the phase; the total's is\n"
+                  "the run's C, a mean over the mix of phases.", style="dim", highlight=False)
 
 
 def run_online_bench(args: argparse.Namespace, workload: Workload) -> int:
