@@ -71,6 +71,8 @@ def test_pipeline_metrics_hand_computed():
     assert m["idle_gap_median_s"] == approx(1.5)
     assert m["num_forwards"] == 5  # every forward span counts, on any stream
     assert m["device_time_per_forward_s"] == approx((4 + 4 + 4 + 2 + 3) / 5)  # G
+    # After each batch's launch ended: b2's span starts 0.5 inside its launch, the aux forward after it.
+    assert m["forward_after_launch_s"] == approx((4 + 4 + 3.5 + 2 + 3) / 5)
     # C: host time per iteration without WAIT: 2, 1.5, 2, 3.
     assert m["num_iterations"] == 4
     assert m["host_time_per_iteration_s"] == approx(8.5 / 4)
