@@ -1,7 +1,6 @@
 """Host work per iteration as the queue grows (issue 27): the same running bound, more requests.
 
-    python benchmarks/host_vs_queue.py MODEL_DIR [--device cpu|cuda] [--rows 64] [--scales 1,4,16]
-                                                 [--lengths 20,200] [--loop normal]
+    python benchmarks/host_vs_queue.py MODEL_DIR [--rows 64] [--scales 1,4,16] [--lengths 20,200] [--loop normal]
 
 An offline workload (prompt and output lengths uniform in --lengths, seed 0) of rows x scale
 requests runs through one loop with `max_running_requests = rows`. After every step
@@ -14,7 +13,9 @@ If a step's work grew with the queue, decode ms per row would grow with the scal
 grow with the scale is the mix: the queue keeps the decode batch full (a short queue lets it
 drain in a long tail), and every finish admits a new request with a prefill step of its own.
 On the CPU the launch only queues closures; on a GPU it also runs the eager prefill's kernel
-launches and the decode plan, so the mix weighs more there (`bench --breakdown`: C by phase).
+launches and the decode plan, so the mix weighs more there. CPU only: on a GPU the host's wait
+for copy_done may spin, and CPU time would count it; there `bench --breakdown` prints C per
+iteration by phase from the trace's spans (`bash benchmarks/h200.sh scale`).
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ def measure(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--loop", default="normal", choices=["normal", "overlap"])
     ap.add_argument("--rows", type=int, default=64, help="max_running_requests")
     ap.add_argument("--scales", default="1,4,16", help="requests = rows x scale, for each scale")
@@ -72,11 +72,11 @@ def main() -> None:
     scales = [int(x) for x in args.scales.split(",")]
     # A pool of 4 full batches of the longest requests: the radix cache fills (and evicts) at the
     # larger scales, as the H200's did at 1,024 requests and more.
-    llm = LLM(args.model, device=args.device, loop=args.loop, max_running_requests=args.rows,
+    llm = LLM(args.model, device="cpu", loop=args.loop, max_running_requests=args.rows,
               kv_tokens=4 * args.rows * 2 * hi)
     vocab = llm.engine.model.vocab_size
     llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))  # warm-up
-    print(f"main-thread CPU ms per step, {args.loop} loop, {args.device}, rows {args.rows}, lengths {lo}..{hi}")
+    print(f"main-thread CPU ms per step, {args.loop} loop, cpu, rows {args.rows}, lengths {lo}..{hi}")
     print(f"{'requests':>8} {'steps':>6} {'all':>6} {'prefill':>8} {'decode':>7} {'rows':>6} {'us/row':>7} {'prefill%':>8}")
     for scale in scales:
         prompts, params = offline(args.rows * scale, lo, hi, vocab)
