@@ -91,6 +91,9 @@ def pipeline_metrics(spans: list[Span]) -> dict:
       plan, the graph replay): the span holds launch work whenever the device had nothing else
       queued (always in the normal loop). This is the forward without it: the G that an overlap
       loop whose queue never runs dry sees. On the CPU's emulated stream both are about equal.
+      It compares device and host times: on CUDA the trace places device events on the host
+      clock from its first event (`Tracer.resolve`), exact when the device was idle then, as
+      after a warm-up or a synchronize.
     - num_iterations, host_time_per_iteration_s (C): mean, over the iterations that did any
       host work, of that iteration's host span time excluding WAIT (waiting is not work).
     - exposed_host_time_per_step_s: device idle time per forward (idle_gap_total_s /
