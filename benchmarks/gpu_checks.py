@@ -1,6 +1,6 @@
 """GPU measurements that are not the offline benchmark (H200; see benchmarks/RESULTS.md).
 
-    python benchmarks/gpu_checks.py MODEL_DIR batch1|eager|host|prefill|eager-ab|invariance [OUT_DIR]
+    python benchmarks/gpu_checks.py MODEL_DIR batch1|eager|host|prefill|eager-ab|invariance|decode-plan [OUT_DIR]
 
 batch1: TPOT of one request (256 prompt + 256 new tokens) in both loops, CUDA graphs on and
         off, against the weights-read floor (weight bytes / measured HBM bandwidth).
@@ -23,6 +23,12 @@ invariance: the CUDA tests' mixed workload (tests/workloads.py) in both loops wi
         FlashInfer with the fused ops off): identical sequences, and the first (request,
         position) whose logits differ bit for bit between the loops, with the two batches it
         was computed in. Names the part that is not batch-invariant.
+decode-plan: FlashInfer's tensor-core decode kernel against its plain one, on one machine
+        (flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH): for 32..256 requests of uniform
+        (820) or spread (100..1024) prompt lengths, the overlap loop's steady decode with graphs:
+        host ms of the launch span (the plan and the replay), device ms per forward after its
+        launch, wall ms per step. Prints the batch size from which tensor cores give the shorter
+        step at every larger size measured: the value to set.
 """
 
 from __future__ import annotations
@@ -317,9 +323,50 @@ def invariance(model: str) -> None:
     fused_ops.ENABLED = True
 
 
+def decode_plan(model: str, sizes: tuple[int, ...] = (32, 64, 128, 256), steps: int = 20) -> None:
+    import statistics
+
+    from minisgl.gpu import flashinfer_backend
+
+    spreads = {"uniform 820": (820, 820), "spread 100..1024": (100, 1024)}
+    rows: dict[tuple[str, int], dict[bool, tuple[float, float, float]]] = {}
+    for tensor_cores in (False, True):
+        flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH = 1 if tensor_cores else None
+        llm = LLM(model, device="cuda", loop="overlap", trace=True)
+        for spread, (lo, hi) in spreads.items():
+            for bs in sizes:
+                rng = random.Random(bs)  # both kernels decode the same lengths
+                prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(lo, hi))] for _ in range(bs)]
+                steady_decode(llm, prompts, SamplingParams(max_new_tokens=steps + 8, ignore_eos=True), warm_steps=3)
+                llm.engine.tracer.clear()  # the device is idle: the trace's clock origin is exact
+                per_step = timed_steps(llm, steps)
+                spans = llm.engine.tracer.resolve()
+                launch = statistics.median(s.duration for s in spans if s.lane == HOST_LANE and s.name == SpanName.LAUNCH)
+                device = pipeline_metrics(spans)["forward_after_launch_s"]
+                rows.setdefault((spread, bs), {})[tensor_cores] = (launch * 1e3, device * 1e3, per_step * 1e3)
+                while llm.has_unfinished():
+                    llm.step()
+        llm.close()
+    flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH = None
+    print("decode plan A/B, overlap loop, graphs on; ms: launch span (host) / device per forward after its launch / "
+          "wall per step")
+    print(f"{'lengths':>17} {'batch':>5} | {'plain: launch device step':>26} | {'tensor cores: launch device step':>33} "
+          f"| shorter step")
+    for (spread, bs), r in rows.items():
+        (pl, pd, ps), (tl, td, ts) = r[False], r[True]
+        print(f"{spread:>17} {bs:>5} | {pl:8.2f} {pd:8.2f} {ps:8.2f} | {tl:11.2f} {td:10.2f} {ts:10.2f} | "
+              f"{'tensor cores' if ts < ps else 'plain'}")
+    for spread in spreads:
+        wins = [bs for bs in sizes if rows[(spread, bs)][True][2] < rows[(spread, bs)][False][2]]
+        start = next((bs for bs in sizes if all(b in wins for b in sizes if b >= bs)), None)
+        print(f"{spread}: tensor cores give the shorter step from batch {start} up" if start else
+              f"{spread}: the plain kernel's step is as short or shorter at every size measured")
+
+
 if __name__ == "__main__":
     model, what = sys.argv[1], sys.argv[2]
     out = Path(sys.argv[3]) if len(sys.argv) > 3 else Path("/tmp")
     {"batch1": lambda: batch1(model), "eager": lambda: eager(model, out), "host": lambda: host(model),
      "prefill": lambda: prefill(model),
-     "invariance": lambda: invariance(model), "eager-ab": lambda: eager_ab(model)}[what]()
+     "invariance": lambda: invariance(model), "eager-ab": lambda: eager_ab(model),
+     "decode-plan": lambda: decode_plan(model)}[what]()

@@ -3,6 +3,8 @@
 #   bash benchmarks/h200.sh tests   # CUDA tests
 #   bash benchmarks/h200.sh bench   # offline benchmark: both loops, graphs on/off, HF, roofline
 #   bash benchmarks/h200.sh breakdown      # offline, both loops, graphs on, with the run-level breakdown
+#   bash benchmarks/h200.sh scale          # breakdowns at 256 and 1,024 requests (both loops), 4,096 (overlap): ~6 min
+#   bash benchmarks/h200.sh decode-plan    # FlashInfer decode: tensor-core vs plain kernel, host and device per step
 #   bash benchmarks/h200.sh deterministic  # offline, overlap loop, deterministic=True (its cost)
 #   bash benchmarks/h200.sh gate           # issue 27: offline breakdown, overlap loop, prefill gate off/on (GATE_RUNS)
 #   bash benchmarks/h200.sh prefill        # eager prefill batches alone, 256..8192 tokens: launch vs device vs floor
@@ -67,6 +69,21 @@ case "$what" in
   prefill)
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
     python3 benchmarks/gpu_checks.py /tmp/qwen3-0.6b prefill 2>&1 | tee "$OUT/prefill.log" ;;
+  scale)
+    # Issue 27: host work C per iteration as the queue grows, 256 running at most. Each table
+    # gives C per iteration by phase beside the device time (observe/breakdown.py), so a per-step
+    # cost that grows can be told from a mix of iterations that changes. Measured durations:
+    # 256 requests ~10 s per loop, 1,024 ~30 s, 4,096 ~115 s (overlap), plus each engine's start.
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    for spec in "256:--compare-loops --delays 0" "1024:--compare-loops --delays 0" "4096:--loop overlap"; do
+      n=${spec%%:*}; flags=${spec#*:}
+      echo "=== figure: scale, $n requests ($flags) ==="
+      python3 -m minisgl bench --workload offline --num-requests "$n" --model /tmp/qwen3-0.6b $flags --breakdown \
+        --json "$OUT/scale_$n.json" 2>&1 | tee "$OUT/bench_scale_$n.log"
+    done ;;
+  decode-plan)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    python3 benchmarks/gpu_checks.py /tmp/qwen3-0.6b decode-plan 2>&1 | tee "$OUT/decode_plan.log" ;;
   online)
     N=${N:-128}
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b

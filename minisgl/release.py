@@ -76,16 +76,19 @@ class ReleaseMixin:
     def _handle_aborts(self) -> None:
         """An aborted request stops being scheduled at once. Its resources go back like a
         finish's, at the commit point of its last batch in flight: until then the device may
-        still write its slots and row (lessons/readings §9)."""
-        for req in [r for r in self.waiting if r.abort_requested]:
-            self.waiting.remove(req)
-            req.finish_reason = "abort"
-            self.finished.append(req)
-        for queue in (self.prefilling, self.running.reqs):
-            for req in [r for r in queue if r.abort_requested and not r.finished]:
-                req.finish_reason = "abort"  # its queued results are dropped at commit (skip_finished)
-                queue.remove(req)
-                self.releasing.append(req)
+        still write its slots and row (lessons/readings §9). The queues are scanned only after
+        an abort(): a scan at every step would grow the host's work with the waiting queue."""
+        if self._aborts_pending:
+            for req in [r for r in self.waiting if r.abort_requested]:
+                self.waiting.remove(req)
+                req.finish_reason = "abort"
+                self.finished.append(req)
+            for queue in (self.prefilling, self.running.reqs):
+                for req in [r for r in queue if r.abort_requested and not r.finished]:
+                    req.finish_reason = "abort"  # its queued results are dropped at commit (skip_finished)
+                    queue.remove(req)
+                    self.releasing.append(req)
+            self._aborts_pending = False
         self._release_committed_aborts()
 
     def _release_committed_aborts(self) -> None:

@@ -84,6 +84,7 @@ class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
         self._row_owner: list[Req | None] = [None] * max_running_requests
         self.deferred_rows: list[int] = []  # rows of released requests that a batch in flight still uses
         self._reserved = 0  # KV slots promised to admitted requests but not yet allocated
+        self._aborts_pending = False  # abort() since the last scan: only then are the queues scanned
         self.new_token_ratio = NewTokenRatio()  # admission="optimistic": the share of decode slots charged
         self.prefill_gate = PrefillGate(config.min_prefill_tokens, max_running_requests)
 
@@ -174,7 +175,7 @@ class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
                     or self.finished)
 
     def abort(self, req: Req) -> None:
-        req.abort_requested = True  # acted on at the start of the next schedule
+        req.abort_requested = self._aborts_pending = True  # acted on at the start of the next schedule
 
     # ------------------------------------------------------------------ scheduling (planning)
     def schedule(self) -> Planned | None:

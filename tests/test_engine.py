@@ -162,8 +162,8 @@ def test_flashinfer_plan_inputs_alternate_by_parity():
 
     backend = object.__new__(FlashInferBackend)
     backend.shape, backend.dtype = (4, 2, 8), torch.bfloat16
-    backend.deterministic, backend.prefill_reference = False, None
-    backend.decode, backend.prefill = [Decode(), Decode()], [Prefill(), Prefill()]
+    backend.deterministic, backend.prefill_reference, backend.grouped = False, None, True
+    backend.decode, backend.prefill = {False: [Decode(), Decode()]}, [Prefill(), Prefill()]
     backend._kv_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
     backend._qo_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
     backend._kv_lens = [torch.zeros(4, dtype=torch.int32) for _ in range(2)]
@@ -184,3 +184,40 @@ def test_flashinfer_plan_inputs_alternate_by_parity():
     assert planned() == [([0, 3, 8], [3, 5]), ([0, 9, 10, 12], [9, 1, 2])], "planning n+1 rewrote batch n's inputs"
     backend.plan(batch([4]), parity=0)  # batch n+2: n was committed, its buffers may be reused
     assert planned()[1:] == [([0, 9, 10, 12], [9, 1, 2]), ([0, 4], [4])]
+
+
+def test_decode_kernel_follows_the_measured_rule(monkeypatch):
+    """The tensor-core decode kernel runs from TENSOR_CORE_DECODE_MIN_BATCH up, for grouped heads;
+    always in the deterministic mode; never while the threshold is None (plan picks the wrapper)."""
+    import torch
+
+    from minisgl.gpu import flashinfer_backend
+    from minisgl.gpu.flashinfer_backend import FlashInferBackend, decode_on_tensor_cores
+    from minisgl.models.attention import AttentionMetadata
+
+    monkeypatch.setattr(flashinfer_backend, "TENSOR_CORE_DECODE_MIN_BATCH", None)
+    assert not any(decode_on_tensor_cores(b, grouped=True, deterministic=False) for b in (1, 256))
+    assert decode_on_tensor_cores(1, grouped=False, deterministic=True)
+    monkeypatch.setattr(flashinfer_backend, "TENSOR_CORE_DECODE_MIN_BATCH", 3)
+    assert [decode_on_tensor_cores(b, grouped=True, deterministic=False) for b in (2, 3, 4)] == [False, True, True]
+    assert not decode_on_tensor_cores(4, grouped=False, deterministic=False)  # one query head per KV head
+
+    class Wrapper:
+        def __init__(self, tensor_cores: bool) -> None:
+            self.tensor_cores = tensor_cores
+
+        def plan(self, *args, **kwargs) -> None:
+            pass
+
+    backend = object.__new__(FlashInferBackend)
+    backend.shape, backend.dtype = (4, 2, 8), torch.bfloat16
+    backend.deterministic, backend.prefill_reference, backend.grouped = False, None, True
+    backend.decode = {tc: [Wrapper(tc), Wrapper(tc)] for tc in (False, True)}
+    backend._kv_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
+    backend._kv_lens = [torch.zeros(4, dtype=torch.int32) for _ in range(2)]
+    backend._last_page_len = torch.ones(4, dtype=torch.int32)
+    for n, expected in ((2, False), (3, True)):
+        backend.plan(AttentionMetadata(positions=torch.zeros(n), out_slots=torch.zeros(n), qo_indptr=torch.arange(n + 1),
+                                       kv_indptr=torch.zeros(n + 1), kv_indices=torch.arange(2 * n), qo_lens=[1] * n,
+                                       kv_lens=[2] * n))
+        assert backend._active.tensor_cores is expected

@@ -96,7 +96,8 @@ def test_lab_table_fits_80_columns():
 def _bench_run(loop: str, delay: float, tok_s: float, repeat: int) -> dict:
     return {"loop": loop, "delay_ms": delay, "output_tok_per_s": tok_s, "repeat": repeat,
             "pipe_device_busy_fraction": 0.9, "pipe_exposed_host_time_per_step_s": 0.001,
-            "pipe_device_time_per_forward_s": 0.010, "pipe_host_time_per_iteration_s": 0.0025,
+            "pipe_device_time_per_forward_s": 0.011, "pipe_forward_after_launch_s": 0.010,
+            "pipe_host_time_per_iteration_s": 0.0025,
             "req_ttft_mean_s": 0.02, "req_tpot_mean_s": 0.012}
 
 

@@ -4,6 +4,8 @@ prefilled in chunks."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from minisgl import LLM, SamplingParams
@@ -65,4 +67,36 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_chunk_size(qwen3):
     llm = LLM(qwen3, chunk_size=8)
     llm.generate([list(range(3, 24))], SamplingParams(max_new_tokens=2, ignore_eos=True))  # 21 prompt tokens
     assert llm.stats.prefill_batches == 3  # 8 + 8 + 5
+    llm.close()
+
+
+class CountingDeque(deque):
+    """The waiting queue, counting the times something walks through all of it."""
+
+    walks = 0
+
+    def __iter__(self):
+        CountingDeque.walks += 1
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_a_step_never_walks_the_waiting_queue(qwen3, loop):
+    """Host work per step must not grow with the queue (issue 27): with 2 rows and 40 requests
+    waiting, a step looks at the queue's head only; an abort() makes one step scan it once."""
+    llm = LLM(qwen3, loop=loop, max_running_requests=2)
+    llm.scheduler.waiting = CountingDeque()
+    llm.scheduler.check_each_step = False  # the test suite's invariant check walks everything, by design
+    CountingDeque.walks = 0
+    rids = [llm.add_request([3 + i % 50, 4, 5], SamplingParams(max_new_tokens=4, ignore_eos=True)) for i in range(40)]
+    for _ in range(10):
+        llm.step()
+    assert CountingDeque.walks == 0 and len(llm.scheduler.waiting) > 30
+    llm.abort(rids[-1])
+    aborted = [o for o in llm.step() if o.rid == rids[-1]]
+    assert CountingDeque.walks == 1 and aborted[0].finish_reason == "abort"
+    while llm.has_unfinished():
+        llm.step()
+    assert CountingDeque.walks == 1
+    assert_pool_whole(llm)
     llm.close()

@@ -71,6 +71,8 @@ def test_pipeline_metrics_hand_computed():
     assert m["idle_gap_median_s"] == approx(1.5)
     assert m["num_forwards"] == 5  # every forward span counts, on any stream
     assert m["device_time_per_forward_s"] == approx((4 + 4 + 4 + 2 + 3) / 5)  # G
+    # After each batch's launch ended: b2's span starts 0.5 inside its launch, the aux forward after it.
+    assert m["forward_after_launch_s"] == approx((4 + 4 + 3.5 + 2 + 3) / 5)
     # C: host time per iteration without WAIT: 2, 1.5, 2, 3.
     assert m["num_iterations"] == 4
     assert m["host_time_per_iteration_s"] == approx(8.5 / 4)
@@ -284,3 +286,20 @@ def test_timeline_hand_spans_show_bubbles_and_labels():
 
 def test_timeline_empty():
     assert "no spans" in render_text([])
+
+
+def test_host_work_by_phase_separates_the_mix_of_iterations():
+    """C per iteration by the phase of the batch each iteration launched (observe/breakdown.py):
+    hand_spans' iterations 1-4 launch batches 0-3; batch 0 a prefill, 1-2 full decode, 3 a tail."""
+    from minisgl.observe.breakdown import NO_LAUNCH, host_by_phase, phase_of
+    from minisgl.tracer import BatchRecord
+
+    full = 4
+    batches = [BatchRecord(0, True, 2, 10, 10, 50, 2), BatchRecord(1, False, full, full, 40, 40, full),
+               BatchRecord(2, False, full, full, 44, 44, full), BatchRecord(3, False, 1, 1, 12, 12, 1)]
+    spans = hand_spans() + [S(SpanName.COMMIT, "host", 21, 21.5, 5, 3)]  # a fifth iteration only commits
+    by_phase = host_by_phase(spans, batches, full)
+    # Host work without WAIT per iteration (test above): 2, 1.5, 2, 3, then 0.5.
+    assert by_phase == {"prefill": (1, pytest.approx(2.0)), phase_of(full, False, full): (2, pytest.approx(3.5)),
+                        phase_of(1, False, full): (1, pytest.approx(3.0)), NO_LAUNCH: (1, pytest.approx(0.5))}
+    assert sum(n for n, _ in by_phase.values()) == pipeline_metrics(spans)["num_iterations"]

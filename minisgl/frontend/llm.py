@@ -229,8 +229,9 @@ class LLM:
                 lost = sorted(mine - outputs.keys())
                 raise RuntimeError(f"requests {lost[:8]} can no longer be scheduled: the scheduler lost "
                                    f"track of them (disabled: {sorted(self.scheduler.mechanisms.disabled)})")
-            self._step()
-            outputs.update((rid, self._results[rid]) for rid in mine & self._results.keys())
+            # Only this step's results are looked at: never every result so far (a long run's
+            # host work per step would grow with the requests already finished).
+            outputs.update((rid, self._results[rid]) for rid in self._step() if rid in mine)
             if on_step is not None:
                 on_step(len(outputs))
         # Every request is out, but an overshoot step may still be in flight: commit it, so that
@@ -242,11 +243,11 @@ class LLM:
             del self._results[rid]
         return [outputs[req.rid] for req in reqs]
 
-    def _step(self) -> None:
+    def _step(self) -> list[int]:
         """One scheduler iteration; the requests that finished go to self._results (the public
         call around it holds Ctrl-C back until they are stored). An error (not a held-back
         Ctrl-C) stops the scheduler: it is raised here once, and every later call refuses (see
-        _call); what finished before it is still stored, for collect()."""
+        _call); what finished before it is still stored, for collect(). Returns their ids."""
         nothing_in_flight, launched = self.scheduler.last is None, self.scheduler.stats.batches
         try:
             done = self.scheduler.step()
@@ -254,15 +255,16 @@ class LLM:
             done, self.scheduler.finished = self.scheduler.finished, []  # finished before the error
             self._store(done)
             raise
-        self._store(done)
+        stored = self._store(done)
         if nothing_in_flight and self.scheduler.stats.batches == launched:
             self._check_not_stuck()
+        return stored
 
-    def _store(self, done: list[Req]) -> None:
+    def _store(self, done: list[Req]) -> list[int]:
         """Turn the requests a step finished into results. A request finished twice is the
         double free a switched-off mechanism causes (skip_finished): detected, latched (the
         engine refuses further work), raised after every other result is stored."""
-        twice = []
+        twice, stored = [], []
         for req in done:
             if req.rid not in self._reqs:
                 twice.append(req.rid)
@@ -272,11 +274,13 @@ class LLM:
                 self._abandoned.discard(req.rid)
             else:
                 self._results[req.rid] = self._output(req)
+                stored.append(req.rid)
         if twice:
             error = KVAccountingError(f"double free: request(s) {twice} finished and were released twice "
                                       f"(disabled: {sorted(self.scheduler.mechanisms.disabled)})")
             self.scheduler.error = self.scheduler.error or error
             raise error
+        return stored
 
     def _check_not_stuck(self) -> None:
         """After a step that had nothing in flight and launched nothing: if requests still wait

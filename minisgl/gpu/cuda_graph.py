@@ -47,7 +47,7 @@ class CudaGraphRunner:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrappers = [{
             bs: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=backend.use_tensor_cores,
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=backend.tensor_cores_for(bs),
                 paged_kv_indptr_buffer=self.kv_indptr_buf[:bs + 1], paged_kv_indices_buffer=self.kv_indices_buf,
                 paged_kv_last_page_len_buffer=self.last_page_len_buf[:bs])
             for bs in self.batch_sizes} for _parity in range(2)]

@@ -26,6 +26,33 @@ from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend
 WORKSPACE_BYTES = 256 << 20
 MIN_TENSOR_CORE_HEAD_DIM = 64  # the smallest head_dim FlashInfer's tensor-core decode accepts
 
+# Decode on tensor cores (FlashInfer then runs its prefill kernel with one query per request)
+# from this batch size up; None: FlashInfer's plain decode kernel at every size. Measured on the
+# H200 (GQA 16/8, head_dim 128; benchmarks/RESULTS.md, issue 27):
+# - host: at 256 requests in steady decode the tensor-core plan costs about 1 ms more per step
+#   (the launch span 1.94-2.15 ms against 0.90-1.07 ms): it plans through the prefill scheduler;
+# - device: on a uniform 820-token batch the plain kernel's steps were faster (7.63 against
+#   8.33 ms). On the offline run's spread lengths (100..2048) the tensor-core kernel read KV at
+#   89-93% of HBM bandwidth from 128 requests up against 75-84% (attention alone), which cut
+#   that run's device time by 3% (5.74 against 5.93 s): the plain kernel gives each request one
+#   thread block per KV head and, once the batch fills the GPU, splits no request, so a few long
+#   requests finish last, alone.
+# The host figure and the uniform batch both favour the plain kernel at the size they cover, so
+# it is the default. `python benchmarks/gpu_checks.py DIR decode-plan` A/Bs the two on one
+# machine (host plan + launch and device time per step, batch 32..256, uniform and spread
+# lengths) and prints the batch size from which tensor cores give the shorter step: set it here.
+TENSOR_CORE_DECODE_MIN_BATCH: int | None = None
+
+
+def decode_on_tensor_cores(batch_size: int, grouped: bool, deterministic: bool) -> bool:
+    """Which decode kernel a batch of `batch_size` requests runs (see TENSOR_CORE_DECODE_MIN_BATCH).
+
+    `grouped`: query heads share KV heads (GQA), the case the tensor-core kernel is for. The
+    deterministic mode always needs it: only that kernel can switch the KV split off."""
+    if deterministic:
+        return True
+    return grouped and TENSOR_CORE_DECODE_MIN_BATCH is not None and batch_size >= TENSOR_CORE_DECODE_MIN_BATCH
+
 
 def flashinfer_available() -> bool:
     try:
@@ -53,30 +80,22 @@ class FlashInferBackend:
         self.dtype = dtype
         # One float workspace: it is used only while kernels run, and batches run in order.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # Decode on tensor cores (FlashInfer runs its prefill kernel with one query per request)
-        # whenever query heads share KV heads. Measured on the H200 with GQA group 2, head_dim 128
-        # and lengths like the offline benchmark's (100..2048): 89-93% of HBM bandwidth from 128
-        # requests up, against 75-84% without (on a uniform 820-token batch it was 6% slower;
-        # other group sizes and head dims are not measured). The plain decode kernel gives each
-        # request one thread block per KV head and splits no request once the batch fills the
-        # GPU, so a few long requests finish last, alone; the tensor-core kernel loads KV in
-        # larger tiles, and its plan may cut a long request into chunks (which of the two matters
-        # more was not isolated; benchmarks/RESULTS.md). The deterministic mode needs them: only that kernel can switch
-        # the KV split off.
         # FlashInfer 0.6.6 has no tensor-core decode configuration below head_dim 64: with the
-        # demo model's head_dim 32 the first decode fails with "Invalid configuration"
-        # (measured on the H200, 2026-12-02), so small heads take the plain kernel.
+        # demo model's head_dim 32 the first decode failed with "Invalid configuration" (H200,
+        # 2026-12-02), so small heads count as ungrouped here and take the plain kernel.
         if deterministic and head_dim < MIN_TENSOR_CORE_HEAD_DIM:
             raise ValueError(f"deterministic=True on FlashInfer needs head_dim >= {MIN_TENSOR_CORE_HEAD_DIM} "
                              f"(its tensor-core decode), this model has {head_dim}; use attention_backend='torch'")
-        self.use_tensor_cores = (num_qo_heads > num_kv_heads and head_dim >= MIN_TENSOR_CORE_HEAD_DIM) or deterministic
+        self.grouped = num_qo_heads > num_kv_heads and head_dim >= MIN_TENSOR_CORE_HEAD_DIM
         self.deterministic = deterministic
         self.prefill_reference = TorchAttentionBackend(deterministic=True) if deterministic else None
         self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
-        self.decode = [flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                    use_tensor_cores=self.use_tensor_cores)
-                       for _ in range(2)]
-        self._active = self.decode[0]  # the wrapper the layers run: planned for the current batch
+        # Eager decode wrappers for each kernel some batch size may run (the smallest and the
+        # largest batch tell, the rule being a threshold), two of each: see parity above.
+        kinds = {self.tensor_cores_for(1), self.tensor_cores_for(max_batch)}
+        self.decode = {tc: [flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc)
+                            for _ in range(2)] for tc in kinds}
+        self._active = self.prefill[0]  # the wrapper the layers run: planned for the current batch
         # The plans' host inputs, pinned. FlashInfer uploads them with non_blocking copies, and a
         # copy from pageable memory may make the host wait for the stream first (CUDA's "API
         # synchronization behavior"), i.e. for the batch in flight: the very stall the overlap
@@ -89,6 +108,10 @@ class FlashInferBackend:
         # from pageable memory: the wait above, once per prefill batch).
         self._kv_lens = [torch.zeros(max_batch, **pinned) for _ in range(2)]
         self._last_page_len = torch.ones(max_batch, **pinned)  # page size 1: never rewritten
+
+    def tensor_cores_for(self, batch_size: int) -> bool:
+        """Does a decode batch of this size run on tensor cores? (decode_on_tensor_cores)"""
+        return decode_on_tensor_cores(batch_size, self.grouped, self.deterministic)
 
     def plan(self, meta: AttentionMetadata, parity: int = 0, decode_wrapper=None) -> None:
         """Once per batch. `decode_wrapper`: a CUDA-graph wrapper with its own fixed buffers."""
@@ -103,7 +126,7 @@ class FlashInferBackend:
         kv_lens.numpy()[:] = meta.kv_lens
         kv_indices = meta.kv_indices.to(torch.int32)
         if meta.is_decode:
-            self._active = decode_wrapper or self.decode[parity]
+            self._active = decode_wrapper or self.decode[self.tensor_cores_for(meta.num_requests)][parity]
             self._active.plan(kv_indptr, kv_indices, last_page_len, num_qo, num_kv, head_dim, 1,
                               q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=self.deterministic,
                               seq_lens=kv_lens)
@@ -129,5 +152,5 @@ class FlashInferBackend:
 
     def close(self) -> None:
         """Drop the wrappers (they hold the workspace and their plans' buffers)."""
-        self.prefill, self.decode, self._active = [], [], None
+        self.prefill, self.decode, self._active = [], {}, None
         self.workspace = None

@@ -238,13 +238,17 @@ def print_results(results: list[dict]) -> None:
 def print_breakdown(result: dict) -> None:
     table = Table(title=f"where the device time went: {result['loop']} loop (observe/breakdown.py)",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for col in ("phase", "batches", "tokens\nor slots", "device\ns", "share", "floor\ns", "floor\n/dev"):
+    for col in ("phase", "batches", "tokens\nor slots", "device\ns", "share", "floor\ns", "floor\n/dev",
+                "C ms\n/iter"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in result["breakdown"]:
         ratio = f"{row['floor_s'] / row['device_s']:.0%}" if row["floor_s"] and row["device_s"] else ""
+        c_ms = f"{row['host_s'] / row['iterations'] * 1000:.2f}" if row.get("iterations") else ""
         table.add_row(row["phase"], str(row["batches"] or ""), str(row["tokens"]), f"{row['device_s']:.3f}",
-                      f"{row['share']:.1%}", f"{row['floor_s']:.3f}" if row["floor_s"] else "", ratio)
+                      f"{row['share']:.1%}", f"{row['floor_s']:.3f}" if row["floor_s"] else "", ratio, c_ms)
     console.print(table)
+    console.print("C ms/iter: host work per iteration that launched a batch of the phase; the total's is\n"
+                  "the run's C, a mean over the mix of phases.", style="dim", highlight=False)
 
 
 def run_online_bench(args: argparse.Namespace, workload: Workload) -> int:
@@ -278,8 +282,9 @@ def run_online_bench(args: argparse.Namespace, workload: Workload) -> int:
 
 def print_ratios(results: list[dict]) -> None:
     """overlap/normal per delay: median and range over paired repeats, next to the ideal
-    (G+C)/max(G,C) with G and C measured in the normal runs, and the share of the gain realised."""
-    table = Table(title="overlap vs normal (G and C from the normal runs)",
+    (G+C)/max(G,C), and the share of the gain realised. C is measured in the normal runs, G in
+    the overlap runs as the forward after its launch (trace.py: forward_after_launch_s)."""
+    table = Table(title="overlap vs normal (G from the overlap runs, C from the normal runs)",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("delay\nms", "G\nms", "C\nms", "ideal", "overlap/\nnormal", "range", "share of\nthe gain"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -288,7 +293,7 @@ def print_ratios(results: list[dict]) -> None:
         overlap = groups.get(("overlap", delay))
         if loop != "normal" or not overlap:
             continue
-        g = _median(normal, "pipe_device_time_per_forward_s")
+        g = _median(overlap, "pipe_forward_after_launch_s")
         c = _median(normal, "pipe_host_time_per_iteration_s")
         ideal = ideal_ratio(g, c)
         ratios = [o["output_tok_per_s"] / n["output_tok_per_s"] for n, o in zip(normal, overlap)]

@@ -12,6 +12,11 @@ device span, then attributes the run:
   their time: the batch's time times their share of its rows)
 - idle: device time with no forward running, between the first and the last forward.
 
+Beside each phase's device time: the host work C per iteration of the iterations that
+launched a batch of that phase (`host_by_phase`). The run's C is a mean over iterations of
+every kind, so it moves with their mix (how many prefills, how full the decode batches are)
+even where no kind grows; this column tells the two apart.
+
 The sum of the floors is the floor *of this schedule*; the roofline in bench.py assumes a
 better one (every request decodes at full batch from the first step).
 """
@@ -24,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..tracer import HOST_LANE, BatchRecord, Span, SpanName
+from ..tracer import HOST_LANE, HOST_WORK, BatchRecord, Span, SpanName
 from .trace import merge_intervals
 
 TAIL_BUCKETS = (8, 32, 64, 128)  # upper bounds of the tail's batch-size buckets; the rest up to full
@@ -109,9 +114,31 @@ def phase_of(num_reqs: int, is_prefill: bool, full: int) -> str:
     return f"decode, tail {low}-{full - 1}"
 
 
+NO_LAUNCH = "no launch"  # an iteration that only committed (the last one, or a wait for memory)
+
+
+def host_by_phase(spans: list[Span], batches: list[BatchRecord], full_batch: int) -> dict[str, tuple[int, float]]:
+    """{phase: (iterations, host seconds)}: C's spans (schedule, launch, commit, sample; waiting
+    excluded, as in `pipeline_metrics`) of each iteration, under the phase of the batch it launched."""
+    phases = {rec.batch_id: phase_of(rec.num_reqs, rec.is_prefill, full_batch) for rec in batches}
+    launched = {sp.iteration: phases.get(sp.batch_id, NO_LAUNCH) for sp in spans
+                if sp.lane == HOST_LANE and sp.name == SpanName.LAUNCH}
+    work: dict[int, float] = {}
+    for sp in spans:
+        if sp.lane == HOST_LANE and sp.name in HOST_WORK:
+            work[sp.iteration] = work.get(sp.iteration, 0.0) + sp.duration
+    out: dict[str, tuple[int, float]] = {}
+    for iteration, seconds in work.items():
+        phase = launched.get(iteration, NO_LAUNCH)
+        n, total = out.get(phase, (0, 0.0))
+        out[phase] = (n + 1, total + seconds)
+    return out
+
+
 def breakdown(spans: list[Span], batches: list[BatchRecord], cost: ModelCost, hbm: float, flops: float,
               full_batch: int) -> list[dict]:
-    """Rows {phase, batches, device_s, floor_s, (slots)}: phases, then padding, idle and the total."""
+    """Rows {phase, batches, device_s, floor_s, iterations, host_s, (slots)}: phases, then padding,
+    idle and the total."""
     forwards = {sp.batch_id: sp for sp in spans if sp.lane != HOST_LANE and sp.name == SpanName.FORWARD}
     rows: dict[str, dict] = {}
     pad_slots = pad_rows = 0
@@ -125,7 +152,8 @@ def breakdown(spans: list[Span], batches: list[BatchRecord], cost: ModelCost, hb
             floor = cost.prefill_floor(rec.num_tokens, rec.attention_pairs, rec.kv_tokens, hbm, flops)
         else:
             floor = cost.decode_floor(rec.kv_tokens, hbm)
-        row = rows.setdefault(name, {"phase": name, "batches": 0, "device_s": 0.0, "floor_s": 0.0, "tokens": 0})
+        row = rows.setdefault(name, {"phase": name, "batches": 0, "device_s": 0.0, "floor_s": 0.0, "tokens": 0,
+                                     "iterations": 0, "host_s": 0.0})
         row["batches"] += 1
         row["device_s"] += span.duration
         row["floor_s"] += floor
@@ -134,6 +162,10 @@ def breakdown(spans: list[Span], batches: list[BatchRecord], cost: ModelCost, hb
             pad_slots += rec.padded_reqs - rec.num_reqs
             pad_rows += rec.padded_reqs
             pad_time += span.duration * (rec.padded_reqs - rec.num_reqs) / rec.padded_reqs
+    host = host_by_phase(spans, batches, full_batch)
+    for name, (iterations, host_s) in host.items():
+        if name in rows:
+            rows[name].update(iterations=iterations, host_s=host_s)
     order = sorted(rows.values(), key=lambda r: (r["phase"] != "prefill", "full" not in r["phase"],
                                                   _bucket_low(r["phase"])))
     device = merge_intervals([(sp.start, sp.end) for sp in forwards.values()])
@@ -144,7 +176,8 @@ def breakdown(spans: list[Span], batches: list[BatchRecord], cost: ModelCost, hb
                   "tokens": pad_slots, "padded_share": pad_slots / pad_rows if pad_rows else 0.0})
     order.append({"phase": "idle (no forward running)", "batches": 0, "device_s": idle, "floor_s": 0.0, "tokens": 0})
     order.append({"phase": "total (first to last forward)", "batches": sum(r["batches"] for r in rows.values()),
-                  "device_s": window, "floor_s": total_floor, "tokens": sum(r["tokens"] for r in rows.values())})
+                  "device_s": window, "floor_s": total_floor, "tokens": sum(r["tokens"] for r in rows.values()),
+                  "iterations": sum(n for n, _ in host.values()), "host_s": sum(t for _, t in host.values())})
     for r in order:
         r["share"] = r["device_s"] / window if window else 0.0
     return order

@@ -9,7 +9,12 @@ host caps it at (G+C)/C.
 Each point runs the same decode-heavy workload through both loops, several times, in ABBA
 order (normal, overlap, overlap, normal, ...) so that a slow phase of a shared machine hits
 both loops alike; the point reports the median and range of the paired ratios. G and C are
-measured from the normal runs' trace spans (`pipeline_metrics`), never taken from the knobs.
+measured from the same runs' trace spans (`pipeline_metrics`), never taken from the knobs:
+C from the normal runs, G from the overlap runs, as each forward's device time after its own
+launch returned. On a GPU the forward's span opens at its input copy and then waits for the
+rest of the launch whenever the device has nothing else queued, as always in the normal
+loop: that G holds launch work, which is C's, and an ideal built from it promised a gain
+that no schedule can reach (benchmarks/RESULTS.md, the lab on the H200).
 
 On the CPU the device is a worker thread; `device_delay_ms` (a sleep on that thread, 20 ms by
 default) makes G large and steady next to the Python of the tiny forward. On CUDA the same
@@ -52,7 +57,8 @@ class LabRun:
     """One generate() of the workload: throughput and the trace figures of the lab."""
 
     tok_per_s: float
-    g_s: float  # device time per forward
+    g_s: float  # device time per forward after its launch returned (trace.py: forward_after_launch_s)
+    g_span_s: float  # device time per forward, the whole span (on a GPU: with the end of its launch)
     c_s: float  # host work per iteration (S+L+C spans, waiting excluded)
     busy: float  # device busy fraction
     idle_s: float  # device idle per forward (the bubble)
@@ -69,8 +75,8 @@ class Point:
 
     @property
     def g_s(self) -> float:
-        """G as the normal loop sees it (no host work runs beside the forward there)."""
-        return statistics.median(r.g_s for r in self.normal)
+        """G as the overlap loop sees it: its forwards after their launches (no launch work)."""
+        return statistics.median(r.g_s for r in self.overlap)
 
     @property
     def c_s(self) -> float:
@@ -103,7 +109,8 @@ class Point:
                 "ratio_min": min(self.ratios), "ratio_max": max(self.ratios),
                 "busy_normal": med(self.normal, "busy"), "busy_overlap": med(self.overlap, "busy"),
                 "idle_normal_ms": med(self.normal, "idle_s") * 1e3, "idle_overlap_ms": med(self.overlap, "idle_s") * 1e3,
-                "g_ms": self.g_s * 1e3, "c_ms": self.c_s * 1e3, "g_overlap_ms": med(self.overlap, "g_s") * 1e3,
+                "g_ms": self.g_s * 1e3, "c_ms": self.c_s * 1e3, "g_normal_ms": med(self.normal, "g_span_s") * 1e3,
+                "g_overlap_ms": med(self.overlap, "g_span_s") * 1e3,
                 "share": self.share, "ratios": self.ratios, "host_delay_ms": self.host_delay_ms, "steps": self.steps}
 
 
@@ -166,7 +173,8 @@ class Runner:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
         m = pipeline_metrics(llm.engine.tracer.resolve())
-        return LabRun(sum(len(o.token_ids) for o in outs) / wall, m["device_time_per_forward_s"],
+        return LabRun(sum(len(o.token_ids) for o in outs) / wall, m["forward_after_launch_s"],
+                      m["device_time_per_forward_s"],
                       m["host_time_per_iteration_s"], m["device_busy_fraction"], m["exposed_host_time_per_step_s"])
 
 
@@ -258,7 +266,8 @@ def chart_text(points: list[dict], width: int = 40) -> Text:
 def lab_table(points: list[dict]) -> Table:
     """One row per point; fits 80 columns (two-line headers, no vertical rules)."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
-                  title="overlap vs normal (G, C from the normal runs)", title_justify="left")
+                  title="overlap vs normal (G from the overlap runs, C from the normal runs)",
+                  title_justify="left")
     for col in ("C/G", "G\nms", "C\nms", "busy\nnorm/ovl", "idle ms\nnorm/ovl", "ideal", "ovl/\nnorm",
                 "range", "share"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -273,7 +282,8 @@ def lab_table(points: list[dict]) -> Table:
 
 
 LEGEND = """\
-C/G: host work per iteration C (S+L+C spans) over device time per forward G.
+C/G: host work per iteration C (S+L+C spans, normal runs) over G, the device time
+per forward after its launch returned (overlap runs).
 busy, idle: device busy fraction and device idle per forward, normal/overlap.
 ideal: (G+C)/max(G,C).  ovl/norm, range: overlap/normal throughput, median and
 range over the repeats.  share: (median-1)/(ideal-1), the part of the possible
@@ -298,7 +308,7 @@ def sweep(runner: Runner, args: argparse.Namespace, workload_of: Callable[[int],
             continue  # a target below the host's own C/G: the no-delay point is already measured
         steps = steps_for(g_est, probe.c_s + host_delay / 1e3, args.run_s, args.min_steps, MAX_STEPS)
         measured = measure_point(runner, workload_of(steps), host_delay, args.repeats)
-        g_seen += [r.g_s for r in measured.normal]
+        g_seen += [r.g_s for r in measured.overlap]
         points.append(measured.to_json())
         console.print(f"  host_delay_ms {host_delay:6.2f}, {steps:3d} steps: C/G {points[-1]['c_over_g']:.2f}, "
                       f"ovl/norm {points[-1]['ratio_median']:.2f} (ideal {points[-1]['ideal']:.2f})")

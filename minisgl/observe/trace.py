@@ -5,7 +5,9 @@
   G (device time per forward) and C (host work per iteration: schedule + launch + commit
   spans, waiting excluded). These are the only G and C in minisgl: bench, lab, lessons and
   the timeline all read them here. The serial loop's step is about G + C; the overlap
-  loop's about max(G, C): `ideal_ratio`, and `realised_share` of a measured ratio.
+  loop's about max(G, C): `ideal_ratio`, and `realised_share` of a measured ratio. On a GPU
+  a forward's span also holds the end of its own launch; `forward_after_launch_s` is G
+  without it, the G of the ideal in `bench` and `lab`.
 - `request_metrics`: TTFT, TPOT and end-to-end latency over finished requests.
 `minisgl.observe.timeline.render_timeline` draws the same spans in the terminal.
 
@@ -83,6 +85,15 @@ def pipeline_metrics(spans: list[Span]) -> dict:
     - idle_gap_total_s / idle_gap_mean_s / idle_gap_median_s / num_idle_gaps: the gaps
       between consecutive intervals of that union: the bubbles.
     - num_forwards, device_time_per_forward_s (G): count and mean length of FORWARD spans.
+    - forward_after_launch_s (G after launch): mean, over FORWARD spans, of the part after the
+      host's LAUNCH span of the same batch ended. On a GPU a forward's span opens at its input
+      copy, queued first, and the device then waits for the rest of the launch (the attention
+      plan, the graph replay): the span holds launch work whenever the device had nothing else
+      queued (always in the normal loop). This is the forward without it: the G that an overlap
+      loop whose queue never runs dry sees. On the CPU's emulated stream both are about equal.
+      It compares device and host times: on CUDA the trace places device events on the host
+      clock from its first event (`Tracer.resolve`), exact when the device was idle then, as
+      after a warm-up or a synchronize.
     - num_iterations, host_time_per_iteration_s (C): mean, over the iterations that did any
       host work, of that iteration's host span time excluding WAIT (waiting is not work).
     - exposed_host_time_per_step_s: device idle time per forward (idle_gap_total_s /
@@ -93,6 +104,7 @@ def pipeline_metrics(spans: list[Span]) -> dict:
     out: dict[str, float | int] = {
         "wall_s": 0.0, "device_busy_fraction": 0.0, "idle_gap_total_s": 0.0, "idle_gap_mean_s": 0.0,
         "idle_gap_median_s": 0.0, "num_idle_gaps": 0, "num_forwards": 0, "device_time_per_forward_s": 0.0,
+        "forward_after_launch_s": 0.0,
         "num_iterations": 0, "host_time_per_iteration_s": 0.0, "exposed_host_time_per_step_s": 0.0,
         "host_wait_fraction": 0.0,
     }
@@ -113,11 +125,14 @@ def pipeline_metrics(spans: list[Span]) -> dict:
             out["idle_gap_median_s"] = _percentile(gaps, 50)
             out["num_idle_gaps"] = len(gaps)
 
-    forwards = [sp.duration for sp in spans if sp.lane != HOST_LANE and sp.name == SpanName.FORWARD]
+    forwards = [sp for sp in spans if sp.lane != HOST_LANE and sp.name == SpanName.FORWARD]
     out["num_forwards"] = len(forwards)
     if forwards:
-        out["device_time_per_forward_s"] = sum(forwards) / len(forwards)
+        out["device_time_per_forward_s"] = sum(sp.duration for sp in forwards) / len(forwards)
         out["exposed_host_time_per_step_s"] = out["idle_gap_total_s"] / len(forwards)
+        launched = {sp.batch_id: sp.end for sp in spans if sp.lane == HOST_LANE and sp.name == SpanName.LAUNCH}
+        out["forward_after_launch_s"] = sum(max(0.0, sp.end - max(sp.start, launched.get(sp.batch_id, sp.start)))
+                                            for sp in forwards) / len(forwards)
 
     per_iteration: dict[int, float] = {}
     wait = 0.0
