@@ -149,6 +149,8 @@ BREAKERS = {
     # ... or all equal, or too slow to tell neighbouring positions apart, or positions not exact in float32.
     "rope_theta 1": (_rope_theta(1), "rope_theta"),
     "linear rope factor 1e40": (_linear_rope(1e40), "factor"),
+    "rope_type a list": (lambda f: edit_config(f, rope_parameters={"rope_type": ["linear"], "rope_theta": 1e4}),
+                         "rope_type"),
     "max_position_embeddings 2**25": (lambda f: edit_config(f, max_position_embeddings=2 ** 25),
                                       "max_position_embeddings"),
     # Sizes beyond the weights (finding 13): 10**5 layers took 92 s to fail (a model built first), the

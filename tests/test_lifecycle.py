@@ -81,6 +81,23 @@ def test_device_error_says_what_failed(qwen3):
             llm.generate(["hello there"], GREEDY)
 
 
+# Before the first test that asks for the module's shared engine (`llm`): settings are given back
+# when the last engine of the process closes, and that one lives until the module's end.
+def test_close_gives_back_torch_threads_and_the_switch_interval(qwen3):
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(2)
+    sys.setswitchinterval(0.004)
+    try:
+        first, second = LLM(qwen3), LLM(qwen3)
+        first.close()
+        assert torch.get_num_threads() == 1  # the second engine still runs
+        second.close()
+        assert (torch.get_num_threads(), sys.getswitchinterval()) == (2, pytest.approx(0.004))
+    finally:
+        torch.set_num_threads(threads)
+        sys.setswitchinterval(interval)
+
+
 # generate() keeps other requests' results -----------------------------------------------------
 def test_generate_leaves_add_request_results_collectable(llm, reference):
     short = llm.add_request("hello there", SamplingParams(max_new_tokens=2, ignore_eos=True))
@@ -240,19 +257,3 @@ def test_llm_in_a_forked_child_refuses_instead_of_hanging(qwen3):
             pytest.fail("the forked child hung")
         assert os.waitstatus_to_exitcode(done[1]) == 0
         assert len(llm.generate(["hello"], GREEDY)[0].token_ids) == GREEDY.max_new_tokens  # the parent still works
-
-
-# Issue 26 (robust at the API boundary)
-def test_close_gives_back_torch_threads_and_the_switch_interval(qwen3):
-    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
-    torch.set_num_threads(2)
-    sys.setswitchinterval(0.004)
-    try:
-        first, second = LLM(qwen3), LLM(qwen3)
-        first.close()
-        assert torch.get_num_threads() == 1  # the second engine still runs
-        second.close()
-        assert (torch.get_num_threads(), sys.getswitchinterval()) == (2, pytest.approx(0.004))
-    finally:
-        torch.set_num_threads(threads)
-        sys.setswitchinterval(interval)

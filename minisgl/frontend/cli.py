@@ -16,8 +16,8 @@ from typing import Sequence
 
 from ..checks import MAX_TOKENS
 from ..request import FLOAT32_MAX, TOP_K_MAX
-from .options import (DELAY_MS, MAX_CLI_REQUESTS, SEED, Number, NumberList, OneLineParser, add_engine_args,
-                      build_llm, count, disabled_names)
+from .options import (DELAY_MS, MAX_CLI_REQUESTS, MAX_DEMO_PROMPTS, SEED, Number, NumberList, OneLineParser,
+                      add_engine_args, build_llm, count, disabled_names)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -104,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for prompts")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable; default: demo prompts)")
-    g.add_argument("--num-demo-prompts", type=count(MAX_CLI_REQUESTS), default=3,
+    g.add_argument("--num-demo-prompts", type=count(MAX_DEMO_PROMPTS), default=3,
                    help="without --prompt: how many demo prompts")
     g.add_argument("--max-new-tokens", type=count(MAX_TOKENS), default=32)
     g.add_argument("--temperature", type=Number(float, 0.0, FLOAT32_MAX), default=0.0, help="0: greedy")
@@ -146,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="record a run and write a Chrome trace JSON (Perfetto, chrome://tracing)")
     add_engine_args(t)
     t.add_argument("--out", default="trace.json")
-    t.add_argument("--num-requests", type=count(MAX_CLI_REQUESTS), default=8)
+    t.add_argument("--num-requests", type=count(MAX_DEMO_PROMPTS), default=8)
     t.set_defaults(func=cmd_trace)
 
     d = sub.add_parser("demo", help="generate with the demo model and show both loops' timelines")

@@ -20,6 +20,9 @@ from ..mechanisms import MECHANISMS
 # workload is built up front, and 16,384 offline requests are ~9M prompt tokens (~300 MB of Python
 # lists), four times the largest GPU run recorded (benchmarks/RESULTS.md).
 MAX_CLI_REQUESTS = 16384
+# generate's demo prompts and trace's requests are distinct held-out demo prompts, drawn one by
+# one: about 6 s per thousand on a loaded 2-core machine, slower as the pool runs out (16,384: minutes).
+MAX_DEMO_PROMPTS = 1024
 
 
 @dataclass(frozen=True)

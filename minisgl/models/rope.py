@@ -73,7 +73,7 @@ def check_rope(params: dict, head_dim: int, window: int, dtype: torch.dtype, pat
       rotation, and by less than 2**24 radians over the window, else float32 angles lose whole turns.
     """
     rope_type = params["rope_type"]
-    if rope_type not in SCALING_FIELDS:
+    if not isinstance(rope_type, str) or rope_type not in SCALING_FIELDS:
         raise ValueError(f"{str(path)!r}: unsupported rope_type {rope_type!r}; supported: {', '.join(SCALING_FIELDS)}")
     for key in ("rope_theta", *SCALING_FIELDS[rope_type]):
         value = params.get(key)
