@@ -159,11 +159,11 @@ def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device 
     # The smallest request: a one-token prompt, one new token, and the slot an overshoot step writes.
     kv_tokens = optional_size("kv_tokens", kv_tokens, MAX_TOKENS, low=3)
     check_bool("deterministic", deterministic)
-    backend = resolve_attention_backend(attention_backend, resolved_device, resolved_dtype)
 
     from .models.checkpoint import load_config  # transformers: imported when an engine is built
 
     checkpoint, _ = load_config(Path(model_path), resolved_dtype)
+    backend = resolve_attention_backend(attention_backend, resolved_device, resolved_dtype, head_dim_of(checkpoint))
     kv_bytes_per_token, weight_bytes = model_bytes(checkpoint, resolved_dtype)
     if resolved_device.type == "cuda":
         # An earlier engine dropped without close() may still hold device memory in reference
@@ -238,16 +238,26 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
-def resolve_attention_backend(choice: str, device: torch.device, dtype: torch.dtype) -> AttentionBackendName:
-    """"auto": FlashInfer on CUDA in bf16/fp16 when installed, else the torch reference."""
-    from .gpu.flashinfer_backend import flashinfer_available
+def resolve_attention_backend(choice: str, device: torch.device, dtype: torch.dtype,
+                              head_dim: int) -> AttentionBackendName:
+    """"auto": FlashInfer on CUDA in bf16/fp16 when installed and the heads are large enough for its
+    kernels, else the torch reference."""
+    from .gpu.flashinfer_backend import FLASHINFER_MIN_HEAD_DIM, flashinfer_available
 
     if choice == "flashinfer" and device.type != "cuda":
         raise ValueError("the flashinfer backend needs a CUDA device")
+    if choice == "flashinfer" and head_dim < FLASHINFER_MIN_HEAD_DIM:
+        raise ValueError(f"the flashinfer backend needs head_dim >= {FLASHINFER_MIN_HEAD_DIM}; this model has "
+                         f"{head_dim} (use attention_backend='torch' or 'auto')")
     half = dtype in (torch.float16, torch.bfloat16)
-    if choice == "flashinfer" or (choice == "auto" and device.type == "cuda" and half and flashinfer_available()):
+    usable = device.type == "cuda" and half and head_dim >= FLASHINFER_MIN_HEAD_DIM and flashinfer_available()
+    if choice == "flashinfer" or (choice == "auto" and usable):
         return "flashinfer"
     return "torch"
+
+
+def head_dim_of(checkpoint: PretrainedConfig) -> int:
+    return getattr(checkpoint, "head_dim", None) or checkpoint.hidden_size // checkpoint.num_attention_heads
 
 
 def model_bytes(checkpoint: PretrainedConfig, dtype: torch.dtype) -> tuple[int, int]:
@@ -255,7 +265,7 @@ def model_bytes(checkpoint: PretrainedConfig, dtype: torch.dtype) -> tuple[int, 
     checkpoint's sizes. Norms and biases, a few thousand values, are left out of the weights:
     this sizes memory budgets, not a file."""
     hidden, layers, vocab = checkpoint.hidden_size, checkpoint.num_hidden_layers, checkpoint.vocab_size
-    head_dim = getattr(checkpoint, "head_dim", None) or hidden // checkpoint.num_attention_heads
+    head_dim = head_dim_of(checkpoint)
     q_size = checkpoint.num_attention_heads * head_dim
     kv_size = (checkpoint.num_key_value_heads or checkpoint.num_attention_heads) * head_dim
     per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * checkpoint.intermediate_size

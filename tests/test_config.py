@@ -57,3 +57,16 @@ def test_max_seq_len_and_table_width(qwen3, kv_tokens):
 def test_kv_pool_too_small_for_any_prompt_is_refused(qwen3, kv_tokens):
     with pytest.raises(ValueError, match="kv_tokens"):
         LLM(qwen3, kv_tokens=kv_tokens)
+
+
+def test_small_heads_never_resolve_to_flashinfer():
+    """FlashInfer 0.6.6 has no kernels for head_dim 32 (the demo model's; measured on the H200):
+    "auto" takes the torch backend there, and asking for flashinfer is one ValueError."""
+    import torch
+
+    from minisgl.config import resolve_attention_backend
+
+    cuda = torch.device("cuda")  # a device object only: no GPU is needed to resolve the choice
+    assert resolve_attention_backend("auto", cuda, torch.bfloat16, 32) == "torch"
+    with pytest.raises(ValueError, match="head_dim >= 64"):
+        resolve_attention_backend("flashinfer", cuda, torch.bfloat16, 32)

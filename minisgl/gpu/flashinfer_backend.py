@@ -24,7 +24,10 @@ import torch
 from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend, store_new_kv
 
 WORKSPACE_BYTES = 256 << 20
-MIN_TENSOR_CORE_HEAD_DIM = 64  # the smallest head_dim FlashInfer's tensor-core decode accepts
+# FlashInfer 0.6.6 has no kernels for the demo model's head_dim 32 (H200, 2026-12-02): the
+# tensor-core decode failed with "Invalid configuration", the plain decode's split-KV merge with
+# "Unsupported head_dim: 32". "auto" takes the torch backend below this (config.py).
+FLASHINFER_MIN_HEAD_DIM = 64
 
 # Decode on tensor cores (FlashInfer then runs its prefill kernel with one query per request)
 # from this batch size up; None: FlashInfer's plain decode kernel at every size. Measured on the
@@ -80,13 +83,7 @@ class FlashInferBackend:
         self.dtype = dtype
         # One float workspace: it is used only while kernels run, and batches run in order.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # FlashInfer 0.6.6 has no tensor-core decode configuration below head_dim 64: with the
-        # demo model's head_dim 32 the first decode failed with "Invalid configuration" (H200,
-        # 2026-12-02), so small heads count as ungrouped here and take the plain kernel.
-        if deterministic and head_dim < MIN_TENSOR_CORE_HEAD_DIM:
-            raise ValueError(f"deterministic=True on FlashInfer needs head_dim >= {MIN_TENSOR_CORE_HEAD_DIM} "
-                             f"(its tensor-core decode), this model has {head_dim}; use attention_backend='torch'")
-        self.grouped = num_qo_heads > num_kv_heads and head_dim >= MIN_TENSOR_CORE_HEAD_DIM
+        self.grouped = num_qo_heads > num_kv_heads
         self.deterministic = deterministic
         self.prefill_reference = TorchAttentionBackend(deterministic=True) if deterministic else None
         self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
