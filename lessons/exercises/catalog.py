@@ -156,7 +156,7 @@ EXERCISES = {e.number: e for e in (
         "and go on.",
     )),
     Exercise(8, "the handoff between the streams: the engine waits for the scheduler stream, the host "
-                "waits for copy_done (engine.py, scheduler.py)", 2, (
+                "waits for copy_done (engine.py, scheduler.py)", 3, (  # taught in lesson 2, checked in lesson 3's loop
         "tests/test_ex8_handoff.py",
         "tests/test_overlap.py::test_overlap_pipelines_launches_ahead_of_commits",
         "tests/test_overlap.py::test_overlap_equals_normal[3.0-0]",
