@@ -92,6 +92,8 @@ class Grammar:
                     end: Iterable[int] = ()) -> "Grammar":
         """One allowed set per position: state i allows steps[i] and leads to i+1. `repeat_last`:
         the last set may repeat; `end`: tokens that may follow the last set and end the output."""
+        if not steps:
+            raise ValueError("a grammar needs at least one step (a set of allowed tokens)")
         table: dict[int, dict[int, int]] = {}
         final = len(steps)
         for i, allowed in enumerate(steps):

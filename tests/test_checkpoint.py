@@ -168,6 +168,9 @@ BREAKERS = {
                                        "generation_config"),
     "tokenizer.json FIFO": (_replaced_by(os.mkfifo, "tokenizer.json"), "tokenizer.json"),
     "weights FIFO": (_replaced_by(os.mkfifo, "model.safetensors"), "model.safetensors"),
+    # JSON nested past the parser's stack raised RecursionError with a traceback
+    "config nested 200,000 deep": (lambda f: (f / "config.json").write_text("[" * 200_000 + "]" * 200_000),
+                                   "config.json"),
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -87,6 +88,22 @@ def test_a_note_in_a_text_file_is_neither_graded_nor_a_crash(submissions, tmp_pa
     readme = tree / "lessons" / "exercises" / "README.md"
     readme.write_text(readme.read_text() + "\nmy note: # >>> exercise 2: resolve ... # <<< exercise 2 'unfinished\n")
     assert grade.edits_outside_regions(submissions / "empty", tree) == {}
+
+
+def test_a_patch_that_is_not_a_regular_file_is_not_gradable_instead_of_a_hang(tmp_path):
+    """A FIFO named like a patch blocked `git apply` for ever, and one linked to /dev/zero fed it
+    until memory ran out: the submission is "not gradable", and an empty folder is one error line."""
+    base = tmp_path / "edition"
+    base.mkdir()
+    os.mkfifo(tmp_path / "bob.patch")
+    (tmp_path / "carol.patch").symlink_to("/dev/zero")
+    for name in ("bob.patch", "carol.patch"):
+        sub = grade.read_submission(tmp_path / name, base)
+        assert "not a regular file" in sub.not_gradable
+    (tmp_path / "nothing").mkdir()
+    done = subprocess.run([sys.executable, str(ROOT / "lessons" / "exercises" / "grade.py"), str(tmp_path / "nothing"),
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: no submission")
 
 
 def test_identical_region_code_shares_one_check_and_a_code_change_does_not():

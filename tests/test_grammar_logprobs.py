@@ -48,6 +48,8 @@ def test_grammar_is_checked_at_the_api_boundary(llm):
         Grammar({0: {5: 0}}, start=3)
     with pytest.raises(ValueError, match="allows no token"):
         Grammar({0: {}})
+    with pytest.raises(ValueError, match="at least one step"):
+        Grammar.sequence_of([])  # was a bare KeyError
     with pytest.raises(TypeError, match="grammar must be"):
         SamplingParams(grammar={0: {5: 0}})
     with pytest.raises(ValueError, match="logprobs"):

@@ -53,8 +53,12 @@ from catalog import EXERCISES  # noqa: E402
 from make_exercise import PACKAGE, Wrong, generate, marked_files, regions, replace_regions  # noqa: E402
 from student_edition import write_student_edition  # noqa: E402
 
+from minisgl.frontend.options import OneLineParser, count  # noqa: E402
+
 PATCH_SUFFIXES = (".patch", ".diff")
+MAX_PATCH_BYTES = 16 << 20  # a patch of the exercise regions is kilobytes
 IGNORED_PARTS = {".git", "__pycache__", ".pytest_cache", "work", ".venv"}  # work/: make_exercise's copies
+MAX_JOBS = 256  # worker processes
 RULE_CHARS = 400  # a failure message is cut here in the report: it names its rule in its first sentence
 
 
@@ -195,6 +199,10 @@ def submission_tree(entry: Path, base: Path, scratch: Path) -> Path:
     """The work tree of a submission: the folder itself, or the student edition with the patch applied."""
     if entry.is_dir():
         return entry
+    if not entry.is_file():  # a FIFO would block git apply forever, a device would feed it without end
+        raise ValueError(f"{entry.name} is not a regular file")
+    if entry.stat().st_size > MAX_PATCH_BYTES:
+        raise ValueError(f"{entry.name} holds more than {MAX_PATCH_BYTES >> 20} MiB: not a patch of the exercises")
     tree = scratch / "tree"
     shutil.copytree(base, tree, ignore=shutil.ignore_patterns(".git"))
     done = subprocess.run(["git", "apply", "--whitespace=nowarn", str(entry.resolve())], cwd=tree,
@@ -297,7 +305,7 @@ def run_checks_in_workers(checks: dict[CheckKey, dict[str, str]], jobs: int,
 def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int) -> list[Grade]:
     entries = sorted(p for p in submissions.iterdir() if p.is_dir() or p.suffix in PATCH_SUFFIXES)
     if not entries:
-        raise SystemExit(f"no submission (a folder, or a {' or '.join(PATCH_SUFFIXES)} file) in {submissions}")
+        raise ValueError(f"no submission (a folder, or a {' or '.join(PATCH_SUFFIXES)} file) in {submissions}")
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="minisgl-grade-base-") as tmp:
         base = write_student_edition(Path(tmp) / "student-edition")  # what every submission started from
@@ -352,20 +360,21 @@ def write_report(grades: list[Grade], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = OneLineParser(description=__doc__.splitlines()[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("submissions", type=Path)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2,
+    ap.add_argument("--jobs", type=count(MAX_JOBS), default=os.cpu_count() or 2,
                     help="checks run at once, one worker process each (default: one per core)")
     ap.add_argument("--exercises", type=int, nargs="+", default=sorted(EXERCISES), choices=sorted(EXERCISES))
     args = ap.parse_args(argv)
-    if args.jobs < 1:
-        ap.error(f"--jobs must be at least 1, not {args.jobs}")
     if not args.submissions.is_dir():
         ap.error(f"{args.submissions} is not a folder of submissions")
     start = time.monotonic()
-    grades = grade_class(args.submissions, args.out, args.exercises, args.jobs)
+    try:
+        grades = grade_class(args.submissions, args.out, args.exercises, args.jobs)
+    except ValueError as exc:
+        ap.error(str(exc))
     students = len({g.student for g in grades})
     print(f"graded {students} submissions x {len(args.exercises)} exercises in {time.monotonic() - start:.0f} s: "
           f"{args.out / 'grades.json'}, {args.out / 'grades.csv'}")

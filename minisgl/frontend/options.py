@@ -41,9 +41,9 @@ class Number:
         try:
             value = self.kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {self.expected()}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be {self.expected()}, got {shown(text)}") from None
         if not self.valid(value):
-            raise argparse.ArgumentTypeError(f"must be {self.expected()}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {self.expected()}, got {shown(text)}")
         return value
 
     def valid(self, value) -> bool:
@@ -73,6 +73,11 @@ class NumberList:
             return [self.item(x) for x in parts]
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"each comma-separated value {exc}") from None
+
+
+def shown(text: str, limit: int = 40) -> str:
+    """A value as an error line quotes it: cut to `limit` characters (a 5,000-digit number stays one short line)."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 def count(high: int, low: int = 1) -> Number:

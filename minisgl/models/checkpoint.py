@@ -76,6 +76,8 @@ def read_json_object(path: Path) -> dict[str, Any]:
         value = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {str(path)!r}: {exc}") from exc
+    except RecursionError:  # nesting deeper than the parser's stack: no config is shaped like that
+        raise ValueError(f"cannot read {str(path)!r}: JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise ValueError(f"{str(path)!r} must hold a JSON object, not a {type(value).__name__}")
     return value

@@ -94,7 +94,7 @@ def check_rope(params: dict, head_dim: int, window: int, dtype: torch.dtype, pat
     if not (bool(torch.isfinite(speeds).all()) and bool((speeds > 0).all())
             and resolution <= fastest and fastest * window < FLOAT32_EXACT):
         fields = " / ".join(SCALING_FIELDS[rope_type])
-        raise ValueError(f"{str(path)!r}: rope {fields} ({rope_type} scaling) gives rotary speeds {_span(speeds)} "
+        raise ValueError(f"{str(path)!r}: rope {fields + ' ' if fields else ''}({rope_type} scaling) gives rotary speeds {_span(speeds)} "
                          f"rad per position: they must be finite and above 0, the fastest at least {resolution:.2g} "
                          f"({dtype} resolution) and at most 2**24 / max_position_embeddings ({window})")
 
