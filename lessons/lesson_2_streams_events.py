@@ -12,7 +12,8 @@ from common import console, figure, header, lesson_main, make_llm, notice, parse
 
 from minisgl import SamplingParams
 from minisgl.engine import Engine
-from minisgl.scheduler import InFlight, Scheduler
+from minisgl.batch import InFlight
+from minisgl.scheduler import Scheduler
 from minisgl.streams import CpuStream
 
 

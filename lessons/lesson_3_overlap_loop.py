@@ -14,7 +14,8 @@ from common import (answers, best_of, busy_change, console, demo_pairs, figure, 
 from minisgl import SamplingParams
 from minisgl.observe.timeline import export_timelines, render_timeline
 from minisgl.observe.trace import ideal_ratio
-from minisgl.scheduler import InFlight, Scheduler
+from minisgl.batch import InFlight
+from minisgl.scheduler import Scheduler
 from minisgl.tracer import SpanName
 
 

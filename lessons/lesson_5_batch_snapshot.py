@@ -8,7 +8,8 @@ and batch n's tokens are zipped with batch n+1's requests.
 from common import BAD, OK, console, demo_pairs, figure, header, lesson_main, make_llm, notice, parse_args, run, section
 
 from minisgl import SamplingParams
-from minisgl.scheduler import BatchView, RunningBatch, Scheduler
+from minisgl.batch import BatchView, RunningBatch
+from minisgl.scheduler import Scheduler
 
 
 def spy_on_batches(sched) -> dict[int, tuple[list[int], list[int]]]:
