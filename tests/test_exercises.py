@@ -128,6 +128,7 @@ def test_skeleton_fails_cleanly_with_not_implemented(tmp_path, number):
     assert "NotImplementedError" in said and f"exercise {number}:" in said, said[-3000:]
 
 
+@pytest.mark.full  # a learner-side subprocess run, 10-16 s: the fast tier keeps the in-process checks
 def test_check_runs_the_learners_copy_in_its_own_pytest(tmp_path):
     """make exercise-N: makes the skeleton, says which minisgl the tests import, fails on the raise."""
     done = cli("check", "2", "--dest", str(tmp_path), "--", "-x")

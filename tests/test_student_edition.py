@@ -96,6 +96,7 @@ def test_the_exercise_checker_tests_minisgl_in_place_in_the_student_edition(stud
     assert done.returncode != 0 and "minisgl/ itself" in done.stderr, done.stderr
 
 
+@pytest.mark.full  # a learner-side subprocess run, 10-16 s: the fast tier keeps the in-process checks
 def test_a_lesson_that_needs_a_missing_part_names_the_exercise_and_ends_cleanly(student):
     done = subprocess.run([sys.executable, "lessons/lesson_1_serial_loop.py"], cwd=student, capture_output=True,
                           text=True, timeout=300)
