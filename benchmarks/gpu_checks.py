@@ -330,6 +330,7 @@ def decode_plan(model: str, sizes: tuple[int, ...] = (32, 64, 128, 256), steps: 
 
     spreads = {"uniform 820": (820, 820), "spread 100..1024": (100, 1024)}
     rows: dict[tuple[str, int], dict[bool, tuple[float, float, float]]] = {}
+    chosen = flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH
     for tensor_cores in (False, True):
         flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH = 1 if tensor_cores else None
         llm = LLM(model, device="cuda", loop="overlap", trace=True)
@@ -347,7 +348,7 @@ def decode_plan(model: str, sizes: tuple[int, ...] = (32, 64, 128, 256), steps: 
                 while llm.has_unfinished():
                     llm.step()
         llm.close()
-    flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH = None
+    flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH = chosen
     print("decode plan A/B, overlap loop, graphs on; ms: launch span (host) / device per forward after its launch / "
           "wall per step")
     print(f"{'lengths':>17} {'batch':>5} | {'plain: launch device step':>26} | {'tensor cores: launch device step':>33} "

@@ -55,13 +55,17 @@ class EngineDefaults:
     chunk_size_cuda: int = 8192
     chunk_size_cpu: int = 512
     # While requests decode, admit new ones only when their prefill reaches this many tokens
-    # (admission.PrefillGate; issue 27). On the H200 an eager prefill batch of the Qwen3-0.6B
-    # shape took about 6 ms whatever its size up to a few thousand tokens (launch-bound: ~900
-    # tokens per batch, 24% of its floor at 1,024 requests), and 8,192-token chunks reached 74%
-    # of their floor at about 2 us per token: from ~4k tokens the batch's compute covers its
-    # launches. On the CPU prefill is compute-bound (a token costs the same in any batch) and
-    # the lessons count batches: 0, the gate is off, requests are admitted as soon as they fit.
-    min_prefill_tokens_cuda: int = 4096
+    # (admission.PrefillGate; issue 27). An eager prefill batch costs its Python-launched
+    # kernels on the host whatever its size (an iteration that launched one took 18-26 ms of
+    # host work at 4,096 requests with the Qwen3-0.6B shape), and about 2 us per token on the
+    # H200's device: below ~5k tokens the launches set its time. Admitted as running requests finish, a few at a time, batches held ~900 tokens
+    # (24% of their floor at 1,024 requests). On one H200, 4,096 requests: a 4,096-token gate
+    # gave batches of ~4,650 tokens at 37% of their floor, 7,168 gave ~6,850 tokens at 60%, and
+    # the run 26,724 against 24,949 tok/s (benchmarks/RESULTS.md). 7,168 leaves room for one more
+    # request under the 8,192-token chunk, so a batch is seldom cut. On the CPU prefill is
+    # compute-bound (a token costs the same in any batch) and the lessons count batches: 0,
+    # the gate is off, requests are admitted as soon as they fit.
+    min_prefill_tokens_cuda: int = 7168
     min_prefill_tokens_cpu: int = 0
     # KV pool on a GPU: this fraction of the memory free after loading the weights, minus a
     # headroom for activations, CUDA graphs and sampling (vocab-wide float32 rows per request).

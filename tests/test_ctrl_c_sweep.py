@@ -88,8 +88,9 @@ def run_in_thread(fn):
     return box[0]
 
 
-def traced(model: str, loop: str, inject_at: int | None) -> tuple[dict, int]:
-    """Run the scenario, counting line events; SIGINT at the `inject_at`-th. Returns (facts, count)."""
+def traced(model: str, loop: str, inject_at: int | None, files: tuple[str, ...] = TRACED) -> tuple[dict, int]:
+    """Run the scenario, counting the line events of `files`; SIGINT at the `inject_at`-th.
+    Returns (facts, count)."""
     count = 0
 
     def local(frame, event, arg):
@@ -101,7 +102,7 @@ def traced(model: str, loop: str, inject_at: int | None) -> tuple[dict, int]:
         return local
 
     def on_call(frame, event, arg):
-        return local if frame.f_code.co_filename.startswith(TRACED) else None
+        return local if frame.f_code.co_filename.startswith(files) else None
 
     sys.settrace(on_call)
     try:
@@ -152,3 +153,19 @@ def test_ctrl_c_sample_of_lines(qwen3, baselines, loop):
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_ctrl_c_at_every_stride_th_line(qwen3, baselines, loop):
     sweep(qwen3, baselines, loop, range(FULL_START, baselines[loop][1] + 1, FULL_STRIDE))
+
+
+GUARD = (str(PACKAGE / "frontend" / "guard.py"), str(PACKAGE / "interrupts.py"))
+
+
+@pytest.mark.full
+def test_ctrl_c_at_every_line_of_the_call_guard(qwen3):
+    """Every line event of the per-call guard and the deferral, in every public call of the
+    scenario (about 1,000 points). The guard's last lines are where a call has completed and
+    the handler is back: a Ctrl-C there once lost a queued request's id and a step's outputs."""
+    reference, _ = traced(qwen3, "normal", None)
+    _, total = traced(qwen3, "normal", None, GUARD)
+    for k in range(1, total + 1):
+        with no_thread_left_behind():
+            facts, _ = traced(qwen3, "normal", k, GUARD)
+        check(facts, reference, f"Ctrl-C at guard line event {k} of {total}")

@@ -347,3 +347,83 @@ def test_randomized_operations(seed: int):
     cache.check_invariants()
     assert cache.total_size == 0
     assert sorted(pool.freed + caller_freed) == sorted(handed)
+
+
+def unlocked_leaves(cache: RadixCache) -> List[TreeNode]:
+    out, stack = [], [cache.root]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node is not cache.root and node.is_leaf() and node.lock_ref == 0:
+            out.append(node)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_evict_cuts_the_least_recently_used_unlocked_leaf_each_time(seed: int):
+    """The eviction heap is kept up to date by insert, match and unlock (not rebuilt by a walk
+    per eviction): each cut must still be the oldest unlocked leaf of the tree at that moment."""
+    rng = random.Random(seed)
+    cache, pool = make()
+    next_slot, locked = 1, []
+    cut: List[TreeNode] = []
+
+    def checked_free(slots: torch.Tensor) -> None:
+        node = by_first_slot[slots[0].item()]
+        others = [n for n in unlocked_leaves(cache) if n is not node.parent]
+        assert all((node.last_access, node.id) <= (n.last_access, n.id) for n in others), "not the oldest leaf"
+        cut.append(node)
+        pool(slots)
+
+    cache.free_slots = checked_free
+    for _ in range(800):
+        op = rng.random()
+        key = [rng.randrange(3) for _ in range(rng.randrange(1, 7))]
+        if op < 0.45:
+            matched, _ = cache.match_prefix(key)
+            new = list(range(next_slot, next_slot + len(key) - len(matched)))
+            next_slot += len(new)
+            cache.insert(key, torch.cat([matched, t(new)]))
+        elif op < 0.6:
+            _, node = cache.match_prefix(key)  # a match refreshes the path's age
+            if node is not cache.root and rng.random() < 0.5:
+                cache.lock(node)
+                locked.append(node)
+        elif op < 0.75 and locked:
+            cache.unlock(locked.pop(rng.randrange(len(locked))))
+        else:
+            by_first_slot = {}
+            stack = [cache.root]
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if node is not cache.root:
+                    by_first_slot[node.slots[0].item()] = node
+            before = len(cut)
+            freed = cache.evict(rng.randrange(1, 6))
+            assert freed == sum(len(n) for n in cut[before:])
+        cache.check_invariants()
+    assert cut, "the run evicted nothing: the check above never ran"
+
+
+def test_evict_finds_leaves_whose_heap_entries_were_lost():
+    """An entry lost (say to a Ctrl-C) is found again by the walk that evict falls back to."""
+    cache, pool = make()
+    for i, key in enumerate(([1, 2, 3], [4, 5], [6])):
+        cache.insert(key, t(range(10 * i, 10 * i + len(key))))
+    cache._leaf_heap.clear()
+    assert cache.evict(100) == 6 and cache.total_size == 0
+    assert sorted(pool.freed) == [0, 1, 2, 10, 11, 20]
+    cache.check_invariants()
+
+
+def test_eviction_heap_stays_bounded_under_repeated_matches():
+    """Every match of a leaf queues it again at its new age; stale entries must not pile up."""
+    cache, _ = make()
+    cache.insert([1, 2, 3], t([1, 2, 3]))
+    cache.insert([7, 8], t([7, 8]))
+    for _ in range(10_000):
+        cache.match_prefix([1, 2, 3])
+    assert len(cache._leaf_heap) <= 2 * 2 + 64 + 1
+    assert cache.evict(1) == 2  # [7, 8] is now the least recently used
+    cache.check_invariants()

@@ -79,14 +79,20 @@ class Call:
             self.on_second_interrupt(exc)
         self.guard.driving = self.outer_driving
         self.guard.lock.release()  # before the handler is restored: a Ctrl-C after that must not keep it
-        # The last line: Deferral.close() restores the handler and says, in the same line, whether
-        # a Ctrl-C came until then. If one came after the check above, the call did not complete
-        # either: what it took goes back now (a further Ctrl-C here is a second one, which gets
-        # out at once, as anywhere), then the Ctrl-C is raised.
-        if self.deferral.close() and exc is None:
-            self._give_back()
-            self.deferral.deliver()  # (an inner call's deliver raises KeyboardInterrupt for the outer one)
-        return False
+        # The last line, and one line: Deferral.close() restores the handler and says whether a
+        # Ctrl-C came until then. If one came after the check above, the call did not complete
+        # either: what it took goes back, then the Ctrl-C is raised. Nothing of this call runs
+        # after the handler is back: a `return False` on a line of its own was a point where a
+        # Ctrl-C landed after a completed call, and the caller lost its id or its outputs (the
+        # every-line sweep, tests/test_ctrl_c_sweep.py). A falsy return lets `exc` propagate.
+        return self.deferral.close() and exc is None and self._give_back_and_deliver()
+
+    def _give_back_and_deliver(self) -> bool:
+        """The call did not complete: undo it, then raise the held-back Ctrl-C (a further Ctrl-C
+        here is a second one, which gets out at once, as anywhere)."""
+        self._give_back()
+        self.deferral.deliver()  # (an inner call's deliver raises KeyboardInterrupt for the outer one)
+        return False  # the previous handler ignored Ctrl-C: nothing to raise
 
     def _give_back(self) -> None:
         undo, self.undo = self.undo, []

@@ -30,21 +30,24 @@ WORKSPACE_BYTES = 256 << 20
 FLASHINFER_MIN_HEAD_DIM = 64
 
 # Decode on tensor cores (FlashInfer then runs its prefill kernel with one query per request)
-# from this batch size up; None: FlashInfer's plain decode kernel at every size. Measured on the
-# H200 (GQA 16/8, head_dim 128; benchmarks/RESULTS.md, issue 27):
-# - host: at 256 requests in steady decode the tensor-core plan costs about 1 ms more per step
-#   (the launch span 1.94-2.15 ms against 0.90-1.07 ms): it plans through the prefill scheduler;
-# - device: on a uniform 820-token batch the plain kernel's steps were faster (7.63 against
-#   8.33 ms). On the offline run's spread lengths (100..2048) the tensor-core kernel read KV at
-#   89-93% of HBM bandwidth from 128 requests up against 75-84% (attention alone), which cut
-#   that run's device time by 3% (5.74 against 5.93 s): the plain kernel gives each request one
-#   thread block per KV head and, once the batch fills the GPU, splits no request, so a few long
-#   requests finish last, alone.
-# The host figure and the uniform batch both favour the plain kernel at the size they cover, so
-# it is the default. `python benchmarks/gpu_checks.py DIR decode-plan` A/Bs the two on one
-# machine (host plan + launch and device time per step, batch 32..256, uniform and spread
-# lengths) and prints the batch size from which tensor cores give the shorter step: set it here.
-TENSOR_CORE_DECODE_MIN_BATCH: int | None = None
+# from this batch size up; None: FlashInfer's plain decode kernel at every size. Decided by the
+# A/B on one H200 (`python benchmarks/gpu_checks.py DIR decode-plan`, 2026-12-02, GQA 16/8,
+# head_dim 128, overlap loop, graphs on; ms per step: host launch span / device per forward):
+#
+#   lengths           batch   plain          tensor cores
+#   spread 100..1024    128   1.66 / 4.28    1.97 / 3.91   tensor cores 9% less device time
+#   spread 100..1024    256   1.85 / 6.64    2.74 / 6.46   tensor cores 3% less
+#   uniform 820         128   1.62 / 4.59    1.96 / 4.95   plain 7% less
+#   uniform 820         256   1.59 / 7.63    2.67 / 8.21   plain 7% less
+#   (32 and 64 requests: plain as short or shorter in both)
+#
+# The plain kernel gives each request one thread block per KV head and, once the batch fills
+# the GPU, splits no request: with spread lengths a few long requests finish last, alone. Real
+# batches have spread lengths (a uniform batch is the benchmark's artefact), and the tensor-core
+# plan's extra ~1 ms of host work is hidden in the overlap loop while the device works. The
+# normal loop pays it (its step is host + device): about 8% slower at 256 requests. Both loops
+# must run the same kernel (bf16 overlap == normal), so the rule is the overlap loop's.
+TENSOR_CORE_DECODE_MIN_BATCH: int | None = 128
 
 
 def decode_on_tensor_cores(batch_size: int, grouped: bool, deterministic: bool) -> bool:
