@@ -75,8 +75,8 @@ def optimistic_charge(reqs: Iterable[Req], ratio: float) -> int:
 
 # Open the gate anyway once this share of the rows is free (the running batch drained to 7/8 of
 # max_running_requests): where the target cannot be reached (short prompts, a small KV pool) the
-# decode batch still stays nearly full. At 256 rows that is 32 free rows, far more than the ~7
-# prompts of the offline workload (~560 tokens each) a 4,096-token target needs.
+# decode batch still stays nearly full. At 256 rows that is 32 free rows, more than the ~13
+# prompts of the offline workload (~560 tokens each) the 7,168-token default target needs.
 GATE_DRAIN_FRACTION = 0.875
 
 
