@@ -1,6 +1,7 @@
 """Host work per iteration as the queue grows (issue 27): the same running bound, more requests.
 
     python benchmarks/host_vs_queue.py MODEL_DIR [--rows 64] [--scales 1,4,16] [--lengths 20,200] [--loop normal]
+                                       [--kv-tokens N]
 
 An offline workload (prompt and output lengths uniform in --lengths, seed 0) of rows x scale
 requests runs through one loop with `max_running_requests = rows`. After every step
@@ -67,13 +68,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64, help="max_running_requests")
     ap.add_argument("--scales", default="1,4,16", help="requests = rows x scale, for each scale")
     ap.add_argument("--lengths", default="20,200", help="prompt and output lengths: uniform in LO,HI")
+    ap.add_argument("--kv-tokens", type=int, default=None,
+                    help="KV pool size (default: 4 full batches of the longest requests)")
     args = ap.parse_args()
     lo, hi = (int(x) for x in args.lengths.split(","))
     scales = [int(x) for x in args.scales.split(",")]
     # A pool of 4 full batches of the longest requests: the radix cache fills (and evicts) at the
     # larger scales, as the H200's did at 1,024 requests and more.
     llm = LLM(args.model, device="cpu", loop=args.loop, max_running_requests=args.rows,
-              kv_tokens=4 * args.rows * 2 * hi)
+              kv_tokens=args.kv_tokens or 4 * args.rows * 2 * hi)
     vocab = llm.engine.model.vocab_size
     llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))  # warm-up
     print(f"main-thread CPU ms per step, {args.loop} loop, cpu, rows {args.rows}, lengths {lo}..{hi}")

@@ -254,3 +254,68 @@ def test_second_ctrl_c_gets_out_of_a_hung_device_close_and_exit_do_not_wait(qwen
     except subprocess.TimeoutExpired:
         pytest.fail("close() or the interpreter's exit waited for the hung device")
     assert done.returncode == 0 and done.stdout.split() == ["interrupted", "closed"], (done.stdout, done.stderr)
+
+
+
+def sigint_at(moment: str):
+    """A hook that sends one real SIGINT (the OS signal: the interpreter's own pending-signal
+    check decides where the KeyboardInterrupt lands) at `moment`, and how to install it:
+    - "as the handler goes back": as `_signal.signal` returns inside Lib/signal.py's wrapper,
+      called by Deferral.close(): the handler is back, the wrapper still runs Python code;
+    - "after the guard returned": as Call.__exit__ returns into the public method's frame."""
+    import _signal
+    import os
+    import sys
+
+    from minisgl import interrupts
+    from minisgl.frontend.guard import Call
+
+    armed = [True]
+
+    def fire() -> None:
+        armed[0] = False
+        os.kill(os.getpid(), signal.SIGINT)
+
+    if moment == "as the handler goes back":
+        def hook(frame, event, arg):
+            if (armed[0] and event == "c_return" and arg is _signal.signal and frame.f_back is not None
+                    and frame.f_back.f_code is interrupts.Deferral.close.__code__):
+                fire()
+        return hook, sys.setprofile, armed
+
+    def trace(frame, event, arg):
+        if armed[0] and event == "return" and frame.f_code is Call.__exit__.__code__:
+            fire()
+        return trace if event == "call" else None
+    return trace, sys.settrace, armed
+
+
+@pytest.mark.parametrize("moment", ["as the handler goes back", "after the guard returned"])
+def test_ctrl_c_after_a_completed_call_undoes_it(qwen3, moment):
+    """The last instants of a public call, after its guard has put the handler back. A
+    KeyboardInterrupt there once left a request queued under an id the caller never got, and a
+    step's outputs taken and dropped. The call must come out whole or undone: the id is handed
+    out again, the outputs come with the next step."""
+    def interrupted(fn) -> bool:
+        hook, install, armed = sigint_at(moment)
+        install(hook)
+        try:
+            fn()
+        except KeyboardInterrupt:
+            return True
+        finally:
+            install(None)
+        assert not armed[0], "the SIGINT was never sent: the test does not reach its moment"
+        return False
+
+    with LLM(qwen3, loop="overlap", kv_tokens=256) as llm:
+        assert interrupted(lambda: llm.add_request("hello there", PARAMS[0]))
+        assert not llm.has_unfinished()  # not queued: the call was undone
+        rid = llm.add_request("hello there", PARAMS[0])
+        assert rid == 0  # the undone call's id is handed out again
+        while llm.scheduler.has_work():
+            llm._step()  # finish it without handing the output out
+        assert interrupted(llm.step)  # step() took the finished output, then the Ctrl-C came
+        assert [o.rid for o in llm.step()] == [rid]  # the output comes with the next call
+        llm.flush_cache()
+        assert_pool_whole(llm)

@@ -19,8 +19,9 @@ Only the main thread receives signals: on other threads the guard is the lock al
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Callable
+from typing import Callable, TypeVar
 
 from ..interrupts import SECOND_INTERRUPT, Deferral
 
@@ -31,6 +32,7 @@ class CallGuard:
     def __init__(self) -> None:
         self.lock = threading.RLock()  # re-entrant: an on_step callback may add_request() inside generate()
         self.driving = False
+        self.claim: list[Call] | None = None  # where the next Call made goes (see hands_back)
 
 
 class Call:
@@ -79,25 +81,68 @@ class Call:
             self.on_second_interrupt(exc)
         self.guard.driving = self.outer_driving
         self.guard.lock.release()  # before the handler is restored: a Ctrl-C after that must not keep it
-        # The last line, and one line: Deferral.close() restores the handler and says whether a
-        # Ctrl-C came until then. If one came after the check above, the call did not complete
-        # either: what it took goes back, then the Ctrl-C is raised. Nothing of this call runs
-        # after the handler is back: a `return False` on a line of its own was a point where a
-        # Ctrl-C landed after a completed call, and the caller lost its id or its outputs (the
-        # every-line sweep, tests/test_ctrl_c_sweep.py). A falsy return lets `exc` propagate.
-        return self.deferral.close() and exc is None and self._give_back_and_deliver()
+        try:
+            # Deferral.close() puts the handler back and says whether a Ctrl-C was held back. If
+            # none was, the call completed: return. The return is inside the `try` because the
+            # handler is back by then: a Ctrl-C on that line (or inside `signal.signal`, which runs
+            # Python code after installing the handler, and pending handlers run there) raises
+            # here, and the call is then undone below instead of losing its id or its outputs
+            # (the every-line sweep, tests/test_ctrl_c_sweep.py, and a real-signal attack found both).
+            if not self.deferral.close():
+                return False
+        except KeyboardInterrupt:
+            if exc is None:
+                self._give_back()
+            raise
+        # A Ctrl-C came after the check above: the call did not complete either. What it took
+        # goes back, then the Ctrl-C is raised (a further Ctrl-C here is a second one, which gets
+        # out at once, as anywhere).
+        if exc is None:
+            self._give_back()
+            self.deferral.deliver()  # (an inner call's deliver raises KeyboardInterrupt for the outer one)
+        return False
 
-    def _give_back_and_deliver(self) -> bool:
-        """The call did not complete: undo it, then raise the held-back Ctrl-C (a further Ctrl-C
-        here is a second one, which gets out at once, as anywhere)."""
-        self._give_back()
-        self.deferral.deliver()  # (an inner call's deliver raises KeyboardInterrupt for the outer one)
-        return False  # the previous handler ignored Ctrl-C: nothing to raise
+    def give_back_late(self) -> None:
+        """The call completed, but a Ctrl-C reached Python in the public method's own frame,
+        after __exit__ returned (see hands_back): undo it after all, under the lock. A call that
+        did not complete was undone by __exit__ already, and this does nothing."""
+        with self.guard.lock:
+            self._give_back()
 
     def _give_back(self) -> None:
         undo, self.undo = self.undo, []
         for step in reversed(undo):
             step()
+
+
+Method = TypeVar("Method", bound=Callable)
+
+
+def hands_back(method: Method) -> Method:
+    """For a public call that hands something back (an id, results): the last moment of the
+    call is not covered by its guard. `__exit__` returns into the method's frame with the
+    handler back, and the interpreter runs pending signal handlers right after a call returns
+    (the GIL may have been handed to another thread at the last such point inside __exit__, so
+    a Ctrl-C sent meanwhile is handled there). A KeyboardInterrupt raised there leaves a
+    completed call whose caller never got its value: a queued request under an unknown id, or
+    a step's outputs lost (a real-signal attack saw 14 in 1,649 SIGINTs). This wrapper catches
+    it one frame up and undoes the call, as if it had not completed, before raising it.
+
+    The method's own first Call is found through `guard.claim`: a box set here, filled by the
+    `LLM._call()` that the method opens first (a nested call, from an on_step callback, sets
+    its own box before its method runs)."""
+
+    @functools.wraps(method)
+    def call_that_hands_back(self, *args, **kwargs):
+        box = self._guard.claim = []
+        try:
+            return method(self, *args, **kwargs)
+        except KeyboardInterrupt:
+            for call in box:
+                call.give_back_late()
+            raise
+
+    return call_that_hands_back  # type: ignore[return-value]
 
 
 IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"

@@ -22,7 +22,7 @@ from ..mechanisms import Mechanisms
 from ..models.checkpoint import read_json_object
 from ..request import Req, RequestOutput, SamplingParams
 from ..scheduler import Scheduler
-from .guard import Call, CallGuard
+from .guard import Call, CallGuard, hands_back
 from .validation import Prompt, check_params, params_list, prompt_list
 
 
@@ -66,9 +66,14 @@ class LLM:
                 self._stop_engine()
             deferral.close()
             raise
-        if deferral.close():  # a Ctrl-C came while the engine was built: the construction is cancelled
+        try:
+            if not deferral.close():
+                return
+        except KeyboardInterrupt:  # it came as the handler went back (see guard.Call.__exit__)
             self._stop_engine()
-            deferral.deliver()
+            raise
+        self._stop_engine()  # a Ctrl-C came while the engine was built: the construction is cancelled
+        deferral.deliver()
 
     def _start_engine(self) -> None:
         try:
@@ -110,7 +115,11 @@ class LLM:
                 raise RuntimeError(f"the engine failed earlier ({type(error).__name__}: {error}) and refuses "
                                    f"further work; close() it and build a new LLM") from error
 
-        return Call(self._guard, drives, check, self._latch)
+        call = Call(self._guard, drives, check, self._latch)
+        box, self._guard.claim = self._guard.claim, None
+        if box is not None:  # the first Call of a method wrapped in hands_back: its undo, should a Ctrl-C come late
+            box.append(call)
+        return call
 
     def _latch(self, error: BaseException) -> None:
         """A second Ctrl-C cut a call short: refuse further work, and let close() and the
@@ -149,6 +158,7 @@ class LLM:
         self.close()
 
     # ---------------------------------------------------------------- incremental interface
+    @hands_back
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Bad input raises ValueError/TypeError and changes nothing."""
         with self._call() as call:
@@ -156,6 +166,7 @@ class LLM:
             self._queue(req, call)
             return req.rid
 
+    @hands_back
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; return the requests that finished in it, plus any
         finished earlier (during a generate()) and not collected yet."""
@@ -163,6 +174,7 @@ class LLM:
             self._step()
             return self._take_results(call)
 
+    @hands_back
     def collect(self) -> list[RequestOutput]:
         """The finished requests not handed out yet, without running the engine. Also after the
         engine failed: what finished before the failure is still handed out."""
@@ -328,6 +340,9 @@ class LLM:
             call.on_failure(lambda: self._unqueue(req))
 
     def _unqueue(self, req: Req) -> None:
+        if req not in self.scheduler.waiting:  # given back late, after another thread's step admitted it
+            self._abandon([req])
+            return
         self.scheduler.waiting.remove(req)  # still waiting: nothing ran while the call held Ctrl-C back
         del self._reqs[req.rid]
         self._next_rid = req.rid
