@@ -32,7 +32,7 @@ class CallGuard:
     def __init__(self) -> None:
         self.lock = threading.RLock()  # re-entrant: an on_step callback may add_request() inside generate()
         self.driving = False
-        self.claim: list[Call] | None = None  # where the next Call made goes (see hands_back)
+        self.claims = threading.local()  # .box: where this thread's next Call made goes (see hands_back)
 
 
 class Call:
@@ -128,13 +128,13 @@ def hands_back(method: Method) -> Method:
     a step's outputs lost (a real-signal attack saw 14 in 1,649 SIGINTs). This wrapper catches
     it one frame up and undoes the call, as if it had not completed, before raising it.
 
-    The method's own first Call is found through `guard.claim`: a box set here, filled by the
-    `LLM._call()` that the method opens first (a nested call, from an on_step callback, sets
-    its own box before its method runs)."""
+    The method's own first Call is found through `guard.claims.box`: a box set here, filled by
+    the `LLM._call()` that the method opens first (a nested call, from an on_step callback, sets
+    its own box before its method runs; another thread has its own box)."""
 
     @functools.wraps(method)
     def call_that_hands_back(self, *args, **kwargs):
-        box = self._guard.claim = []
+        box = self._guard.claims.box = []
         try:
             return method(self, *args, **kwargs)
         except KeyboardInterrupt:

@@ -116,7 +116,8 @@ class LLM:
                                    f"further work; close() it and build a new LLM") from error
 
         call = Call(self._guard, drives, check, self._latch)
-        box, self._guard.claim = self._guard.claim, None
+        claims = self._guard.claims
+        box, claims.box = getattr(claims, "box", None), None
         if box is not None:  # the first Call of a method wrapped in hands_back: its undo, should a Ctrl-C come late
             box.append(call)
         return call
