@@ -45,50 +45,72 @@ class atomic_step:
         return bool(self.deferred.__exit__(exc_type, exc, tb))
 
 
-_active: list[int] | None = None  # the Ctrl-Cs held back by the open outermost Deferral, or None
+_outermost: "Deferral | None" = None  # the open outermost Deferral (main thread), or None
 
 
 class Deferral:
     """SIGINT held back on the main thread between open() and close(). Nested deferrals are one:
-    the outermost installs the handler and counts every Ctrl-C; an inner one only reports them.
-    A second Ctrl-C while one is held raises at once (the way out of a hung device)."""
+    the outermost installs the handler and counts every Ctrl-C; an inner one (on the main
+    thread) only reports them, and one on another thread holds nothing back (signals reach the
+    main thread only). A second Ctrl-C while one is held raises at once (the way out of a hung
+    device). Where Ctrl-C is ignored (SIG_IGN) nothing is held back."""
 
     def __init__(self) -> None:
         self.outermost = False
-        self.previous: object = None
+        self.joined = False  # an inner deferral: the outermost one holds back for it
+        self.previous: object = None  # (outermost) the handler it replaced
+        self.held: list[int] = []  # (outermost) the Ctrl-Cs held back
 
     def open(self) -> None:
-        global _active
-        if threading.current_thread() is not threading.main_thread() or _active is not None:
-            return  # signals are only ever delivered to the main thread; an outer deferral is in charge
-        pending: list[int] = []
+        global _outermost
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals are only ever delivered to the main thread
+        if _outermost is not None:
+            self.joined = True  # an outer deferral is in charge
+            return
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            return  # Ctrl-C is ignored: there is nothing to hold back
+        held = self.held
 
         def defer(signum: int, frame: object) -> None:
-            if pending:
+            if held:
                 raise KeyboardInterrupt(SECOND_INTERRUPT)
-            pending.append(signum)
+            held.append(signum)
 
         self.previous = signal.signal(signal.SIGINT, defer)  # one call: there is no moment with no handler
-        _active, self.outermost = pending, True
+        _outermost, self.outermost = self, True
 
-    @staticmethod
-    def pending() -> bool:
-        """A Ctrl-C is being held back (by this deferral or an outer one)."""
-        return bool(_active)
+    def pending(self) -> bool:
+        """A Ctrl-C is being held back for this deferral (by it or by the outer one)."""
+        outer = _outermost
+        return (self.outermost or self.joined) and outer is not None and bool(outer.held)
 
     def close(self) -> bool:
         """Stop deferring (outermost only); True if a Ctrl-C was held back. The handler is put back
-        by the last statement, and in the same line the answer is returned: a Ctrl-C after it is an
-        ordinary one, never one that lands between restoring and reporting."""
-        global _active
+        by the last statement, and in the same line the answer is returned. (`signal.signal` runs
+        Python code after installing it, where a Ctrl-C can still land: callers catch that.)"""
+        global _outermost
         if not self.outermost:
-            return bool(_active)
-        pending, _active, self.outermost = _active, None, False
-        signal.signal(signal.SIGINT, self.previous); return bool(pending)  # noqa: E702 - see above
+            return self.pending()
+        held, _outermost, self.outermost = self.held, None, False
+        signal.signal(signal.SIGINT, self.previous); return bool(held)  # noqa: E702 - see above
+
+    def deliver_held(self) -> None:
+        """Hand the held-back Ctrl-C to the handler it was held back from, now, and hold it no more.
+        The default raises KeyboardInterrupt; a handler of the user's may take it without raising,
+        and the caller then carries on as if no Ctrl-C had come."""
+        outer = _outermost
+        if outer is None or not outer.held or not (self.outermost or self.joined):
+            return
+        outer.held.clear()
+        outer.deliver()
 
     def deliver(self) -> None:
-        """Raise the held-back Ctrl-C the way the previous handler would have."""
-        if callable(self.previous):
+        """Raise the held-back Ctrl-C the way the previous handler would have (an inner deferral's:
+        the outer one's previous handler, now)."""
+        if self.joined:
+            self.deliver_held()
+        elif callable(self.previous):
             self.previous(signal.SIGINT, None)
         elif self.previous != signal.SIG_IGN:
             raise KeyboardInterrupt

@@ -164,3 +164,22 @@ def test_unwritable_json_is_refused_before_the_run(capsys, tmp_path):
         code = cli(argv)
         captured = capsys.readouterr()
         assert code == 2 and captured.out == "" and captured.err.startswith("error:"), (argv, captured)
+
+
+@pytest.mark.parametrize("argv", [
+    *(["hint", v] for v in ("nan", "inf", "0", "-1", "1e300", str(10**30), "1.5", "")),
+    *(["hint", "1", "--level", v] for v in ("nan", "inf", "0", "-1", "1e300", str(10**30), "1.5", "")),
+    *(["check", v] for v in ("nan", "inf", "0", "-1", "1e300", str(10**30), "1.5", "")),
+    *(["generate", v] for v in ("nan", "0", "1.5")), *(["wrong", v] for v in ("nan", "0")),
+])
+def test_course_exercise_numbers_refuse_bad_values_in_one_line(capsys, argv):
+    """`python -m minisgl course hint|exercise N` runs make_exercise.py: its numbers follow the
+    CLI's rule, exit 2 with one `error:` line (it printed argparse's usage, or exit 1 with
+    "no exercise -1" for nan)."""
+    from .conftest import load_exercise_tool
+
+    tool = load_exercise_tool("make_exercise")
+    with pytest.raises(SystemExit) as exit_:
+        tool.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), (exit_.value.code, err)

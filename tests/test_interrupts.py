@@ -319,3 +319,78 @@ def test_ctrl_c_after_a_completed_call_undoes_it(qwen3, moment):
         assert [o.rid for o in llm.step()] == [rid]  # the output comes with the next call
         llm.flush_cache()
         assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("handler", ["ignored (SIG_IGN)", "a handler of the user's that does not raise"])
+def test_ctrl_c_taken_by_the_users_handler_lets_every_call_complete(qwen3, handler):
+    """Ctrl-C is the user's to handle: with SIG_IGN, or a handler that takes it without raising,
+    a call that a Ctrl-C lands in completes with its value, exactly once. It used to be undone
+    and still return its value: add_request handed out id 0 twice with one request queued, and
+    step() handed out the same output again and again."""
+    import os
+    import sys
+
+    hits: list[int] = []
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN if handler.startswith("ignored") else
+                           lambda signum, frame: hits.append(signum))
+    users = signal.getsignal(signal.SIGINT)
+    target = [None]
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == target[0]:
+            target[0] = None
+            os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        with LLM(qwen3, loop="overlap", kv_tokens=256) as llm:
+            sys.setprofile(hook)
+            target[0] = "_queue"  # inside add_request, after the request is made
+            rids = [llm.add_request("hello there", PARAMS[0]), llm.add_request("count 1 to", PARAMS[1])]
+            outs = []
+            while llm.has_unfinished():
+                target[0] = "_take_results"  # inside step(), as it hands the outputs out
+                outs += [o.rid for o in llm.step()]
+            target[0] = "_step"  # inside generate(), between two steps
+            generated = llm.generate(["hello there"], PARAMS[0])
+            sys.setprofile(None)
+            assert rids == [0, 1] and sorted(outs) == rids  # each id once, each output once
+            assert len(generated) == 1 and len(generated[0].token_ids) == PARAMS[0].max_new_tokens
+            assert signal.getsignal(signal.SIGINT) is users  # the user's handler is back after each call
+            assert hits == ([] if handler.startswith("ignored") else [signal.SIGINT] * len(hits)) and (
+                handler.startswith("ignored") or len(hits) >= 3)  # the handler got every Ctrl-C
+            llm.flush_cache()
+            assert_pool_whole(llm)
+    finally:
+        sys.setprofile(None)
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_thread_turned_away_gets_in_use_not_the_main_threads_ctrl_c(qwen3):
+    """A Ctrl-C held back for the main thread's call is the main thread's: another thread refused
+    with "in use" meanwhile gets that RuntimeError (it got KeyboardInterrupt, and the main
+    thread's Ctrl-C was delivered twice)."""
+    import os
+
+    got: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            llm.memory_report()
+        except BaseException as exc:  # noqa: BLE001 - what it raises is the point
+            got.append(exc)
+
+    def on_step(_done: int) -> None:
+        if not got:
+            os.kill(os.getpid(), signal.SIGINT)  # held back by generate()'s guard
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+
+    with LLM(qwen3, kv_tokens=256) as llm:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["hello there"], PARAMS[0], on_step=on_step)
+        assert len(got) == 1 and isinstance(got[0], RuntimeError) and "in use" in str(got[0]), got
+        while llm.has_unfinished():  # the interrupted generate()'s requests were aborted: drain them
+            llm.step()
+        llm.flush_cache()
+        assert_pool_whole(llm)

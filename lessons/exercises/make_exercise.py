@@ -51,6 +51,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from catalog import EXERCISES  # noqa: E402
+
+from minisgl.frontend.options import OneLineParser  # noqa: E402
 try:
     from wrong_solutions import WRONG, Wrong  # noqa: E402
     STUDENT_EDITION = False
@@ -319,22 +321,34 @@ def find_wrong(number: int, name: str) -> Wrong:
                      f"{[w.name for w in WRONG if w.exercise == number]}")
 
 
+def exercise_number(text: str) -> int:
+    """An exercise's number (an argparse type: anything else is one `error:` line, exit 2)."""
+    if not text.isdigit() or int(text) not in EXERCISES:
+        raise argparse.ArgumentTypeError(f"no exercise {text!r}; there are {sorted(EXERCISES)}")
+    return int(text)
+
+
+def exercise_or_all(text: str) -> int | str:
+    return text if text == "all" else exercise_number(text)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = OneLineParser(description=__doc__.splitlines()[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="one line per exercise")
     h = sub.add_parser("hint", help="a hint: level 1 (question), 2 (idea), 3 (near code)")
-    h.add_argument("number", type=int)
+    h.add_argument("number", type=exercise_number)
     h.add_argument("--level", type=int, default=1, choices=(1, 2, 3))
     g = sub.add_parser("generate", help="write the learner's copy (never overwrites one without --force)")
-    g.add_argument("number", type=int)
+    g.add_argument("number", type=exercise_number)
     g.add_argument("--force", action="store_true", help="replace an existing copy: your work there is lost")
     g.add_argument("--dest", type=Path, default=None, help="default lessons/exercises/work/exN")
     w = sub.add_parser("wrong", help="list the known-wrong solutions and what the tests say to each")
-    w.add_argument("number", type=int, nargs="?")
+    w.add_argument("number", type=exercise_number, nargs="?")
     c = sub.add_parser("check", help="run the exercise's tests against the learner's copy (made if missing)")
-    c.add_argument("number", help="an exercise number, or 'all' with --reference (every selection, one run)")
+    c.add_argument("number", type=exercise_or_all,
+                   help="an exercise number, or 'all' with --reference (every selection, one run)")
     c.add_argument("--dest", type=Path, default=None)
     c.add_argument("--reference", action="store_true", help="run the same tests against the reference code")
     c.add_argument("--wrong", metavar="NAME", help="run them against the reference with a known-wrong solution")
@@ -351,12 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "check" and args.number == "all":
         if not (args.reference or STUDENT_EDITION):
-            raise SystemExit("'check all' runs the reference only: add --reference")
+            ap.error("'check all' runs the reference only: add --reference")
         tests = list(dict.fromkeys(t for e in EXERCISES.values() for t in e.tests))
     else:
-        args.number = int(args.number) if str(args.number).isdigit() else -1
-        if args.number not in EXERCISES:
-            raise SystemExit(f"no exercise {args.number}; there are {sorted(EXERCISES)}")
         tests = list(EXERCISES[args.number].tests)
     if args.command == "hint":
         print_hint(args.number, args.level)

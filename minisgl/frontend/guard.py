@@ -70,36 +70,55 @@ class Call:
         self.undo.append(undo)
 
     def checkpoint(self) -> None:
-        """A safe point of a long call: a held-back Ctrl-C is raised here (and undone by __exit__)."""
+        """A safe point of a long call: a held-back Ctrl-C goes to its handler here. The default
+        raises KeyboardInterrupt (undone by __exit__); a handler of the user's may take it, and
+        the call goes on."""
         if self.deferral.pending():
-            raise KeyboardInterrupt
+            self.deferral.deliver_held()
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
-        if exc is not None or self.deferral.pending():
-            self._give_back()  # under the deferral and the lock: the usual case
+        delivered = None  # a held-back Ctrl-C, raised by its handler here
+        if exc is None and self.deferral.pending():
+            # Under the lock and the deferral: the handler it was held back from decides. The
+            # default raises (the call did not complete: undone below); a handler of the user's
+            # that takes it without raising lets the call complete, with its value.
+            try:
+                self.deferral.deliver_held()
+            except BaseException as raised:
+                exc = delivered = raised
+        if exc is not None:
+            self._give_back()
         if isinstance(exc, KeyboardInterrupt) and exc.args == (SECOND_INTERRUPT,):
             self.on_second_interrupt(exc)
         self.guard.driving = self.outer_driving
         self.guard.lock.release()  # before the handler is restored: a Ctrl-C after that must not keep it
         try:
-            # Deferral.close() puts the handler back and says whether a Ctrl-C was held back. If
-            # none was, the call completed: return. The return is inside the `try` because the
-            # handler is back by then: a Ctrl-C on that line (or inside `signal.signal`, which runs
-            # Python code after installing the handler, and pending handlers run there) raises
-            # here, and the call is then undone below instead of losing its id or its outputs
-            # (the every-line sweep, tests/test_ctrl_c_sweep.py, and a real-signal attack found both).
+            # Deferral.close() puts the handler back and says whether a Ctrl-C was held back since
+            # the check above. If none was, the call is done: return (or raise what was delivered).
+            # This is inside the `try` because the handler is back by then: a Ctrl-C on these lines
+            # (or inside `signal.signal`, which runs Python code after installing the handler, and
+            # pending handlers run there) raises here, and a completed call is then undone instead
+            # of losing its id or its outputs (the every-line sweep, tests/test_ctrl_c_sweep.py,
+            # and a real-signal attack found both).
             if not self.deferral.close():
+                if delivered is not None:
+                    raise delivered
                 return False
         except KeyboardInterrupt:
             if exc is None:
-                self._give_back()
+                self.give_back_late()
             raise
-        # A Ctrl-C came after the check above: the call did not complete either. What it took
-        # goes back, then the Ctrl-C is raised (a further Ctrl-C here is a second one, which gets
-        # out at once, as anywhere).
+        # A Ctrl-C came after the check above. Its handler decides again, now the previous handler
+        # is back; should it raise, the call is undone first (a further Ctrl-C here is a second
+        # one, which gets out at once, as anywhere).
         if exc is None:
-            self._give_back()
-            self.deferral.deliver()  # (an inner call's deliver raises KeyboardInterrupt for the outer one)
+            try:
+                self.deferral.deliver()
+            except BaseException:
+                self.give_back_late()
+                raise
+        if delivered is not None:
+            raise delivered
         return False
 
     def give_back_late(self) -> None:

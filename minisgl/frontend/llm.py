@@ -69,11 +69,12 @@ class LLM:
         try:
             if not deferral.close():
                 return
-        except KeyboardInterrupt:  # it came as the handler went back (see guard.Call.__exit__)
+            # A Ctrl-C came while the engine was built: its handler decides. The default raises,
+            # and the construction is cancelled; a handler of the user's may take it.
+            deferral.deliver()
+        except BaseException:  # (also one that came as the handler went back: see guard.Call.__exit__)
             self._stop_engine()
             raise
-        self._stop_engine()  # a Ctrl-C came while the engine was built: the construction is cancelled
-        deferral.deliver()
 
     def _start_engine(self) -> None:
         try:

@@ -113,7 +113,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tokens", type=count(MAX_TOKENS, low=3), default=None)
     p.add_argument("--min-prefill-tokens", type=count(MAX_TOKENS, low=0), default=None,
                    help="while requests decode, admit new ones only when their prefill reaches this many tokens "
-                   "(0: as soon as they fit; default: 4096 on CUDA, 0 on the CPU)")
+                   "(0: as soon as they fit; default: 7168 on CUDA, 0 on the CPU)")
     p.add_argument("--admission", default="reserve", choices=["reserve", "optimistic"],
                    help="reserve: promise prompt + max_new_tokens per request; optimistic: estimate what running "
                    "requests still need (new-token ratio) and retract when a decode step runs short")
