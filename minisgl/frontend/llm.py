@@ -7,7 +7,6 @@ import os
 import random
 import warnings
 import weakref
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -17,16 +16,16 @@ from ..config import EngineConfig, resolve_config
 from ..engine import Engine
 from ..interrupts import Deferral
 from ..invariants import check_invariants, memory_report
-from ..kv_pool import KVAccountingError
 from ..mechanisms import Mechanisms
-from ..models.checkpoint import read_json_object
 from ..request import Req, RequestOutput, SamplingParams
 from ..scheduler import Scheduler
+from .driving import DrivingMixin
 from .guard import Call, CallGuard, hands_back
+from .tokenizer import check_tokenizer_fits, eos_ids, load_tokenizer
 from .validation import Prompt, check_params, params_list, prompt_list
 
 
-class LLM:
+class LLM(DrivingMixin):
     """An engine on one device. Not thread-safe by design: one LLM serves one thread at a time,
     and a call while another thread is inside it raises RuntimeError at once (state is never
     shared half-updated). `close()` frees it; any later use raises RuntimeError."""
@@ -85,9 +84,9 @@ class LLM:
         # unclosed (a torch kernel still running during interpreter teardown can abort it).
         self.engine, self._stop_engine = engine, weakref.finalize(self, _stop_engine, engine, self._pid)
         self.engine.tracer.enabled = self.config.trace
-        self.tokenizer = _load_tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         check_tokenizer_fits(self.tokenizer, self.engine.model.vocab_size, self.model_path)
-        self.eos_ids = _eos_ids(self.engine.model.config, self.tokenizer, self.model_path)
+        self.eos_ids = eos_ids(self.engine.model.config, self.tokenizer, self.model_path)
         self.scheduler = Scheduler(self.config, self.engine)
 
     @property
@@ -222,99 +221,6 @@ class LLM:
                 self._queue(req, call=None)  # the abandon above covers them
             return self._run_until_done(reqs, on_step, call)
 
-    def _abandon(self, reqs: list[Req]) -> None:
-        """generate() did not complete: its requests are aborted and their results dropped
-        (the next drain gives back their rows and KV slots)."""
-        for req in reqs:
-            self._results.pop(req.rid, None)
-            if req.rid in self._reqs:  # not finished yet (and queued)
-                self._abandoned.add(req.rid)
-                self.scheduler.abort(req)
-
-    def _run_until_done(self, reqs: list[Req], on_step: Callable[[int], None] | None,
-                        call: Call) -> list[RequestOutput]:
-        mine = {req.rid for req in reqs}
-        outputs: dict[int, RequestOutput] = {}
-        while len(outputs) < len(mine):
-            call.checkpoint()  # a held-back Ctrl-C is raised between two steps
-            if not self.scheduler.has_work():
-                # Only reachable with a mechanism switched off (e.g. batch_snapshot): results
-                # went to the wrong requests and some can never be scheduled again.
-                lost = sorted(mine - outputs.keys())
-                raise RuntimeError(f"requests {lost[:8]} can no longer be scheduled: the scheduler lost "
-                                   f"track of them (disabled: {sorted(self.scheduler.mechanisms.disabled)})")
-            # Only this step's results are looked at: never every result so far (a long run's
-            # host work per step would grow with the requests already finished).
-            outputs.update((rid, self._results[rid]) for rid in self._step() if rid in mine)
-            if on_step is not None:
-                on_step(len(outputs))
-        # Every request is out, but an overshoot step may still be in flight: commit it, so that
-        # memory_report() shows the pool whole, unless the caller has other requests queued.
-        while self.scheduler.has_work() and not self._reqs:
-            call.checkpoint()
-            self._step()
-        for rid in mine:  # handed out only now: a Ctrl-C before this point drops them (_abandon)
-            del self._results[rid]
-        return [outputs[req.rid] for req in reqs]
-
-    def _step(self) -> list[int]:
-        """One scheduler iteration; the requests that finished go to self._results (the public
-        call around it holds Ctrl-C back until they are stored). An error (not a held-back
-        Ctrl-C) stops the scheduler: it is raised here once, and every later call refuses (see
-        _call); what finished before it is still stored, for collect(). Returns their ids."""
-        nothing_in_flight, launched = self.scheduler.last is None, self.scheduler.stats.batches
-        try:
-            done = self.scheduler.step()
-        except BaseException:
-            done, self.scheduler.finished = self.scheduler.finished, []  # finished before the error
-            self._store(done)
-            raise
-        stored = self._store(done)
-        if nothing_in_flight and self.scheduler.stats.batches == launched:
-            self._check_not_stuck()
-        return stored
-
-    def _store(self, done: list[Req]) -> list[int]:
-        """Turn the requests a step finished into results. A request finished twice is the
-        double free a switched-off mechanism causes (skip_finished): detected, latched (the
-        engine refuses further work), raised after every other result is stored."""
-        twice, stored = [], []
-        for req in done:
-            if req.rid not in self._reqs:
-                twice.append(req.rid)
-                continue
-            del self._reqs[req.rid]
-            if req.rid in self._abandoned:
-                self._abandoned.discard(req.rid)
-            else:
-                self._results[req.rid] = self._output(req)
-                stored.append(req.rid)
-        if twice:
-            error = KVAccountingError(f"double free: request(s) {twice} finished and were released twice "
-                                      f"(disabled: {sorted(self.scheduler.mechanisms.disabled)})")
-            self.scheduler.error = self.scheduler.error or error
-            raise error
-        return stored
-
-    def _check_not_stuck(self) -> None:
-        """After a step that had nothing in flight and launched nothing: if requests still wait
-        while nothing runs, no later step can admit them (nobody will free a slot or a row), and
-        generate() or a step() loop would spin forever. With every mechanism on this cannot
-        happen (admission promises, check_fits); it is a leak, e.g. release_allocated off."""
-        s = self.scheduler
-        if s.waiting and not (s.prefilling or s.running.reqs or s.releasing):
-            mem = memory_report(s)
-            raise RuntimeError(f"{len(s.waiting)} request(s) wait for KV slots or rows that nothing running will free "
-                               f"(kv_free {mem['kv_free']} + kv_cached {mem['kv_cached']} of {mem['kv_total']}, "
-                               f"rows_free {mem['rows_free']} of {mem['rows_total']}): leaked, see check_invariants() "
-                               f"(disabled: {sorted(s.mechanisms.disabled)})")
-
-    def _take_results(self, call: Call) -> list[RequestOutput]:
-        """Hand out every stored result; should the call not complete, they go back."""
-        taken, self._results = self._results, {}
-        call.on_failure(lambda: self._results.update(taken))
-        return list(taken.values())
-
     def _new_req(self, prompt: Prompt, params: SamplingParams, rid: int) -> Req:
         """Validate everything about one request (raises ValueError/TypeError) without queueing it."""
         vocab = self.engine.model.vocab_size
@@ -416,48 +322,3 @@ def _stop_engine(engine: Engine, pid: int) -> None:
     no worker thread to stop, and a hung device's work is not waited for: Engine.hung)."""
     if os.getpid() == pid:
         engine.close()
-
-
-def check_tokenizer_fits(tokenizer, vocab_size: int, model_path: Path) -> None:
-    """A tokenizer whose ids reach past the embedding's rows is allowed (real checkpoints pad
-    or trim either one), but its text must never reach the device with such an id: the
-    embedding lookup would fail there and stop the engine for every request. _tokenize()
-    checks each prompt; here the tokenizer's special tokens, which would make every prompt
-    fail, are checked once."""
-    if tokenizer is None:
-        return
-    special = [i for i in tokenizer.all_special_ids if i is not None and not 0 <= i < vocab_size]
-    if special:
-        raise ValueError(f"the tokenizer in {str(model_path)!r} has special token ids {special[:8]} outside the "
-                         f"model's vocabulary of {vocab_size} (config.json vocab_size): tokenizer and weights "
-                         f"do not belong together")
-
-
-def _load_tokenizer(model_path: Path):
-    from transformers import AutoTokenizer
-
-    if not (model_path / "tokenizer.json").exists() and not (model_path / "tokenizer_config.json").exists():
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
-    except Exception as exc:  # the tokenizers library raises its own types for a corrupt file
-        raise ValueError(f"cannot load the tokenizer in {str(model_path)!r}: {exc}") from exc
-
-
-def _eos_ids(config, tokenizer, model_path: Path) -> frozenset[int]:
-    ids: set[int] = set()
-
-    def add(value: object) -> None:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-
-    add(getattr(config, "eos_token_id", None))
-    gen_config = model_path / "generation_config.json"
-    if gen_config.exists():
-        add(read_json_object(gen_config).get("eos_token_id"))
-    if tokenizer is not None:
-        add(tokenizer.eos_token_id)
-    return frozenset(ids)
-

@@ -1,0 +1,113 @@
+"""How LLM runs the scheduler for its callers and hands the results out (a mixin of LLM).
+
+A step's finished requests become results (`_store`), kept until a public call hands them out
+(`_take_results`, registered to go back should that call not complete). generate() steps until
+its own requests are out (`_run_until_done`); a generate() that does not complete abandons its
+requests (`_abandon`): aborted, and their results dropped when they come.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..invariants import memory_report
+from ..kv_pool import KVAccountingError
+from ..request import Req, RequestOutput
+from .guard import Call
+
+
+class DrivingMixin:
+    """LLM's scheduler-driving half: needs `scheduler`, `_reqs`, `_results`, `_abandoned`, `_output`."""
+
+    def _abandon(self, reqs: list[Req]) -> None:
+        """generate() did not complete: its requests are aborted and their results dropped
+        (the next drain gives back their rows and KV slots)."""
+        for req in reqs:
+            self._results.pop(req.rid, None)
+            if req.rid in self._reqs:  # not finished yet (and queued)
+                self._abandoned.add(req.rid)
+                self.scheduler.abort(req)
+
+    def _run_until_done(self, reqs: list[Req], on_step: Callable[[int], None] | None,
+                        call: Call) -> list[RequestOutput]:
+        mine = {req.rid for req in reqs}
+        outputs: dict[int, RequestOutput] = {}
+        while len(outputs) < len(mine):
+            call.checkpoint()  # a held-back Ctrl-C is raised between two steps
+            if not self.scheduler.has_work():
+                # Only reachable with a mechanism switched off (e.g. batch_snapshot): results
+                # went to the wrong requests and some can never be scheduled again.
+                lost = sorted(mine - outputs.keys())
+                raise RuntimeError(f"requests {lost[:8]} can no longer be scheduled: the scheduler lost "
+                                   f"track of them (disabled: {sorted(self.scheduler.mechanisms.disabled)})")
+            # Only this step's results are looked at: never every result so far (a long run's
+            # host work per step would grow with the requests already finished).
+            outputs.update((rid, self._results[rid]) for rid in self._step() if rid in mine)
+            if on_step is not None:
+                on_step(len(outputs))
+        # Every request is out, but an overshoot step may still be in flight: commit it, so that
+        # memory_report() shows the pool whole, unless the caller has other requests queued.
+        while self.scheduler.has_work() and not self._reqs:
+            call.checkpoint()
+            self._step()
+        for rid in mine:  # handed out only now: a Ctrl-C before this point drops them (_abandon)
+            del self._results[rid]
+        return [outputs[req.rid] for req in reqs]
+
+    def _step(self) -> list[int]:
+        """One scheduler iteration; the requests that finished go to self._results (the public
+        call around it holds Ctrl-C back until they are stored). An error (not a held-back
+        Ctrl-C) stops the scheduler: it is raised here once, and every later call refuses (see
+        _call); what finished before it is still stored, for collect(). Returns their ids."""
+        nothing_in_flight, launched = self.scheduler.last is None, self.scheduler.stats.batches
+        try:
+            done = self.scheduler.step()
+        except BaseException:
+            done, self.scheduler.finished = self.scheduler.finished, []  # finished before the error
+            self._store(done)
+            raise
+        stored = self._store(done)
+        if nothing_in_flight and self.scheduler.stats.batches == launched:
+            self._check_not_stuck()
+        return stored
+
+    def _store(self, done: list[Req]) -> list[int]:
+        """Turn the requests a step finished into results. A request finished twice is the
+        double free a switched-off mechanism causes (skip_finished): detected, latched (the
+        engine refuses further work), raised after every other result is stored."""
+        twice, stored = [], []
+        for req in done:
+            if req.rid not in self._reqs:
+                twice.append(req.rid)
+                continue
+            del self._reqs[req.rid]
+            if req.rid in self._abandoned:
+                self._abandoned.discard(req.rid)
+            else:
+                self._results[req.rid] = self._output(req)
+                stored.append(req.rid)
+        if twice:
+            error = KVAccountingError(f"double free: request(s) {twice} finished and were released twice "
+                                      f"(disabled: {sorted(self.scheduler.mechanisms.disabled)})")
+            self.scheduler.error = self.scheduler.error or error
+            raise error
+        return stored
+
+    def _check_not_stuck(self) -> None:
+        """After a step that had nothing in flight and launched nothing: if requests still wait
+        while nothing runs, no later step can admit them (nobody will free a slot or a row), and
+        generate() or a step() loop would spin forever. With every mechanism on this cannot
+        happen (admission promises, check_fits); it is a leak, e.g. release_allocated off."""
+        s = self.scheduler
+        if s.waiting and not (s.prefilling or s.running.reqs or s.releasing):
+            mem = memory_report(s)
+            raise RuntimeError(f"{len(s.waiting)} request(s) wait for KV slots or rows that nothing running will free "
+                               f"(kv_free {mem['kv_free']} + kv_cached {mem['kv_cached']} of {mem['kv_total']}, "
+                               f"rows_free {mem['rows_free']} of {mem['rows_total']}): leaked, see check_invariants() "
+                               f"(disabled: {sorted(s.mechanisms.disabled)})")
+
+    def _take_results(self, call: Call) -> list[RequestOutput]:
+        """Hand out every stored result; should the call not complete, they go back."""
+        taken, self._results = self._results, {}
+        call.on_failure(lambda: self._results.update(taken))
+        return list(taken.values())
