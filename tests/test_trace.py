@@ -300,6 +300,12 @@ def test_host_work_by_phase_separates_the_mix_of_iterations():
     spans = hand_spans() + [S(SpanName.COMMIT, "host", 21, 21.5, 5, 3)]  # a fifth iteration only commits
     by_phase = host_by_phase(spans, batches, full)
     # Host work without WAIT per iteration (test above): 2, 1.5, 2, 3, then 0.5.
-    assert by_phase == {"prefill": (1, pytest.approx(2.0)), phase_of(full, False, full): (2, pytest.approx(3.5)),
-                        phase_of(1, False, full): (1, pytest.approx(3.0)), NO_LAUNCH: (1, pytest.approx(0.5))}
-    assert sum(n for n, _ in by_phase.values()) == pipeline_metrics(spans)["num_iterations"]
+    totals = {phase: (t["iterations"], t["host_s"]) for phase, t in by_phase.items()}
+    assert totals == {"prefill": (1, pytest.approx(2.0)), phase_of(full, False, full): (2, pytest.approx(3.5)),
+                      phase_of(1, False, full): (1, pytest.approx(3.0)), NO_LAUNCH: (1, pytest.approx(0.5))}
+    assert sum(n for n, _ in totals.values()) == pipeline_metrics(spans)["num_iterations"]
+    # ... and by span: the full-batch iterations 2 and 3 scheduled 0.5 + 0.5, launched 0.5 + 0.5,
+    # committed batches 0 and 1 in 0.5 + 1 (an iteration commits the batch before its own).
+    full_decode = by_phase[phase_of(full, False, full)]
+    assert (full_decode[SpanName.SCHEDULE], full_decode[SpanName.LAUNCH], full_decode[SpanName.COMMIT]) == \
+        (pytest.approx(1.0), pytest.approx(1.0), pytest.approx(1.5))

@@ -11,6 +11,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -27,7 +28,8 @@ from ..request import SamplingParams
 from .breakdown import ModelCost, breakdown, measure_ceilings
 from .trace import ideal_ratio, pipeline_metrics, realised_share, request_metrics
 
-console = Console()
+# Piped into a log (tee, a file), Rich would assume 80 columns and cut the breakdown's columns.
+console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 @dataclass
@@ -90,6 +92,7 @@ def measure(args: argparse.Namespace, workload: Workload, loop: str, delay_ms: f
     llm.engine.tracer.clear()
     llm.scheduler.stats.events.clear()
     progress = _progress(f"{loop:>7} delay={delay_ms:g}ms", len(workload.prompts))
+    allocator_before = _allocator_counts(llm.device)
     with progress or nullcontext():
         task = progress.add_task("run", total=len(workload.prompts)) if progress else None
         start = time.perf_counter()
@@ -111,6 +114,8 @@ def measure(args: argparse.Namespace, workload: Workload, loop: str, delay_ms: f
               **{f"req_{k}": v for k, v in request_metrics(outs).items()}}
     result["token_ids"] = [o.token_ids for o in outs]
     result["_spans"] = spans
+    if allocator_before:  # CUDA: what the caching allocator did during the run
+        result["allocator"] = {k: v - allocator_before[k] for k, v in _allocator_counts(llm.device).items()}
     if getattr(args, "breakdown", False):
         hbm, flops = args.ceilings
         result["breakdown"] = breakdown(spans, llm.engine.tracer.batches, ModelCost.from_config(args.model), hbm, flops,
@@ -119,6 +124,18 @@ def measure(args: argparse.Namespace, workload: Workload, loop: str, delay_ms: f
     del llm
     _free_device_memory()
     return result
+
+
+def _allocator_counts(device) -> dict[str, int]:
+    """CUDA caching allocator counters ({} elsewhere). A cudaFree, and a retry (frees the cache
+    to retry a failed cudaMalloc), make the host wait for the device: host time that looks
+    like scheduling work in C."""
+    if device.type != "cuda":
+        return {}
+    import torch
+
+    stats = torch.cuda.memory_stats(device)
+    return {key: stats.get(key, 0) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
 def _free_device_memory() -> None:
@@ -239,16 +256,26 @@ def print_breakdown(result: dict) -> None:
     table = Table(title=f"where the device time went: {result['loop']} loop (observe/breakdown.py)",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in ("phase", "batches", "tokens\nor slots", "device\ns", "share", "floor\ns", "floor\n/dev",
-                "C ms\n/iter"):
+                "C ms\n/iter", "schedule\n/launch\n/commit"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in result["breakdown"]:
         ratio = f"{row['floor_s'] / row['device_s']:.0%}" if row["floor_s"] and row["device_s"] else ""
-        c_ms = f"{row['host_s'] / row['iterations'] * 1000:.2f}" if row.get("iterations") else ""
+        n = row.get("iterations")
+        c_ms = f"{row['host_s'] / n * 1000:.2f}" if n else ""
+        by_span = row.get("host_by_span", {})
+        parts = " / ".join(f"{by_span.get(name, 0.0) / n * 1000:.2f}" for name in ("schedule", "launch", "commit")) \
+            if by_span else ""
         table.add_row(row["phase"], str(row["batches"] or ""), str(row["tokens"]), f"{row['device_s']:.3f}",
-                      f"{row['share']:.1%}", f"{row['floor_s']:.3f}" if row["floor_s"] else "", ratio, c_ms)
+                      f"{row['share']:.1%}", f"{row['floor_s']:.3f}" if row["floor_s"] else "", ratio, c_ms, parts)
     console.print(table)
-    console.print("C ms/iter: host work per iteration that launched a batch of the phase; the total's is\n"
-                  "the run's C, a mean over the mix of phases.", style="dim", highlight=False)
+    console.print("C ms/iter: host work per iteration that launched a batch of the phase (then its schedule,\n"
+                  "launch and commit spans); the total's is the run's C, a mean over the mix of phases.",
+                  style="dim", highlight=False)
+    if "allocator" in result:
+        a = result["allocator"]
+        console.print(f"CUDA caching allocator during the run: {a['num_device_alloc']} cudaMalloc, "
+                      f"{a['num_device_free']} cudaFree, {a['num_alloc_retries']} retries (each waits for the device)",
+                      highlight=False)
 
 
 def run_online_bench(args: argparse.Namespace, workload: Workload) -> int:

@@ -117,21 +117,25 @@ def phase_of(num_reqs: int, is_prefill: bool, full: int) -> str:
 NO_LAUNCH = "no launch"  # an iteration that only committed (the last one, or a wait for memory)
 
 
-def host_by_phase(spans: list[Span], batches: list[BatchRecord], full_batch: int) -> dict[str, tuple[int, float]]:
-    """{phase: (iterations, host seconds)}: C's spans (schedule, launch, commit, sample; waiting
-    excluded, as in `pipeline_metrics`) of each iteration, under the phase of the batch it launched."""
+def host_by_phase(spans: list[Span], batches: list[BatchRecord], full_batch: int) -> dict[str, dict[str, float]]:
+    """{phase: {"iterations": n, "host_s": s, SpanName: s, ...}}: C's spans (schedule, launch,
+    commit, sample; waiting excluded, as in `pipeline_metrics`) of each iteration, under the phase
+    of the batch it launched, in all and by span: which part of C grows, when one does."""
     phases = {rec.batch_id: phase_of(rec.num_reqs, rec.is_prefill, full_batch) for rec in batches}
     launched = {sp.iteration: phases.get(sp.batch_id, NO_LAUNCH) for sp in spans
                 if sp.lane == HOST_LANE and sp.name == SpanName.LAUNCH}
-    work: dict[int, float] = {}
+    work: dict[int, dict[str, float]] = {}
     for sp in spans:
         if sp.lane == HOST_LANE and sp.name in HOST_WORK:
-            work[sp.iteration] = work.get(sp.iteration, 0.0) + sp.duration
-    out: dict[str, tuple[int, float]] = {}
-    for iteration, seconds in work.items():
-        phase = launched.get(iteration, NO_LAUNCH)
-        n, total = out.get(phase, (0, 0.0))
-        out[phase] = (n + 1, total + seconds)
+            by_span = work.setdefault(sp.iteration, {})
+            by_span[sp.name] = by_span.get(sp.name, 0.0) + sp.duration
+    out: dict[str, dict[str, float]] = {}
+    for iteration, by_span in work.items():
+        totals = out.setdefault(launched.get(iteration, NO_LAUNCH), {"iterations": 0, "host_s": 0.0})
+        totals["iterations"] += 1
+        totals["host_s"] += sum(by_span.values())
+        for name, seconds in by_span.items():
+            totals[name] = totals.get(name, 0.0) + seconds
     return out
 
 
@@ -163,9 +167,10 @@ def breakdown(spans: list[Span], batches: list[BatchRecord], cost: ModelCost, hb
             pad_rows += rec.padded_reqs
             pad_time += span.duration * (rec.padded_reqs - rec.num_reqs) / rec.padded_reqs
     host = host_by_phase(spans, batches, full_batch)
-    for name, (iterations, host_s) in host.items():
+    for name, totals in host.items():
         if name in rows:
-            rows[name].update(iterations=iterations, host_s=host_s)
+            rows[name].update(iterations=totals["iterations"], host_s=totals["host_s"],
+                              host_by_span={str(k): v for k, v in totals.items() if k not in ("iterations", "host_s")})
     order = sorted(rows.values(), key=lambda r: (r["phase"] != "prefill", "full" not in r["phase"],
                                                   _bucket_low(r["phase"])))
     device = merge_intervals([(sp.start, sp.end) for sp in forwards.values()])
@@ -177,7 +182,8 @@ def breakdown(spans: list[Span], batches: list[BatchRecord], cost: ModelCost, hb
     order.append({"phase": "idle (no forward running)", "batches": 0, "device_s": idle, "floor_s": 0.0, "tokens": 0})
     order.append({"phase": "total (first to last forward)", "batches": sum(r["batches"] for r in rows.values()),
                   "device_s": window, "floor_s": total_floor, "tokens": sum(r["tokens"] for r in rows.values()),
-                  "iterations": sum(n for n, _ in host.values()), "host_s": sum(t for _, t in host.values())})
+                  "iterations": sum(t["iterations"] for t in host.values()),
+                  "host_s": sum(t["host_s"] for t in host.values())})
     for r in order:
         r["share"] = r["device_s"] / window if window else 0.0
     return order
