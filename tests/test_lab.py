@@ -17,7 +17,7 @@ from minisgl.frontend.cli import main
 from minisgl.observe.bench import print_ratios, print_results
 from minisgl.observe.lab import host_delay_for, lab_table, render_chart, steps_for
 from minisgl.observe.timeline import render_timeline
-from minisgl.observe.trace import ideal_ratio, realised_share
+from minisgl.observe.trace import ideal_ratio, overlapped_step_s, realised_share
 from minisgl.tracer import Span, SpanName
 
 POINT_KEYS = {"c_over_g", "ideal", "ratio_median", "ratio_min", "ratio_max", "busy_normal", "busy_overlap"}
@@ -30,6 +30,17 @@ def test_ideal_ratio_rises_to_two_at_the_crossover_then_the_host_caps_it():
     assert ideal_ratio(g, 30.0) == pytest.approx(4 / 3)  # C > G: (G+C)/C
     assert ideal_ratio(g, 0.0) == pytest.approx(1.0)
     assert ideal_ratio(4.0, 7.0) == ideal_ratio(7.0, 4.0)  # whichever side is longer caps the step
+
+
+def test_the_overlapped_step_step_by_step_pays_for_taking_turns():
+    """Near C = G the mean of max(G_k, C_k) is longer than max of the means: the crossover's 2.0
+    is out of reach when the host is late on some steps and early on others."""
+    g, c = [2.0, 2.0, 2.0, 2.0], [1.5, 2.5, 1.5, 2.5]  # means 2.0 and 2.0: the ideal of means is 2
+    assert overlapped_step_s(g, c) == pytest.approx(2.25)  # 2, 2.5, 2, 2.5
+    assert (2.0 + 2.0) / overlapped_step_s(g, c) == pytest.approx(16 / 9)  # below 2
+    # With one side always the longer it is max(mean G, mean C): the ideal of means again.
+    assert overlapped_step_s([5.0, 6.0], [1.0, 2.0]) == pytest.approx(5.5)
+    assert overlapped_step_s([5.0, 6.0, 7.0], [1.0]) == pytest.approx(5.0)  # paired in order, as far as both go
 
 
 def test_realised_share():
@@ -70,6 +81,14 @@ def test_chart_cuts_a_stray_range_at_the_edge():
     lines = render_chart([_point(1.0, 1.9), {**_point(2.0, 1.5), "ratio_max": 3.4}], width=40)
     assert len(lines) == 13 + 2  # the axis still ends at 2.1: the range is cut, not the chart stretched
     assert lines[0].count("│") == 2  # the left border and the cut range
+
+
+def test_chart_marks_a_step_by_step_ideal_below_the_curve():
+    lines = render_chart([{**_point(1.0, 1.6), "ideal": 1.75}], width=40)
+    rows = {mark: next(i for i, line in enumerate(lines) if mark in line) for mark in "○●"}
+    two = next(i for i, line in enumerate(lines) if line.lstrip().startswith("2.0"))
+    assert sum(line.count("○") for line in lines) == 1
+    assert two < rows["○"] < rows["●"]  # rows count down: the curve's 2.0, this ideal, the median
 
 
 def test_chart_shows_a_point_far_from_the_ideal_off_the_curve():
@@ -157,7 +176,10 @@ def test_lab_mini_sweep_writes_the_json_schema(tmp_path, capsys):
     for p in points:
         assert POINT_KEYS <= p.keys()
         assert p["ratio_min"] <= p["ratio_median"] <= p["ratio_max"]
-        assert p["ideal"] == pytest.approx(ideal_ratio(p["g_ms"], p["c_ms"]))
+        assert p["ideal_of_means"] == pytest.approx(ideal_ratio(p["g_ms"], p["c_ms"]))
+        # step by step, the overlapped step is never shorter than max(G, C) (1%: the medians of
+        # whole runs against their paired steps)
+        assert p["ideal"] <= p["ideal_of_means"] * 1.01
         assert p["c_over_g"] == pytest.approx(p["c_ms"] / p["g_ms"])
         assert 0 < p["busy_normal"] < p["busy_overlap"] <= 1  # the normal loop idles through C
         assert len(p["ratios"]) == 2

@@ -42,7 +42,8 @@ from rich.text import Text
 from ..frontend.options import DELAY_MS, MAX_CLI_REQUESTS, Number, NumberList, build_llm, check_output_file, count
 from ..request import SamplingParams
 from .bench import Workload, console, default_model
-from .trace import ideal_ratio, pipeline_metrics, realised_share
+from .trace import (forwards_after_launch, host_work_by_iteration, ideal_ratio, overlapped_step_s, pipeline_metrics,
+                    realised_share)
 
 DEFAULT_POINTS = (0.2, 0.5, 1.0, 1.5, 2.0, 3.2)  # ends with a margin: G drifts
 CPU_DEVICE_DELAY_MS = 20.0
@@ -62,6 +63,8 @@ class LabRun:
     c_s: float  # host work per iteration (S+L+C spans, waiting excluded)
     busy: float  # device busy fraction
     idle_s: float  # device idle per forward (the bubble)
+    g_steps: list[float]  # each forward's G after launch, in batch order
+    c_steps: list[float]  # each iteration's C, in order
 
 
 @dataclass
@@ -87,8 +90,18 @@ class Point:
         return self.c_s / self.g_s
 
     @property
-    def ideal(self) -> float:
+    def ideal_of_means(self) -> float:
+        """(G+C)/max(G,C) of the medians: the curve of the chart."""
         return ideal_ratio(self.g_s, self.c_s)
+
+    @property
+    def ideal(self) -> float:
+        """(G+C) over the overlapped step built step by step: each overlap run's G_k paired with
+        its normal partner's C_k, a step costing max(G_k, C_k) (trace.overlapped_step_s). Equal to
+        the ideal of means where one side is always the longer; lower near C = G, where the
+        two take turns, and no schedule can avoid that."""
+        step = statistics.median(overlapped_step_s(o.g_steps, n.c_steps) for n, o in zip(self.normal, self.overlap))
+        return (self.g_s + self.c_s) / step
 
     @property
     def ratios(self) -> list[float]:
@@ -105,12 +118,13 @@ class Point:
 
     def to_json(self) -> dict:
         med = lambda runs, key: statistics.median(getattr(r, key) for r in runs)  # noqa: E731
-        return {"c_over_g": self.c_over_g, "ideal": self.ideal, "ratio_median": self.ratio_median,
+        return {"c_over_g": self.c_over_g, "ideal": self.ideal, "ideal_of_means": self.ideal_of_means,
+                "ratio_median": self.ratio_median,
                 "ratio_min": min(self.ratios), "ratio_max": max(self.ratios),
                 "busy_normal": med(self.normal, "busy"), "busy_overlap": med(self.overlap, "busy"),
                 "idle_normal_ms": med(self.normal, "idle_s") * 1e3, "idle_overlap_ms": med(self.overlap, "idle_s") * 1e3,
                 "g_ms": self.g_s * 1e3, "c_ms": self.c_s * 1e3, "g_normal_ms": med(self.normal, "g_span_s") * 1e3,
-                "g_overlap_ms": med(self.overlap, "g_span_s") * 1e3,
+                "g_overlap_ms": med(self.overlap, "g_span_s") * 1e3, "c_overlap_ms": med(self.overlap, "c_s") * 1e3,
                 "share": self.share, "ratios": self.ratios, "host_delay_ms": self.host_delay_ms, "steps": self.steps}
 
 
@@ -172,10 +186,12 @@ class Runner:
 
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
-        m = pipeline_metrics(llm.engine.tracer.resolve())
+        spans = llm.engine.tracer.resolve()
+        m = pipeline_metrics(spans)
         return LabRun(sum(len(o.token_ids) for o in outs) / wall, m["forward_after_launch_s"],
                       m["device_time_per_forward_s"],
-                      m["host_time_per_iteration_s"], m["device_busy_fraction"], m["exposed_host_time_per_step_s"])
+                      m["host_time_per_iteration_s"], m["device_busy_fraction"], m["exposed_host_time_per_step_s"],
+                      forwards_after_launch(spans), host_work_by_iteration(spans))
 
 
 def kv_tokens_for(workload: Workload) -> int:
@@ -209,7 +225,8 @@ def steps_for(g_s: float, c_s: float, run_s: float, min_steps: int, max_steps: i
 def render_chart(points: list[dict], width: int = 40) -> list[str]:
     """Measured median (●) with its range (│) against the ideal curve (·), ratio over C/G.
 
-    `points` are dicts with c_over_g, ratio_median, ratio_min, ratio_max (the JSON points).
+    `points` are dicts with c_over_g, ratio_median, ratio_min, ratio_max (the JSON points), and
+    may hold the point's own step-by-step ideal (`ideal`, drawn ○ where it leaves the curve).
     The ideal is drawn as a function of C/G: (G+C)/max(G,C) = (1+x)/max(1,x). Whole C/G
     values fall on columns and every row is 0.1 (0.2 for a wide spread) of ratio, so the
     peak 2.0 at C/G = 1 is drawn exactly. Ranges beyond the axis stop at its edge. Returns plain lines: the plot, the axis, its labels.
@@ -238,6 +255,8 @@ def render_chart(points: list[dict], width: int = 40) -> list[str]:
         c = col(p["c_over_g"])
         for r in range(row(p["ratio_max"]), row(p["ratio_min"]) + 1):
             grid[r][c] = "│"
+        if "ideal" in p:  # over the range, under the median
+            grid[row(p["ideal"])][c] = "○"
         grid[row(p["ratio_median"])][c] = "●"
     ticks = {row(y): f"{y:.1f}" for y in (1.0, 1.5, 2.0) if y_lo <= y <= y_hi}
     lines = [f"{ticks.get(r, ''):>{label_w - 1}} {'┤' if r in ticks else '│'}" + "".join(grid[r])
@@ -253,10 +272,10 @@ def render_chart(points: list[dict], width: int = 40) -> list[str]:
 
 def chart_text(points: list[dict], width: int = 40) -> Text:
     text = Text("overlap/normal vs C/G\n", style="bold")
-    text.append("● measured median  │ range  · ideal\n", style="dim")
+    text.append("● measured median  │ range  · ideal of means  ○ step by step\n", style="dim")
     body = Text("\n".join(render_chart(points, width)))
     body.highlight_regex("●", "bold green")
-    body.highlight_regex("·", "cyan")
+    body.highlight_regex("[·○]", "cyan")
     return text + body
 
 
@@ -285,9 +304,10 @@ LEGEND = """\
 C/G: host work per iteration C (S+L+C spans, normal runs) over G, the device time
 per forward after its launch returned (overlap runs).
 busy, idle: device busy fraction and device idle per forward, normal/overlap.
-ideal: (G+C)/max(G,C).  ovl/norm, range: overlap/normal throughput, median and
-range over the repeats.  share: (median-1)/(ideal-1), the part of the possible
-gain that the overlap loop realised."""
+ideal: (G+C) over the mean of max(G_k, C_k), step by step (the chart's ○); the
+chart's curve is (G+C)/max(G,C) of the means (JSON: ideal_of_means).  ovl/norm,
+range: overlap/normal throughput, median and range over the repeats.
+share: (median-1)/(ideal-1), the part of the possible gain that was realised."""
 
 
 # --------------------------------------------------------------------------- the command

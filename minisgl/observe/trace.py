@@ -130,30 +130,48 @@ def pipeline_metrics(spans: list[Span]) -> dict:
     if forwards:
         out["device_time_per_forward_s"] = sum(sp.duration for sp in forwards) / len(forwards)
         out["exposed_host_time_per_step_s"] = out["idle_gap_total_s"] / len(forwards)
-        launched = {sp.batch_id: sp.end for sp in spans if sp.lane == HOST_LANE and sp.name == SpanName.LAUNCH}
-        out["forward_after_launch_s"] = sum(max(0.0, sp.end - max(sp.start, launched.get(sp.batch_id, sp.start)))
-                                            for sp in forwards) / len(forwards)
+        after_launch = forwards_after_launch(spans)
+        out["forward_after_launch_s"] = sum(after_launch) / len(after_launch)
 
-    per_iteration: dict[int, float] = {}
-    wait = 0.0
-    for sp in spans:
-        if sp.lane != HOST_LANE:
-            continue
-        if sp.name == SpanName.WAIT:
-            wait += sp.duration
-        else:
-            per_iteration[sp.iteration] = per_iteration.get(sp.iteration, 0.0) + sp.duration
+    per_iteration = host_work_by_iteration(spans)
     out["num_iterations"] = len(per_iteration)
     if per_iteration:
-        out["host_time_per_iteration_s"] = sum(per_iteration.values()) / len(per_iteration)
+        out["host_time_per_iteration_s"] = sum(per_iteration) / len(per_iteration)
+    wait = sum(sp.duration for sp in spans if sp.lane == HOST_LANE and sp.name == SpanName.WAIT)
     out["host_wait_fraction"] = wait / wall if wall > 0 else 0.0
     return out
+
+
+def forwards_after_launch(spans: list[Span]) -> list[float]:
+    """Each forward's device time after its own launch returned (see pipeline_metrics), in batch order."""
+    launched = {sp.batch_id: sp.end for sp in spans if sp.lane == HOST_LANE and sp.name == SpanName.LAUNCH}
+    forwards = sorted((sp for sp in spans if sp.lane != HOST_LANE and sp.name == SpanName.FORWARD),
+                      key=lambda sp: sp.batch_id)
+    return [max(0.0, sp.end - max(sp.start, launched.get(sp.batch_id, sp.start))) for sp in forwards]
+
+
+def host_work_by_iteration(spans: list[Span]) -> list[float]:
+    """Each iteration's host work (its host spans but WAIT), in iteration order: C step by step."""
+    per_iteration: dict[int, float] = {}
+    for sp in spans:
+        if sp.lane == HOST_LANE and sp.name != SpanName.WAIT:
+            per_iteration[sp.iteration] = per_iteration.get(sp.iteration, 0.0) + sp.duration
+    return [per_iteration[i] for i in sorted(per_iteration)]
 
 
 def ideal_ratio(g: float, c: float) -> float:
     """The overlap loop's best throughput over the normal loop's: a serial step costs G + C,
     an overlapped one max(G, C). 2 at C = G; above it the host caps the gain at (G+C)/C."""
     return (g + c) / max(g, c)
+
+
+def overlapped_step_s(g_steps: list[float], c_steps: list[float]) -> float:
+    """The overlap loop's mean step if each step cost the longer of its own G and C: the mean of
+    max(G_k, C_k) over the steps, paired in order. It is never shorter than max(mean G, mean C),
+    and longer wherever the two take turns being longer: near C = G a step whose host work runs
+    late delays the device, while one that is early gains nothing."""
+    pairs = list(zip(g_steps, c_steps))
+    return sum(max(g, c) for g, c in pairs) / len(pairs) if pairs else 0.0
 
 
 def realised_share(ratio: float, ideal: float) -> float:
