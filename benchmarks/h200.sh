@@ -3,7 +3,7 @@
 #   bash benchmarks/h200.sh tests   # CUDA tests
 #   bash benchmarks/h200.sh bench   # offline benchmark: both loops, graphs on/off, HF, roofline
 #   bash benchmarks/h200.sh breakdown      # offline, both loops, graphs on, with the run-level breakdown
-#   bash benchmarks/h200.sh scale          # breakdowns at 256 and 1,024 requests (both loops), 4,096 (overlap): ~6 min
+#   bash benchmarks/h200.sh scale          # breakdowns at 256, 1,024 and 4,096 requests (SCALE), both loops: ~9 min warm
 #   bash benchmarks/h200.sh decode-plan    # FlashInfer decode: tensor-core vs plain kernel, host and device per step
 #   bash benchmarks/h200.sh deterministic  # offline, overlap loop, deterministic=True (its cost)
 #   bash benchmarks/h200.sh gate           # issue 27: offline breakdown, overlap loop, prefill gate off/on (GATE_RUNS)
@@ -16,7 +16,8 @@
 #   bash benchmarks/h200.sh eager-ab       # eager overlap vs normal, ABBA, then sync debug mode
 #   bash benchmarks/h200.sh profile        # kernel time of a whole offline run by kind (PROFILE=attention|steps|batches|gemm: others)
 # Several modes in one device call: `timeout 200 bash benchmarks/h200.sh A; timeout 300 bash ... B`.
-# Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online), GATE_RUNS
+# Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online), SCALE (scale's
+# request counts, default "256 1024 4096": on a new machine give 4096 a call of its own), GATE_RUNS
 # (gate: REQUESTS:MIN_PREFILL_TOKENS pairs, default "1024:0 1024:4096 4096:4096"; 0 is the gate off).
 # Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`).
 set -uo pipefail
@@ -71,15 +72,15 @@ case "$what" in
     python3 benchmarks/gpu_checks.py /tmp/qwen3-0.6b prefill 2>&1 | tee "$OUT/prefill.log" ;;
   scale)
     # Issue 27: host work C per iteration as the queue grows, 256 running at most. Each table
-    # gives C per iteration by phase beside the device time (observe/breakdown.py), so a per-step
-    # cost that grows can be told from a mix of iterations that changes. Measured durations:
-    # 256 requests ~10 s per loop, 1,024 ~30 s, 4,096 ~115 s (overlap), plus each engine's start.
+    # gives C per iteration by phase, and its schedule / launch / commit parts, beside the device
+    # time (observe/breakdown.py), so a per-step cost that grows can be told from a mix of
+    # iterations that changes. Measured durations: 256 requests ~10 s per loop, 1,024 ~25-30 s,
+    # 4,096 ~85 s (overlap) and ~115 s (normal), plus each engine's start.
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
-    for spec in "256:--compare-loops --delays 0" "1024:--compare-loops --delays 0" "4096:--loop overlap"; do
-      n=${spec%%:*}; flags=${spec#*:}
-      echo "=== figure: scale, $n requests ($flags) ==="
-      python3 -m minisgl bench --workload offline --num-requests "$n" --model /tmp/qwen3-0.6b $flags --breakdown \
-        --json "$OUT/scale_$n.json" 2>&1 | tee "$OUT/bench_scale_$n.log"
+    for n in ${SCALE:-256 1024 4096}; do
+      echo "=== figure: scale, $n requests, both loops ==="
+      python3 -m minisgl bench --workload offline --num-requests "$n" --model /tmp/qwen3-0.6b --compare-loops \
+        --delays 0 --breakdown --json "$OUT/scale_$n.json" 2>&1 | tee "$OUT/bench_scale_$n.log"
     done ;;
   decode-plan)
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b

@@ -309,3 +309,27 @@ def test_host_work_by_phase_separates_the_mix_of_iterations():
     full_decode = by_phase[phase_of(full, False, full)]
     assert (full_decode[SpanName.SCHEDULE], full_decode[SpanName.LAUNCH], full_decode[SpanName.COMMIT]) == \
         (pytest.approx(1.0), pytest.approx(1.0), pytest.approx(1.5))
+
+
+def test_breakdown_prints_c_by_span_and_the_allocator(monkeypatch):
+    """`bench --breakdown`'s table (observe/bench.py): each phase's C per iteration, then its
+    schedule / launch / commit parts, and on CUDA the allocator's counts during the run."""
+    from minisgl.observe import bench
+    from minisgl.observe.breakdown import ModelCost, breakdown
+    from minisgl.tracer import BatchRecord
+
+    full = 4
+    batches = [BatchRecord(0, True, 2, 10, 10, 50, 2), BatchRecord(1, False, full, full, 40, 40, full),
+               BatchRecord(2, False, full, full, 44, 44, full), BatchRecord(3, False, 1, 1, 12, 12, 1)]
+    cost = ModelCost(matmul_params=1000, layers=2, q_size=8, kv_bytes_per_token=10)
+    rows = breakdown(hand_spans(), batches, cost, hbm=1e6, flops=1e9, full_batch=full)
+    console = Console(record=True, width=150, file=io.StringIO())
+    monkeypatch.setattr(bench, "console", console)
+    bench.print_breakdown({"loop": "overlap", "breakdown": rows,
+                           "allocator": {"num_device_alloc": 3, "num_device_free": 1, "num_alloc_retries": 0}})
+    text = console.export_text()
+    full_row = next(line for line in text.splitlines() if "full batch" in line)
+    # iterations 2 and 3 (ms per iteration, the hand spans' seconds x 1000): 1750 in all,
+    # schedule 500, launch 500, commit 750
+    assert full_row.split()[-6:] == ["1750.00", "500.00", "/", "500.00", "/", "750.00"]
+    assert "3 cudaMalloc, 1 cudaFree, 0 retries" in text
