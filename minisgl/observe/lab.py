@@ -272,7 +272,7 @@ def render_chart(points: list[dict], width: int = 40) -> list[str]:
 
 def chart_text(points: list[dict], width: int = 40) -> Text:
     text = Text("overlap/normal vs C/G\n", style="bold")
-    text.append("● measured median  │ range  · ideal of means  ○ step by step\n", style="dim")
+    text.append("● measured median  │ range  · (G+C)/max(G,C)  ○ the point's ideal\n", style="dim")
     body = Text("\n".join(render_chart(points, width)))
     body.highlight_regex("●", "bold green")
     body.highlight_regex("[·○]", "cyan")
@@ -301,8 +301,8 @@ def lab_table(points: list[dict]) -> Table:
 
 
 LEGEND = """\
-C/G: host work per iteration C (S+L+C spans, normal runs) over G, the device time
-per forward after its launch returned (overlap runs).
+C/G: host work per iteration C (schedule, launch, commit; normal runs) over G,
+the device time per forward after its launch returned (overlap runs).
 busy, idle: device busy fraction and device idle per forward, normal/overlap.
 ideal: (G+C) over the mean of max(G_k, C_k), step by step (the chart's ○); the
 chart's curve is (G+C)/max(G,C) of the means (JSON: ideal_of_means).  ovl/norm,
@@ -331,7 +331,8 @@ def sweep(runner: Runner, args: argparse.Namespace, workload_of: Callable[[int],
         g_seen += [r.g_s for r in measured.overlap]
         points.append(measured.to_json())
         console.print(f"  host_delay_ms {host_delay:6.2f}, {steps:3d} steps: C/G {points[-1]['c_over_g']:.2f}, "
-                      f"ovl/norm {points[-1]['ratio_median']:.2f} (ideal {points[-1]['ideal']:.2f})")
+                      f"ovl/norm {points[-1]['ratio_median']:.2f} (ideal {points[-1]['ideal']:.2f}, "
+                      f"(G+C)/max(G,C) {points[-1]['ideal_of_means']:.2f})")
     return probe, points
 
 
