@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import random
 
 import pytest
 from rich.console import Console
@@ -17,7 +18,7 @@ from minisgl.frontend.cli import main
 from minisgl.observe.bench import print_ratios, print_results
 from minisgl.observe.lab import host_delay_for, lab_table, render_chart, steps_for
 from minisgl.observe.timeline import render_timeline
-from minisgl.observe.trace import ideal_ratio, overlapped_step_s, realised_share
+from minisgl.observe.trace import ideal_ratio, realised_share, stepwise_ideal
 from minisgl.tracer import Span, SpanName
 
 POINT_KEYS = {"c_over_g", "ideal", "ratio_median", "ratio_min", "ratio_max", "busy_normal", "busy_overlap"}
@@ -32,15 +33,21 @@ def test_ideal_ratio_rises_to_two_at_the_crossover_then_the_host_caps_it():
     assert ideal_ratio(4.0, 7.0) == ideal_ratio(7.0, 4.0)  # whichever side is longer caps the step
 
 
-def test_the_overlapped_step_step_by_step_pays_for_taking_turns():
+def test_the_ideal_step_by_step_pays_for_taking_turns():
     """Near C = G the mean of max(G_k, C_k) is longer than max of the means: the crossover's 2.0
     is out of reach when the host is late on some steps and early on others."""
-    g, c = [2.0, 2.0, 2.0, 2.0], [1.5, 2.5, 1.5, 2.5]  # means 2.0 and 2.0: the ideal of means is 2
-    assert overlapped_step_s(g, c) == pytest.approx(2.25)  # 2, 2.5, 2, 2.5
-    assert (2.0 + 2.0) / overlapped_step_s(g, c) == pytest.approx(16 / 9)  # below 2
-    # With one side always the longer it is max(mean G, mean C): the ideal of means again.
-    assert overlapped_step_s([5.0, 6.0], [1.0, 2.0]) == pytest.approx(5.5)
-    assert overlapped_step_s([5.0, 6.0, 7.0], [1.0]) == pytest.approx(5.0)  # paired in order, as far as both go
+    g, c = [2.0, 2.0, 2.0, 2.0], [1.5, 2.5, 1.5, 2.5]  # means 2.0 and 2.0: the curve says 2
+    assert stepwise_ideal(g, c) == pytest.approx(16 / 9)  # steps 2, 2.5, 2, 2.5: 4 / 2.25
+    # With one side always the longer it is the curve of the means.
+    assert stepwise_ideal([5.0, 6.0], [1.0, 2.0]) == pytest.approx(ideal_ratio(5.5, 1.5))
+    assert stepwise_ideal([5.0, 6.0, 7.0], [1.0]) == pytest.approx(ideal_ratio(5.0, 1.0))  # paired as far as both go
+    assert math.isnan(stepwise_ideal([], [1.0]))
+    # Never above the curve of the paired steps' means.
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 20)
+        g, c = [rng.uniform(1, 3) for _ in range(n)], [rng.uniform(0.5, 4) for _ in range(n)]
+        assert stepwise_ideal(g, c) <= ideal_ratio(sum(g) / n, sum(c) / n) + 1e-12
 
 
 def test_realised_share():
@@ -177,8 +184,8 @@ def test_lab_mini_sweep_writes_the_json_schema(tmp_path, capsys):
         assert POINT_KEYS <= p.keys()
         assert p["ratio_min"] <= p["ratio_median"] <= p["ratio_max"]
         assert p["ideal_of_means"] == pytest.approx(ideal_ratio(p["g_ms"], p["c_ms"]))
-        # step by step, the overlapped step is never shorter than max(G, C) (1%: the medians of
-        # whole runs against their paired steps)
+        # step by step the ideal is at most the curve, up to the medians of whole runs against
+        # the means of their paired steps
         assert p["ideal"] <= p["ideal_of_means"] * 1.01
         assert p["c_over_g"] == pytest.approx(p["c_ms"] / p["g_ms"])
         assert 0 < p["busy_normal"] < p["busy_overlap"] <= 1  # the normal loop idles through C

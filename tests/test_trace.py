@@ -333,3 +333,12 @@ def test_breakdown_prints_c_by_span_and_the_allocator(monkeypatch):
     # schedule 500, launch 500, commit 750
     assert full_row.split()[-6:] == ["1750.00", "500.00", "/", "500.00", "/", "750.00"]
     assert "3 cudaMalloc, 1 cudaFree, 0 retries" in text
+
+
+def test_host_work_step_by_step_counts_the_launching_iterations():
+    """C step by step (the lab's ideal pairs it with forwards): the iterations that launched, in
+    launch order; hand_spans' four, not a fifth that only commits."""
+    from minisgl.observe.trace import host_work_by_launch
+
+    spans = hand_spans() + [S(SpanName.COMMIT, "host", 21, 21.5, 5, 3)]
+    assert host_work_by_launch(spans) == pytest.approx([2.0, 1.5, 2.0, 3.0])

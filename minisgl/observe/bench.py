@@ -135,7 +135,8 @@ def _allocator_counts(device) -> dict[str, int]:
     import torch
 
     stats = torch.cuda.memory_stats(device)
-    return {key: stats.get(key, 0) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    return {key: stats[key] for key in keys} if all(key in stats for key in keys) else {}  # older torch: none
 
 
 def _free_device_memory() -> None:
@@ -268,8 +269,9 @@ def print_breakdown(result: dict) -> None:
         table.add_row(row["phase"], str(row["batches"] or ""), str(row["tokens"]), f"{row['device_s']:.3f}",
                       f"{row['share']:.1%}", f"{row['floor_s']:.3f}" if row["floor_s"] else "", ratio, c_ms, parts)
     console.print(table)
-    console.print("C ms/iter: host work per iteration that launched a batch of the phase (then its schedule,\n"
-                  "launch and commit spans); the total's is the run's C, a mean over the mix of phases.",
+    console.print("C ms/iter: host work per iteration that launched a batch of the phase, then its schedule,\n"
+                  "launch and commit spans (a grammar's delayed sampling is in C, not in the three); the\n"
+                  "total's is the run's C, a mean over the mix of phases.",
                   style="dim", highlight=False)
     if "allocator" in result:
         a = result["allocator"]

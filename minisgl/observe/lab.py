@@ -42,8 +42,8 @@ from rich.text import Text
 from ..frontend.options import DELAY_MS, MAX_CLI_REQUESTS, Number, NumberList, build_llm, check_output_file, count
 from ..request import SamplingParams
 from .bench import Workload, console, default_model
-from .trace import (forwards_after_launch, host_work_by_iteration, ideal_ratio, overlapped_step_s, pipeline_metrics,
-                    realised_share)
+from .trace import (forwards_after_launch, host_work_by_launch, ideal_ratio, pipeline_metrics, realised_share,
+                    stepwise_ideal)
 
 DEFAULT_POINTS = (0.2, 0.5, 1.0, 1.5, 2.0, 3.2)  # ends with a margin: G drifts
 CPU_DEVICE_DELAY_MS = 20.0
@@ -64,7 +64,7 @@ class LabRun:
     busy: float  # device busy fraction
     idle_s: float  # device idle per forward (the bubble)
     g_steps: list[float]  # each forward's G after launch, in batch order
-    c_steps: list[float]  # each iteration's C, in order
+    c_steps: list[float]  # C of each iteration that launched a batch, in launch order
 
 
 @dataclass
@@ -96,12 +96,11 @@ class Point:
 
     @property
     def ideal(self) -> float:
-        """(G+C) over the overlapped step built step by step: each overlap run's G_k paired with
-        its normal partner's C_k, a step costing max(G_k, C_k) (trace.overlapped_step_s). Equal to
-        the ideal of means where one side is always the longer; lower near C = G, where the
-        two take turns, and no schedule can avoid that."""
-        step = statistics.median(overlapped_step_s(o.g_steps, n.c_steps) for n, o in zip(self.normal, self.overlap))
-        return (self.g_s + self.c_s) / step
+        """The ideal built step by step (trace.stepwise_ideal), each overlap run's forwards G_k
+        paired with its normal partner's iterations C_k; the median over the pairs of runs. An
+        estimate from independent runs, not a bound: equal to the curve where one side is always
+        the longer, lower where the two take turns (near C = G, or where C has a long tail)."""
+        return statistics.median(stepwise_ideal(o.g_steps, n.c_steps) for n, o in zip(self.normal, self.overlap))
 
     @property
     def ratios(self) -> list[float]:
@@ -191,7 +190,7 @@ class Runner:
         return LabRun(sum(len(o.token_ids) for o in outs) / wall, m["forward_after_launch_s"],
                       m["device_time_per_forward_s"],
                       m["host_time_per_iteration_s"], m["device_busy_fraction"], m["exposed_host_time_per_step_s"],
-                      forwards_after_launch(spans), host_work_by_iteration(spans))
+                      forwards_after_launch(spans), host_work_by_launch(spans))
 
 
 def kv_tokens_for(workload: Workload) -> int:

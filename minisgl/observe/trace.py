@@ -133,10 +133,10 @@ def pipeline_metrics(spans: list[Span]) -> dict:
         after_launch = forwards_after_launch(spans)
         out["forward_after_launch_s"] = sum(after_launch) / len(after_launch)
 
-    per_iteration = host_work_by_iteration(spans)
+    per_iteration = _host_work_per_iteration(spans)
     out["num_iterations"] = len(per_iteration)
     if per_iteration:
-        out["host_time_per_iteration_s"] = sum(per_iteration) / len(per_iteration)
+        out["host_time_per_iteration_s"] = sum(per_iteration.values()) / len(per_iteration)
     wait = sum(sp.duration for sp in spans if sp.lane == HOST_LANE and sp.name == SpanName.WAIT)
     out["host_wait_fraction"] = wait / wall if wall > 0 else 0.0
     return out
@@ -150,13 +150,22 @@ def forwards_after_launch(spans: list[Span]) -> list[float]:
     return [max(0.0, sp.end - max(sp.start, launched.get(sp.batch_id, sp.start))) for sp in forwards]
 
 
-def host_work_by_iteration(spans: list[Span]) -> list[float]:
-    """Each iteration's host work (its host spans but WAIT), in iteration order: C step by step."""
+def _host_work_per_iteration(spans: list[Span]) -> dict[int, float]:
+    """{iteration: its host work}: its host spans but WAIT, for iterations that did any."""
     per_iteration: dict[int, float] = {}
     for sp in spans:
         if sp.lane == HOST_LANE and sp.name != SpanName.WAIT:
             per_iteration[sp.iteration] = per_iteration.get(sp.iteration, 0.0) + sp.duration
-    return [per_iteration[i] for i in sorted(per_iteration)]
+    return per_iteration
+
+
+def host_work_by_launch(spans: list[Span]) -> list[float]:
+    """The host work of each iteration that launched a batch, in launch order: C step by step.
+    An iteration that launched nothing (the last commit, a wait for memory) is left out, so it
+    cannot shift the steps that follow when they are paired with forwards."""
+    per_iteration = _host_work_per_iteration(spans)
+    launches = sorted((sp.start, sp.iteration) for sp in spans if sp.lane == HOST_LANE and sp.name == SpanName.LAUNCH)
+    return [per_iteration[iteration] for _, iteration in launches]
 
 
 def ideal_ratio(g: float, c: float) -> float:
@@ -165,13 +174,17 @@ def ideal_ratio(g: float, c: float) -> float:
     return (g + c) / max(g, c)
 
 
-def overlapped_step_s(g_steps: list[float], c_steps: list[float]) -> float:
-    """The overlap loop's mean step if each step cost the longer of its own G and C: the mean of
-    max(G_k, C_k) over the steps, paired in order. It is never shorter than max(mean G, mean C),
-    and longer wherever the two take turns being longer: near C = G a step whose host work runs
-    late delays the device, while one that is early gains nothing."""
+def stepwise_ideal(g_steps: list[float], c_steps: list[float]) -> float:
+    """The ideal ratio built step by step: the serial step G_k + C_k against an overlapped one
+    that costs the longer of the two, max(G_k, C_k), over the steps paired in order (as far as
+    both lists go): (mean G + mean C) / mean max(G_k, C_k). With one side always the longer it
+    is ideal_ratio of the means; where the two take turns it is lower, never higher: a step
+    whose host work runs late delays the device, one that is early gains nothing (a loop one
+    batch ahead cannot bank it). NaN without a pair."""
     pairs = list(zip(g_steps, c_steps))
-    return sum(max(g, c) for g, c in pairs) / len(pairs) if pairs else 0.0
+    if not pairs:
+        return float("nan")
+    return sum(g + c for g, c in pairs) / sum(max(g, c) for g, c in pairs)
 
 
 def realised_share(ratio: float, ideal: float) -> float:
