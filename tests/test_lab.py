@@ -16,7 +16,8 @@ from rich.console import Console
 
 from minisgl.frontend.cli import main
 from minisgl.observe.bench import print_ratios, print_results
-from minisgl.observe.lab import host_delay_for, lab_table, render_chart, steps_for
+from minisgl.observe.lab import host_delay_for, steps_for
+from minisgl.observe.lab_report import lab_table, render_chart
 from minisgl.observe.timeline import render_timeline
 from minisgl.observe.trace import ideal_ratio, realised_share, stepwise_ideal
 from minisgl.tracer import Span, SpanName
