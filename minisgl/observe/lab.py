@@ -14,7 +14,9 @@ C from the normal runs, G from the overlap runs, as each forward's device time a
 launch returned. On a GPU the forward's span opens at its input copy and then waits for the
 rest of the launch whenever the device has nothing else queued, as always in the normal
 loop: that G holds launch work, which is C's, and an ideal built from it promised a gain
-that no schedule can reach (benchmarks/RESULTS.md, the lab on the H200).
+that no schedule can reach (benchmarks/RESULTS.md, the lab on the H200). The point's ideal
+applies the model step by step, max(G_k, C_k) for each step of the runs (`Point.ideal`): near
+C = G the two take turns being longer, and the mean of the maxima is above the larger mean.
 
 On the CPU the device is a worker thread; `device_delay_ms` (a sleep on that thread, 20 ms by
 default) makes G large and steady next to the Python of the tiny forward. On CUDA the same
