@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..tracer import HOST_LANE, HOST_WORK, BatchRecord, Span, SpanName
-from .trace import merge_intervals
+from ..tracer import HOST_LANE, BatchRecord, Span, SpanName
+from .trace import host_work_by_span, merge_intervals
 
 TAIL_BUCKETS = (8, 32, 64, 128)  # upper bounds of the tail's batch-size buckets; the rest up to full
 
@@ -124,13 +124,8 @@ def host_by_phase(spans: list[Span], batches: list[BatchRecord], full_batch: int
     phases = {rec.batch_id: phase_of(rec.num_reqs, rec.is_prefill, full_batch) for rec in batches}
     launched = {sp.iteration: phases.get(sp.batch_id, NO_LAUNCH) for sp in spans
                 if sp.lane == HOST_LANE and sp.name == SpanName.LAUNCH}
-    work: dict[int, dict[str, float]] = {}
-    for sp in spans:
-        if sp.lane == HOST_LANE and sp.name in HOST_WORK:
-            by_span = work.setdefault(sp.iteration, {})
-            by_span[sp.name] = by_span.get(sp.name, 0.0) + sp.duration
     out: dict[str, dict[str, float]] = {}
-    for iteration, by_span in work.items():
+    for iteration, by_span in host_work_by_span(spans).items():
         totals = out.setdefault(launched.get(iteration, NO_LAUNCH), {"iterations": 0, "host_s": 0.0})
         totals["iterations"] += 1
         totals["host_s"] += sum(by_span.values())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..tracer import HOST_LANE, Span, SpanName
+from ..tracer import HOST_LANE, HOST_WORK, Span, SpanName
 
 
 def lanes_of(spans: list[Span]) -> list[str]:
@@ -150,13 +150,20 @@ def forwards_after_launch(spans: list[Span]) -> list[float]:
     return [max(0.0, sp.end - max(sp.start, launched.get(sp.batch_id, sp.start))) for sp in forwards]
 
 
-def _host_work_per_iteration(spans: list[Span]) -> dict[int, float]:
-    """{iteration: its host work}: its host spans but WAIT, for iterations that did any."""
-    per_iteration: dict[int, float] = {}
+def host_work_by_span(spans: list[Span]) -> dict[int, dict[SpanName, float]]:
+    """{iteration: {span name: seconds}}: each iteration's host work (HOST_WORK spans; waiting
+    is not work), for iterations that did any."""
+    out: dict[int, dict[SpanName, float]] = {}
     for sp in spans:
-        if sp.lane == HOST_LANE and sp.name != SpanName.WAIT:
-            per_iteration[sp.iteration] = per_iteration.get(sp.iteration, 0.0) + sp.duration
-    return per_iteration
+        if sp.lane == HOST_LANE and sp.name in HOST_WORK:
+            by_name = out.setdefault(sp.iteration, {})
+            by_name[sp.name] = by_name.get(sp.name, 0.0) + sp.duration
+    return out
+
+
+def _host_work_per_iteration(spans: list[Span]) -> dict[int, float]:
+    """{iteration: its host work}: C of each iteration that did any."""
+    return {iteration: sum(by_name.values()) for iteration, by_name in host_work_by_span(spans).items()}
 
 
 def host_work_by_launch(spans: list[Span]) -> list[float]:
