@@ -77,6 +77,18 @@ def test_the_command_line_module_starts_without_torch():
     assert out.stdout.split() == ["False", "False"]
 
 
+# A Ctrl-C after the command had finished landed in the interpreter's clean-up (torch's
+# finalizers): a traceback, and exit code 0 (an attack trial, timing a SIGINT just after the
+# last line). Once the command returns, SIGINT is ignored: the exit code stands.
+def test_a_ctrl_c_after_the_command_is_ignored(tmp_path):
+    code = ("import signal, sys; from minisgl.__main__ import main; "
+            "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler; "
+            f"rc = main(['make-tiny', {str(tmp_path / 'm')!r}, '--preset', 'tiny']); "
+            "print(rc, signal.getsignal(signal.SIGINT) is signal.SIG_IGN)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.split()[-2:] == ["0", "True"], out.stderr
+
+
 def test_course_commands_run_the_lessons_scripts_without_make(capsys):
     """`python -m minisgl course ...` is the path without make: it lists the lessons, passes a
     hint request on to the exercises' script, and refuses an unknown lesson or command with exit 2."""
