@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .checks import INT64_MAX, INT64_MIN, check_bool, check_int, check_real, check_token_ids, is_int
-from .grammar import REJECTED, Grammar
+from .constraint import REJECTED, Constraint
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the staging buffers' dtype
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (kernels may flush subnormals to 0)
@@ -43,7 +43,7 @@ class SamplingParams:
     seed: int | None = None  # same seed, same tokens, whatever else is in the batch
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    grammar: Grammar | None = None  # allowed next tokens per state (minisgl/grammar.py)
+    grammar: Constraint | None = None  # allowed next tokens per state (features/grammar.py Grammar)
     logprobs: int | None = None  # k: return each token's logprob and its top-k alternatives
 
     def __post_init__(self) -> None:
@@ -72,8 +72,9 @@ class SamplingParams:
         check_bool("ignore_eos", self.ignore_eos)
         check_token_ids("stop_token_ids", self.stop_token_ids, INT64_MAX if vocab is None else vocab)
         if self.grammar is not None:
-            if not isinstance(self.grammar, Grammar):
-                raise TypeError(f"grammar must be a minisgl.grammar.Grammar or None, got {type(self.grammar).__name__}")
+            if not isinstance(self.grammar, Constraint):
+                raise TypeError(f"grammar must be a minisgl.features.grammar.Grammar (a Constraint) or None, "
+                                f"got {type(self.grammar).__name__}")
             if vocab is not None:
                 self.grammar.validate(vocab)
         if self.logprobs is not None:
@@ -137,7 +138,7 @@ class Req:
         self.output_ids: list[int] = []  # committed tokens only
         self.logprobs: list[TokenLogprob | None] = []  # by output index, committed with the tokens
         # Grammar state after the committed tokens: advanced at commit, never at planning.
-        self.grammar_state = params.grammar.start if params.grammar is not None else REJECTED
+        self.grammar_state = params.grammar.initial_state() if params.grammar is not None else REJECTED
         self.finish_reason: str | None = None
         self.abort_requested = False
 

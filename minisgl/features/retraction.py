@@ -1,28 +1,28 @@
-"""Admission policies: how much KV a request must be able to get before it is admitted.
+"""Optimistic admission and retraction (admission="optimistic", lesson 10).
 
-- "reserve" (the default): the pool must promise a new request everything it may ever need,
-  prompt + max_new_tokens + 1 overshoot slot, on top of what running requests were promised.
-  A running request then never runs out of slots and nothing is ever retracted.
-- "optimistic" (SGLang's default behaviour; lessons/readings §15): a new request is still
-  charged in full, but running requests are charged only a fraction of the decode slots they
-  may still take, the *new-token ratio*. The ratio starts high, decays a little after every
-  decode step that found its slots, and is raised again after a retraction. When a decode
-  step cannot get one slot per running request, the scheduler retracts requests
-  (`Scheduler._retract_for_decode`): they give their KV back and wait to be re-prefilled.
+The lesson core's "reserve" admission promises a new request everything it may ever need on top
+of what running requests were promised, so nothing is ever retracted. "Optimistic" (SGLang's
+behaviour; lessons/readings §15) still charges a new request in full, but running requests only
+a fraction of the decode slots they may still take, the *new-token ratio*. The ratio starts high,
+decays a little after every decode step that found its slots, and is raised after a retraction.
+When a decode step cannot get one slot per running request, `retract_for_decode` sends requests
+back to waiting: they give their KV back and are re-prefilled later, with identical output.
 
-The numbers are SGLang's defaults (checked in readings §15), except the decay length and the
-retraction headroom, scaled down for runs of a few hundred steps.
+The numbers are SGLang's defaults (readings §15), except the decay length and the retraction
+headroom, scaled down for runs of a few hundred steps.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal
+from typing import TYPE_CHECKING, Iterable
 
-from .request import Req
+from ..request import Req
+from ..tracer import SpanName
 
-Admission = Literal["reserve", "optimistic"]
+if TYPE_CHECKING:
+    from ..scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -60,75 +60,50 @@ class NewTokenRatio:
         self.current = min(1.0, (decoded + self.schedule.retract_headroom_steps * len(survivors)) / (may + 1))
 
 
-def optimistic_charge(reqs: Iterable[Req], ratio: float) -> int:
-    """KV slots that admitted requests are counted as still needing when a new one asks (optimistic).
+class OptimisticAdmission:
+    """The admission seam's policy: what admitted requests are charged, and retraction."""
 
-    `reserved_tokens` is what a request may still allocate: its admission promise minus what it
-    allocated (reserve charges exactly that sum, kept in `Scheduler._reserved`). Optimistic
-    charges the unlaunched prompt in full and only `ratio` of the decode part."""
-    total = 0
-    for r in reqs:
-        prompt_left = max(0, r.prefill_len - r.launched_len)
-        total += prompt_left + math.ceil(ratio * max(0, r.reserved_tokens - prompt_left))
-    return total
+    def __init__(self) -> None:
+        self.new_token_ratio = NewTokenRatio()
 
+    def charged(self, reqs: Iterable[Req]) -> int:
+        """KV slots admitted requests are counted as still needing when a new one asks: the
+        unlaunched prompt in full, and only the ratio of the decode part. (`reserved_tokens` is
+        what a request may still allocate; reserve admission charges all of it.)"""
+        total = 0
+        for r in reqs:
+            prompt_left = max(0, r.prefill_len - r.launched_len)
+            total += prompt_left + math.ceil(self.new_token_ratio.current * max(0, r.reserved_tokens - prompt_left))
+        return total
 
-# Open the gate anyway once this share of the rows is free (the running batch drained to 7/8 of
-# max_running_requests): where the target cannot be reached (short prompts, a small KV pool) the
-# decode batch still stays nearly full. At 256 rows that is 32 free rows, more than the ~13
-# prompts of the offline workload (~560 tokens each) the 7,168-token default target needs.
-GATE_DRAIN_FRACTION = 0.875
-
-
-@dataclass(frozen=True)
-class PrefillGate:
-    """Whether new requests may be admitted now, while others decode (issue 27).
-
-    On a GPU an eager prefill batch costs a fixed host time to launch (about 6 ms for the
-    Qwen3-0.6B shape) whatever its size, up to a few thousand tokens. Admitted as running
-    requests finish, one or two at a time, every prefill batch is that fixed cost. The gate
-    lets requests in only when the batch they form is worth a launch. It is open when:
-
-    - `target` is 0 (off: admit whatever fits at every step; the default on the CPU);
-    - nothing decodes (the device would idle: never stall);
-    - a chunked prompt continues (`prefilling`: the batch launches anyway, new requests ride along);
-    - the requests that fit now form at least `target` prompt tokens;
-    - the waiting queue holds fewer than `target` tokens in all (slow arrivals: waiting for
-      more would only add latency, without bound in an online workload);
-    - the running batch has drained to GATE_DRAIN_FRACTION of max_running_requests.
-
-    "Fit now" is an estimate made before admitting: a free row each and their whole KV promise
-    against `kv_headroom`, in queue order, as `Scheduler._admit` takes them, but without the
-    radix cache's prefix matches (a lookup locks nodes): a cached prefix makes the real batch
-    smaller and its promise smaller. The gate only delays admission, `_admit` still decides it.
-    """
-
-    target: int  # prompt tokens a prefill batch should reach; 0: off
-    max_running_requests: int
-
-    def is_open(self, waiting: Iterable[Req], *, running: int, prefilling: int, free_rows: int,
-                kv_headroom: Callable[[], int]) -> bool:
-        """`running`, `prefilling`: requests decoding, and admitted with a prompt left to launch;
-        `free_rows`: the request table's free rows; `kv_headroom()`: the slots a new request may be
-        promised (`Scheduler._kv_headroom`), asked only when the queue must be walked (optimistic
-        admission sums over every running request)."""
-        if self.target == 0 or running == 0 or prefilling > 0:
+    def retract_for_decode(self, sched: Scheduler) -> bool:
+        """Retract requests until the next decode step gets one slot per running request (SGLang:
+        check_decode_mem, retract_decode). False: not even one request fits until the batch in
+        flight commits its finishes."""
+        reqs, kv = sched.running.reqs, sched.kv_ledger
+        if kv.available() >= len(reqs):
+            self.new_token_ratio.decay_step()
             return True
-        if running <= GATE_DRAIN_FRACTION * self.max_running_requests:
-            return True
-        free_rows = min(free_rows, self.max_running_requests - running - prefilling)
-        queued = fitting = 0  # prompt tokens in the queue so far, and of the requests that fit
-        fits, headroom = True, kv_headroom()
-        for req in waiting:
-            queued += req.prefill_len
-            need = req.prefill_len + req.max_new_tokens - len(req.output_ids) + 1  # _admit's promise, no prefix
-            fits = fits and free_rows > 0 and need <= headroom
-            if fits:
-                fitting += req.prefill_len
-                free_rows -= 1
-                headroom -= need
-            if fitting >= self.target:
-                return True
-            if not fits and queued >= self.target:
-                return False
-        return queued < self.target
+        # Retract until a few steps fit (fewer retractions in a row), keeping at least one request.
+        steps = self.new_token_ratio.schedule.retract_headroom_steps
+        while len(reqs) > 1 and kv.available() < len(reqs) * steps:
+            # SGLang's order: the request with the fewest outputs goes first, the longer prompt on a tie.
+            retract(sched, min(reqs, key=lambda r: (len(r.output_ids), -r.prompt_len)))
+            self.new_token_ratio.after_retract(reqs)
+        return kv.available() >= len(reqs)
+
+
+def retract(sched: Scheduler, req: Req) -> None:
+    """Send a running request back to waiting: its committed KV goes to the radix cache and the
+    rest back to the pool, as at a finish. A batch in flight may still write its last slot, which
+    the next batch may then be given: safe, the new owner's writes queue behind it on the engine
+    stream. Its row waits for that batch (deferred row free), and that batch's result for it must
+    be skipped at commit (retract_skip_inflight)."""
+    sched.running.reqs.remove(req)
+    sched._release(req)
+    req.reset_for_retract()
+    sched.waiting.appendleft(req)
+    sched.stats.retractions += 1
+    sched.stats.events.append((SpanName.RETRACT, sched.batches.next_id))
+
+
