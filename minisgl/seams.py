@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 if TYPE_CHECKING:
     from .batch import BatchView, InFlight, RunningBatch
-    from .request import Req, TokenLogprob
+    from .request import Req
+    from .sampling_params import TokenLogprob
 
 class AdmissionPolicy(Protocol):
     def charged(self, reqs: Iterable[Req]) -> int:

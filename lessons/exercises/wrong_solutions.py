@@ -494,8 +494,6 @@ WRONG += [
 delay_sample = self.on("grammar_delayed_sample")
 mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs])
 """)),
-    Wrong(10, "without-finished-rows", "builds the masks without the rows whose request finished meanwhile",
-          "one entry per row of the batch", delayed_sample(reqs="[r for r in inflight.view.reqs if not r.finished]")),
     Wrong(10, "grammar-rows-only", "builds mask entries only for the requests that have a grammar",
           "one entry per row of the batch", delayed_sample(reqs="[r for r in inflight.view.reqs if r.params.grammar]")),
     Wrong(10, "every-request-has-a-grammar", "asks every request's grammar for its allowed tokens, also a "

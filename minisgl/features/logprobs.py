@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from ..request import Req, TokenLogprob
+from ..request import Req
+
+from ..sampling_params import TokenLogprob
 
 if TYPE_CHECKING:
     from ..batch import BatchView, RunningBatch

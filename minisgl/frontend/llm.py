@@ -17,7 +17,8 @@ from ..engine import Engine
 from ..interrupts import Deferral
 from ..invariants import check_invariants, memory_report
 from ..mechanisms import Mechanisms
-from ..request import Req, RequestOutput, SamplingParams
+from ..request import Req
+from ..sampling_params import RequestOutput, SamplingParams
 from ..features import plug_in
 from ..scheduler import Scheduler
 from .driving import DrivingMixin
