@@ -125,26 +125,38 @@ class EngineConfig:
     model_window: int
     kv_bytes_per_token: int  # K and V of one position, every layer, in `dtype`
     weight_bytes: int  # the model's weights in `dtype`
+    # Speculative decoding and mixed chunk (features/speculative/, features/mixed_chunk.py).
+    speculative_algorithm: str | None = None  # None, "ngram" or "standalone"
+    speculative_num_steps: int = 3  # drafted tokens per verify step: one chain, top-k 1
+    speculative_draft_model_path: Path | None = None  # standalone: the draft's checkpoint
+    enable_mixed_chunk: bool = False
+
+    @property
+    def lookahead_slots(self) -> int:
+        """KV positions a request may hold past its last committed token: the one slot an
+        overshoot step writes, or with speculation two verify steps of K+1 tokens (the step in
+        flight and the one planned before its accept lengths exist; SGLang: 2x the step's width)."""
+        return 1 if self.speculative_algorithm is None else 2 * (self.speculative_num_steps + 1)
 
     @property
     def max_seq_len(self) -> int:
         """The longest prompt + new tokens: the model's window, or the KV pool less the one slot
         an overshoot step may write. The same arithmetic as Scheduler.check_fits(), so a prompt
         shorter than this with one new token always fits."""
-        return min(self.model_window, self.kv_tokens - 1)
+        return min(self.model_window, self.kv_tokens - self.lookahead_slots)
 
     @property
     def table_width(self) -> int:
         """Request-table width: no request holds more positions than the pool has slots, nor
         more than the model's window plus the one overshoot position."""
-        return min(self.model_window + 1, self.kv_tokens)
+        return min(self.model_window + self.lookahead_slots, self.kv_tokens)
 
 
 def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device | None, loop: str,
                    disable: object, device_delay_ms: float, dtype: str | torch.dtype | None,
                    max_running_requests: int | None, chunk_size: int | None, kv_tokens: int | None, trace: bool,
                    attention_backend: str, host_delay_ms: float, deterministic: bool, admission: str,
-                   min_prefill_tokens: int | None) -> EngineConfig:
+                   min_prefill_tokens: int | None, **speculation: object) -> EngineConfig:
     """`LLM(...)`'s arguments -> one EngineConfig; reads config.json, not the weights."""
     if not isinstance(model_path, (str, os.PathLike)):
         raise TypeError(f"model_path must be a path, got {type(model_path).__name__}")
@@ -189,7 +201,7 @@ def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device 
         chunk_size=chunk_size, min_prefill_tokens=min_prefill_tokens,
         kv_tokens=kv_tokens or DEFAULTS.kv_tokens(resolved_device, kv_bytes_per_token, weight_bytes),
         model_window=int(checkpoint.max_position_embeddings), kv_bytes_per_token=kv_bytes_per_token,
-        weight_bytes=weight_bytes)
+        weight_bytes=weight_bytes, **speculation)  # type: ignore[arg-type]
     check_memory(config)
     return config
 

@@ -17,8 +17,9 @@ from .request import Req
 
 
 class KVLedger:
-    def __init__(self, kv_pool: KVPool, mechanisms: Mechanisms) -> None:
+    def __init__(self, kv_pool: KVPool, mechanisms: Mechanisms, lookahead: int = 1) -> None:
         self.kv_pool = kv_pool
+        self.lookahead = lookahead  # config.lookahead_slots: positions a request may write past its last token
         self.cache = RadixCache(kv_pool.free)
         self.mechanisms = mechanisms
         self.reserved = 0  # slots promised to admitted requests and not yet allocated
@@ -27,10 +28,11 @@ class KVLedger:
         return self.mechanisms.on(mechanism)
 
     @staticmethod
-    def promise(req: Req, cached_len: int = 0) -> int:
+    def promise(req: Req, cached_len: int = 0, lookahead: int = 1) -> int:
         """Slots a request may still need: its prefill beyond the cached prefix, the outputs it may
-        still produce, and the one slot an overshoot step writes past its last token."""
-        return req.prefill_len - cached_len + req.max_new_tokens - len(req.output_ids) + 1
+        still produce, and the `lookahead` slots a step may write past its last token (one
+        overshoot slot; a speculative step's verify positions)."""
+        return req.prefill_len - cached_len + req.max_new_tokens - len(req.output_ids) + lookahead
 
     def available(self) -> int:
         return self.kv_pool.free_count + self.cache.evictable_size
@@ -42,10 +44,10 @@ class KVLedger:
 
     def check_fits(self, req: Req) -> None:
         """A request the pool could never hold is refused up front (admission would wait forever)."""
-        need = self.promise(req)
+        need = self.promise(req, 0, self.lookahead)
         if need > self.kv_pool.total:
             raise ValueError(f"request needs {need} KV slots (prompt {req.prompt_len} + max_new_tokens "
-                             f"{req.max_new_tokens} + 1), the KV pool has {self.kv_pool.total}; raise kv_tokens")
+                             f"{req.max_new_tokens} + {self.lookahead}), the KV pool has {self.kv_pool.total}; raise kv_tokens")
 
     def reserve(self, req: Req, need: int) -> None:
         req.reserved_tokens = need

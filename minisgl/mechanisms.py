@@ -50,6 +50,12 @@ MECHANISMS: dict[str, str] = {
     "logprob_snapshot": "the rows and output indices of a batch's logprobs are fixed from the request lengths at "
     "planning (off: recomputed at commit from live lengths that the next schedule moved: each logprob lands one "
     "token late in the overlap loop)",
+    "spec_alloc_reserve": "(speculation) a verify step is given KV slots up to two steps of K+1 past the host's "
+    "committed length, because the verify in flight may still add K+1 (off: one step; in the overlap loop a verify "
+    "writes positions no slot was given for: stats.spec_unallocated_writes, wrong tokens)",
+    "spec_publish_wait": "(speculation) the host reads its mirror of the lengths only after the publish event of the "
+    "batch in flight (off: it reads last step's lengths in the overlap loop: attention over the wrong number of "
+    "positions, wrong tokens)",
 }
 
 

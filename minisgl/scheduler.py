@@ -54,7 +54,7 @@ class Scheduler:
         self.features = Features()  # the front end plugs features in (features.plug_in)
 
         # The engine owns the memory; the parts decide which request holds which slot and row.
-        self.kv_ledger = KVLedger(engine.kv_pool, self.mechanisms)
+        self.kv_ledger = KVLedger(engine.kv_pool, self.mechanisms, config.lookahead_slots)
         self.kv_pool, self.cache = self.kv_ledger.kv_pool, self.kv_ledger.cache
         self.req_to_token = engine.req_to_token
         self.rows = RowTracker(engine.req_to_token, self.mechanisms)
@@ -225,6 +225,8 @@ class Scheduler:
         admission = self.features.admission
         if not self.running.reqs or (admission is not None and not admission.retract_for_decode(self)):
             return None
+        if self.features.speculation is not None:  # a verify step of K+1 tokens per request
+            return self.features.speculation.plan_decode(self)
         reqs = self.running.reqs
         self.stats.overshoot_steps += sum(r.will_finish_by_length() for r in reqs)
         tokens = TokenColumns()
@@ -261,7 +263,7 @@ class Scheduler:
         # Match at most prefill_len - 1 tokens: the prefill must compute one, for its logits.
         matched, node = self.cache.match_prefix(req.committed_ids()[:req.prefill_len - 1])
         self.cache.lock(node)
-        need = self.kv_ledger.promise(req, len(matched))
+        need = self.kv_ledger.promise(req, len(matched), self.kv_ledger.lookahead)
         if self._kv_headroom() < need:
             self.cache.unlock(node)
             return False
@@ -327,11 +329,11 @@ class Scheduler:
         one-step lag made stale is dropped. A finished request is released right here."""
         self.rows.committed(result.batch_id)
         self.stats.events.append((SpanName.COMMIT, result.batch_id))
-        tokens = result.next_tokens_host.tolist()
+        runs = result.runs()  # one token per row; a speculative verify row: the run it accepted
         logprobs = {} if result.logprobs is None else \
-            self.features.logprobs.by_row(view, result, tokens, self.on("logprob_snapshot"))
-        for i, (req, row, generation, sampled, qo_len, token) in enumerate(zip(
-                view.reqs, view.rows, view.generations, view.samples, view.qo_lens, tokens)):
+            self.features.logprobs.by_row(view, result, [run[0] for run in runs], self.on("logprob_snapshot"))
+        for i, (req, row, generation, sampled, qo_len, run) in enumerate(zip(
+                view.reqs, view.rows, view.generations, view.samples, view.qo_lens, runs)):
             # >>> exercise 9: skip a retracted request's in-flight result
             if (req.row, req.row_generation) != (row, generation) and self.on("retract_skip_inflight"):
                 # Retracted after this batch launched: its re-prefill samples this step again, so
@@ -354,12 +356,21 @@ class Scheduler:
                 self.stats.overshoot_tokens += qo_len
                 continue
             # <<< exercise 4
-            req.kv_committed_len += qo_len
+            # A verify wrote K+1 positions: the accepted run's KV is kept, in the slots it was given.
+            req.kv_committed_len += qo_len if result.run_width == 1 else \
+                min(len(run), req.allocated_len - req.kv_committed_len)
             if not sampled:
                 continue
             req.inflight_samples -= 1
             finished_before = req.finished  # only possible with skip_finished off
-            req.commit_token(token, logprobs.get(i))
+            for n, token in enumerate(run, 1):  # speculation: several tokens, cut at a finish inside the run
+                req.commit_token(token, logprobs.get(i))
+                if req.finished:
+                    self.stats.overshoot_tokens += len(run) - n
+                    break
+            if result.run_width > 1:
+                self.stats.spec_verify_rows += 1
+                self.stats.spec_accepted_tokens += n
             # >>> exercise 5: the commit point
             if req.finished:
                 if finished_before or not req.released:

@@ -10,6 +10,7 @@ seam it checks one attribute, finds nothing plugged in, and goes on. The feature
 | `Features.prefill_gate` | admission                        | min_prefill_tokens > 0 (the GPU)    |
 | `Features.grammar`      | planning, after launch or commit | a request with a grammar            |
 | `Features.logprobs`     | planning, commit                 | a request asking for logprobs       |
+| `Features.speculation`  | planning (prefill and decode)    | speculative_algorithm               |
 | `Constraint` (constraint.py) | a request's commit           | `SamplingParams.grammar`            |
 """
 
@@ -44,6 +45,17 @@ class GrammarSeam(Protocol):
         """The delayed sampling of `inflight`, once every earlier batch is committed."""
 
 
+class SpeculationSeam(Protocol):
+    def prefill_step(self) -> Any:
+        """The device step of a prefill batch (ForwardBatch.device_step): it also feeds the drafter."""
+
+    def plan_decode(self, sched: Any) -> Any:
+        """The decode step as a verify step of K+1 tokens per running request (a Planned)."""
+
+    def step_slots(self, req: Req) -> int:
+        """KV slots `req` may be given by the next decode step (retraction counts them)."""
+
+
 class LogprobsSeam(Protocol):
     def plan(self, reqs: Sequence[Req], kv_lens: Sequence[int]) -> Any: ...
 
@@ -59,3 +71,4 @@ class Features:
     prefill_gate: PrefillGatePolicy | None = None  # None: admit whatever fits at every step
     grammar: GrammarSeam | None = None  # None: a grammar is refused at add()
     logprobs: LogprobsSeam | None = None  # None: logprobs are refused at add()
+    speculation: SpeculationSeam | None = None  # None: a decode step is one token per request

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["CHECKPOINT_DIR", "demo_model_path"]
+__all__ = ["CHECKPOINT_DIR", "DEMO_DRAFT_DIR", "demo_model_path", "is_demo_model"]
 
 CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
+DEMO_DRAFT_DIR = CHECKPOINT_DIR / "draft"  # the demo's draft model (train-demo --draft)
 
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
 
@@ -27,3 +28,8 @@ def demo_model_path() -> Path:
             "(or `python -m minisgl.demo.train_demo`), a few minutes on CPU"
         )
     return path
+
+
+def is_demo_model(path: Path) -> bool:
+    """Whether `path` is the shipped demo model's directory."""
+    return Path(path).resolve() == CHECKPOINT_DIR

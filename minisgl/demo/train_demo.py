@@ -38,7 +38,7 @@ import torch
 from . import tasks as demo_tasks
 from .tiny import add_legacy_rope_theta, builtin_text, train_bpe_tokenizer
 
-__all__ = ["DEFAULT_OUT", "DEFAULT_STEPS", "MODEL_CONFIG", "train_demo", "evaluate", "main"]
+__all__ = ["DEFAULT_OUT", "DEFAULT_STEPS", "MODEL_CONFIG", "DRAFT_CONFIG", "train_demo", "evaluate", "main"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "checkpoint"
 DEFAULT_STEPS = 2500
@@ -66,6 +66,13 @@ MODEL_CONFIG = dict(
     initializer_range=0.02,
     hidden_act="silu",
 )
+
+# The demo's draft model for speculative decoding (`--draft`): the same tokenizer and tasks, a
+# quarter of the depth and half the width, trained for fewer steps. It need not be exact,
+# only often right: every token it gets right is one the target accepts without a step of its own.
+DRAFT_CONFIG = dict(MODEL_CONFIG, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, intermediate_size=192)
+DRAFT_STEPS = 800
 
 # Files a finished checkpoint directory consists of (old ones are replaced).
 _CHECKPOINT_FILES = (
@@ -200,12 +207,14 @@ def train_demo(
     log_every: int = 100,
     save: bool = True,
     log=print,
+    draft: bool = False,
 ) -> dict:
     """Train the demo model and write it to ``out_dir``; return its statistics.
 
     The same arguments give the same weights (on the same torch build and
     thread count).  ``eval_prompts`` held-out prompts from
     ``demo_prompts(eval_prompts, seed=0)`` are decoded greedily at the end.
+    ``draft``: the small draft model (DRAFT_CONFIG), with the same tokenizer.
     """
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -224,17 +233,18 @@ def train_demo(
     eos_id, bos_id, pad_id = tok.eos_token_id, tok.bos_token_id, tok.pad_token_id
 
     # 2. model
+    shape = DRAFT_CONFIG if draft else MODEL_CONFIG
     config = Qwen3Config(
         vocab_size=len(tok),
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         use_cache=True,
-        **MODEL_CONFIG,
+        **shape,
     )
     model = Qwen3ForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"[train-demo] Qwen3 {MODEL_CONFIG['num_hidden_layers']} layers, hidden {MODEL_CONFIG['hidden_size']}, "
+    log(f"[train-demo] Qwen3 {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
         f"vocab {len(tok)}: {n_params:,} parameters")
 
     # 3. training
@@ -288,6 +298,8 @@ def train_demo(
 
     stats = {
         "arch": "qwen3",
+        "draft": draft,
+        "shape": shape,
         "params": n_params,
         "steps": steps,
         "batch_size": batch_size,
@@ -307,7 +319,7 @@ def train_demo(
     # 5. save
     if save:
         model.save_pretrained(str(work), safe_serialization=True)
-        add_legacy_rope_theta(work / "config.json", MODEL_CONFIG["rope_theta"])
+        add_legacy_rope_theta(work / "config.json", shape["rope_theta"])
         stats["dir_bytes"] = sum(f.stat().st_size for f in work.iterdir() if f.is_file())
         (work / "TRAINING.md").write_text(_training_md(stats))
         stats["dir_bytes"] = sum(f.stat().st_size for f in work.iterdir() if f.is_file())
@@ -328,25 +340,28 @@ def train_demo(
 
 def _training_md(s: dict) -> str:
     ev = s.get("eval") or {}
+    shape = s["shape"]
     per_task = ", ".join(f"{k} {v:.0%}" for k, v in (ev.get("per_task") or {}).items())
     lines = [
-        "# minisgl demo model",
+        "# minisgl demo draft model" if s["draft"] else "# minisgl demo model",
         "",
+        *(["The draft model of speculative decoding for the demo model (the same tokenizer), the default",
+           "draft of `speculative_algorithm=\"standalone\"` on the demo model.", ""] if s["draft"] else []),
         "A tiny Qwen3-style model trained by minisgl itself on the synthetic tasks of",
         "`minisgl/demo/tasks.py` (count, reverse, add, repeat). It answers held-out",
         "prompts exactly and then emits `<|eos|>`, so a request visibly stops at the",
         "right token. Rebuild it with:",
         "",
         "```",
-        f"python -m minisgl train-demo --steps {s['steps']} --seed {s['seed']}",
+        f"python -m minisgl train-demo --steps {s['steps']} --seed {s['seed']}" + (" --draft" if s["draft"] else ""),
         "```",
         "",
         "| stat | value |",
         "| --- | --- |",
-        f"| architecture | `Qwen3ForCausalLM`, {MODEL_CONFIG['num_hidden_layers']} layers, hidden "
-        f"{MODEL_CONFIG['hidden_size']}, {MODEL_CONFIG['num_attention_heads']} heads / "
-        f"{MODEL_CONFIG['num_key_value_heads']} kv heads, head_dim {MODEL_CONFIG['head_dim']}, "
-        f"intermediate {MODEL_CONFIG['intermediate_size']}, tied embeddings |",
+        f"| architecture | `Qwen3ForCausalLM`, {shape['num_hidden_layers']} layers, hidden "
+        f"{shape['hidden_size']}, {shape['num_attention_heads']} heads / "
+        f"{shape['num_key_value_heads']} kv heads, head_dim {shape['head_dim']}, "
+        f"intermediate {shape['intermediate_size']}, tied embeddings |",
         f"| parameters | {s['params']:,} |",
         f"| vocabulary | {s['vocab_size']} (byte-level BPE, digits split) |",
         "| weights | float32, safetensors |",
@@ -382,9 +397,11 @@ def parser():
         prog="python -m minisgl train-demo",
         description="Train the tiny demo model (CPU, a few minutes) and write a Hugging Face checkpoint.",
     )
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
-    ap.add_argument("--steps", type=count(MAX_STEPS), default=DEFAULT_STEPS,
-                    help=f"training steps (default: {DEFAULT_STEPS})")
+    ap.add_argument("--out", default=None, help=f"output directory (default: {DEFAULT_OUT}, with --draft "
+                    f"{DEFAULT_OUT / 'draft'})")
+    ap.add_argument("--steps", type=count(MAX_STEPS), default=None,
+                    help=f"training steps (default: {DEFAULT_STEPS}, with --draft {DRAFT_STEPS})")
+    ap.add_argument("--draft", action="store_true", help="train the small draft model for speculative decoding")
     ap.add_argument("--seed", type=SEED, default=DEFAULT_SEED)
     ap.add_argument("--batch-size", type=count(MAX_BATCH_SIZE), default=64)
     ap.add_argument("--lr", type=Number(float, 0.0, 1.0, low_open=True), default=3e-3)
@@ -398,8 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: ``python -m minisgl train-demo [--out DIR] [--steps N] [--seed S]``."""
     args = parser().parse_args(argv)
     stats = train_demo(
-        args.out,
-        steps=args.steps,
+        args.out or (DEFAULT_OUT / "draft" if args.draft else DEFAULT_OUT),
+        steps=args.steps or (DRAFT_STEPS if args.draft else DEFAULT_STEPS),
+        draft=args.draft,
         seed=args.seed,
         batch_size=args.batch_size,
         lr=args.lr,

@@ -13,6 +13,7 @@ from .grammar import DelayedSampling
 from .logprobs import LogprobsFeature
 from .prefill_gate import PrefillGate
 from .retraction import OptimisticAdmission
+from .speculative import SpeculativeDecoding
 
 if TYPE_CHECKING:
     from ..scheduler import Scheduler
@@ -25,4 +26,5 @@ def plug_in(sched: Scheduler) -> Features:
         prefill_gate=PrefillGate(config.min_prefill_tokens, config.max_running_requests)
         if config.min_prefill_tokens else None,
         grammar=DelayedSampling(sched.engine, sched.rows, sched.tracer, sched.stats, sched.mechanisms),
-        logprobs=LogprobsFeature())
+        logprobs=LogprobsFeature(),
+        speculation=SpeculativeDecoding(sched) if config.speculative_algorithm is not None else None)

@@ -81,16 +81,22 @@ class OptimisticAdmission:
         check_decode_mem, retract_decode). False: not even one request fits until the batch in
         flight commits its finishes."""
         reqs, kv = sched.running.reqs, sched.kv_ledger
-        if kv.available() >= len(reqs):
+        if kv.available() >= step_need(sched, reqs):
             self.new_token_ratio.decay_step()
             return True
         # Retract until a few steps fit (fewer retractions in a row), keeping at least one request.
         steps = self.new_token_ratio.schedule.retract_headroom_steps
-        while len(reqs) > 1 and kv.available() < len(reqs) * steps:
+        while len(reqs) > 1 and kv.available() < step_need(sched, reqs) * steps:
             # SGLang's order: the request with the fewest outputs goes first, the longer prompt on a tie.
             retract(sched, min(reqs, key=lambda r: (len(r.output_ids), -r.prompt_len)))
             self.new_token_ratio.after_retract(reqs)
-        return kv.available() >= len(reqs)
+        return kv.available() >= step_need(sched, reqs)
+
+
+def step_need(sched: Scheduler, reqs: list[Req]) -> int:
+    """KV slots the next decode step may allocate: one per request, or a verify step's (speculation)."""
+    spec = sched.features.speculation
+    return len(reqs) if spec is None else sum(spec.step_slots(r) for r in reqs)
 
 
 def retract(sched: Scheduler, req: Req) -> None:

@@ -37,13 +37,18 @@ class LLM(DrivingMixin):
                  dtype: str | torch.dtype | None = None, max_running_requests: int | None = None,
                  chunk_size: int | None = None, kv_tokens: int | None = None, trace: bool = False,
                  attention_backend: str = "auto", host_delay_ms: float = 0.0, deterministic: bool = False,
-                 admission: str = "reserve", min_prefill_tokens: int | None = None) -> None:
+                 admission: str = "reserve", min_prefill_tokens: int | None = None,
+                 speculative_algorithm: str | None = None, speculative_num_steps: int = 3,
+                 speculative_draft_model_path: str | os.PathLike | None = None,
+                 enable_mixed_chunk: bool = False) -> None:
         # Every argument is checked before anything is started, so a bad one leaves nothing behind.
         self.config: EngineConfig = resolve_config(
             model_path, device=device, loop=loop, disable=disable, device_delay_ms=device_delay_ms, dtype=dtype,
             max_running_requests=max_running_requests, chunk_size=chunk_size, kv_tokens=kv_tokens, trace=trace,
             attention_backend=attention_backend, host_delay_ms=host_delay_ms, deterministic=deterministic,
-            admission=admission, min_prefill_tokens=min_prefill_tokens)
+            admission=admission, min_prefill_tokens=min_prefill_tokens,
+            speculative_algorithm=speculative_algorithm, speculative_num_steps=speculative_num_steps,
+            speculative_draft_model_path=speculative_draft_model_path, enable_mixed_chunk=enable_mixed_chunk)
         self.device = self.config.device
         self.model_path = self.config.model_path
         self._closed = False
@@ -239,6 +244,8 @@ class LLM(DrivingMixin):
         # size: a request the pool is too small for is refused by check_fits() instead.
         req = Req(rid, ids, params, self.eos_ids, model_window, seed)
         self.scheduler.kv_ledger.check_fits(req)
+        if self.scheduler.features.speculation is not None:
+            self.scheduler.features.speculation.check_params(params)
         return req
 
     def _queue(self, req: Req, call: Call | None) -> None:

@@ -265,10 +265,12 @@ class CausalLM(nn.Module):
         self.kernels = TorchKernels()  # the engine may hand the model fused GPU ones instead
 
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend,
+        every_position: bool = False,
     ) -> torch.Tensor:
         """input_ids [T] (the new tokens of all requests) -> logits [B, vocab] in the model's dtype,
-        one row per request, for its last new token (the one that predicts the next token)."""
+        one row per request, for its last new token (the one that predicts the next token);
+        `every_position`: [T, vocab], one row per new token (a speculative verify)."""
         h, residual = self.model.embed_tokens(input_ids), None
         kernels = self.kernels
         rope = kernels.rotation(self.model.rotary, meta.positions, h.dtype)  # computed once, shared by all layers
@@ -276,7 +278,7 @@ class CausalLM(nn.Module):
             h, residual = layer(h, residual, rope, meta, kv, backend, kernels)
         # Only the last new token of each request needs logits; the vocab projection is
         # the largest matmul in small models, so skip it for all other prompt tokens.
-        last_rows = meta.qo_indptr[1:].long() - 1
+        last_rows = meta.qo_indptr[1:].long() - 1 if not every_position else slice(None)
         _, h = kernels.add_rms_norm(self.model.norm, h[last_rows], residual[last_rows])
         # Not cast to float32 here: a greedy step only needs the argmax, which is the same in bf16,
         # and the cast would write and read [B, vocab] float32 each step; sample() casts if it samples.

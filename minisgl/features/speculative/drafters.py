@@ -1,0 +1,120 @@
+"""The two drafters: K draft tokens per request, one chain (top-k 1), made on the device.
+
+- `NgramDrafter` (SGLang's NGRAM): no model. It looks for the latest earlier occurrence of the
+  request's last few tokens in its own history and proposes the tokens that followed it.
+- `StandaloneDrafter` (SGLang's STANDALONE): a small language model with its own KV cache, indexed
+  by the same slots as the target's (one request table for both). It prefills every prompt
+  chunk the target prefills, then drafts K tokens one decode step at a time.
+
+Both are deterministic, so a draft token's proposal probability is 1: the verify's rejection
+sampling then accepts it with the target's probability (verify.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...models.attention import AttentionMetadata, KVCache, TorchAttentionBackend
+from ...models.decoder import load_model
+
+if TYPE_CHECKING:
+    from ...engine import Engine, ForwardBatch
+    from ...staging import DeviceInputs
+    from .relay import SpecRelay
+
+NGRAM_MAX = 3  # the longest suffix matched; shorter ones are tried when it does not occur
+
+
+class NgramDrafter:
+    def __init__(self, relay: SpecRelay, num_steps: int) -> None:
+        self.relay, self.num_steps = relay, num_steps
+
+    def prefill(self, engine: Engine, batch: ForwardBatch, inp: DeviceInputs, input_ids: torch.Tensor) -> None:
+        pass  # the history is the relay's, written at every publish
+
+    def draft(self, engine: Engine, batch: ForwardBatch, rows: torch.Tensor, lens: torch.Tensor,
+              host_lens: list[int], bonus: torch.Tensor) -> torch.Tensor:
+        """[B, K] drafts: the tokens after the latest earlier match of the last n tokens (bonus included)."""
+        history = self.relay.history[rows]  # [B, W]; positions 0..lens hold ids (the bonus at lens)
+        width, K = history.shape[1], self.num_steps
+        drafts = bonus[:, None].expand(-1, K).clone()  # no match: repeat the bonus
+        found = torch.zeros_like(bonus, dtype=torch.bool)
+        for n in range(NGRAM_MAX, 0, -1):
+            if width <= n:
+                continue
+            ends = lens  # the suffix is positions lens-n+1 .. lens
+            suffix_pos = (ends[:, None] - n + 1 + torch.arange(n, device=rows.device)).clamp(min=0)
+            suffix = history.gather(1, suffix_pos)  # [B, n]
+            windows = history.unfold(1, n, 1)  # [B, W-n+1, n]: window j covers j .. j+n-1
+            starts = torch.arange(windows.shape[1], device=rows.device)
+            match = (windows == suffix[:, None, :]).all(-1) & (starts[None, :] + n - 1 < ends[:, None]) \
+                & (ends[:, None] >= n - 1)
+            last = torch.where(match, starts[None, :], -1).amax(1)  # latest earlier occurrence
+            use = (last >= 0) & ~found
+            follow = (last[:, None] + n + torch.arange(K, device=rows.device)).clamp(max=width - 1)
+            proposed = history.gather(1, follow)
+            # a follower past the request's last known position is unknown: repeat the last known one
+            known = follow <= ends[:, None]
+            proposed = torch.where(known, proposed, history.gather(1, ends[:, None].clamp(max=width - 1)))
+            drafts = torch.where(use[:, None], proposed, drafts)
+            found |= use
+        return drafts
+
+    def after_verify(self, engine: Engine, rows: torch.Tensor, lens: torch.Tensor, host_lens: list[int],
+                     last_draft: torch.Tensor) -> None:
+        pass
+
+
+class StandaloneDrafter:
+    def __init__(self, engine: Engine, path: Path, num_steps: int) -> None:
+        config = engine.config
+        self.model = load_model(path, config.dtype, config.device)[0]
+        if self.model.vocab_size != engine.model.vocab_size:
+            raise ValueError(f"the draft model {str(path)!r} has a vocabulary of {self.model.vocab_size}, "
+                             f"the target {engine.model.vocab_size}: they must share one tokenizer")
+        m = self.model
+        self.kv = KVCache(m.num_layers, engine.kv_pool.num_slots, m.num_kv_heads, m.head_dim, config.dtype,
+                          config.device)
+        self.backend = TorchAttentionBackend(deterministic=config.deterministic)
+        self.num_steps = num_steps
+
+    def prefill(self, engine: Engine, batch: ForwardBatch, inp: DeviceInputs, input_ids: torch.Tensor) -> None:
+        """The draft model's KV for a prompt chunk: the target's metadata, the draft's cache."""
+        meta = engine._attention_metadata(batch, inp, engine.req_to_token.table)
+        self.model(input_ids, meta, self.kv, self.backend)
+
+    def _step(self, engine: Engine, ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+              kv_lens: list[int]) -> torch.Tensor:
+        """One draft decode step: token ids at positions (device), `kv_lens` on the host."""
+        table = engine.req_to_token.table
+        device = rows.device
+        B = len(kv_lens)
+        kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], device=device)
+        kv_ids = torch.arange(sum(kv_lens), device=device)
+        req_of_kv = torch.searchsorted(kv_indptr[1:], kv_ids, right=True).clamp(max=B - 1)
+        pos_in_req = (kv_ids - kv_indptr[req_of_kv]).clamp(0, table.shape[1] - 1)
+        positions = positions.clamp(max=table.shape[1] - 1)
+        meta = AttentionMetadata(positions=positions, out_slots=table[rows, positions],
+                                 qo_indptr=torch.arange(B + 1, device=device, dtype=torch.int32),
+                                 kv_indptr=kv_indptr.to(torch.int32), kv_indices=table[rows[req_of_kv], pos_in_req],
+                                 qo_lens=[1] * B, kv_lens=kv_lens)
+        return self.model(ids, meta, self.kv, self.backend).argmax(-1)
+
+    def draft(self, engine: Engine, batch: ForwardBatch, rows: torch.Tensor, lens: torch.Tensor,
+              host_lens: list[int], bonus: torch.Tensor) -> torch.Tensor:
+        """K decode steps of the draft model from the bonus token at position `lens`."""
+        drafts, token = [], bonus
+        for j in range(self.num_steps):
+            token = self._step(engine, token, rows, lens + j, [n + j + 1 for n in host_lens])
+            drafts.append(token)
+        return torch.stack(drafts, 1)
+
+    def after_verify(self, engine: Engine, rows: torch.Tensor, lens: torch.Tensor, host_lens: list[int],
+                     last_draft: torch.Tensor) -> None:
+        """The draft's KV for the last draft token (position lens + K), needed when all K are
+        accepted: the next chain starts after it (SGLang: the draft extend after the publish)."""
+        K = self.num_steps
+        self._step(engine, last_draft, rows, lens + K, [n + K + 1 for n in host_lens])

@@ -1,0 +1,149 @@
+"""The device side of speculation: a prefill step and a verify step, each run in place of the
+engine's forward and sampling (ForwardBatch.device_step).
+
+A verify step, for B requests with K drafts each (SGLang: draft, verify, publish, draft extend):
+
+1. the newly allocated KV slots enter the request table;
+2. positions and KV slots come from the relay's lengths, on the device (`resolve_positions`);
+3. the drafter proposes K tokens after the bonus token (the last sampled one);
+4. one target forward over [bonus, d1..dK] gives the target's token after each of them;
+5. accept: the longest run of drafts equal to the target's tokens, then the target's token
+   after it (the new bonus): 1 to K+1 tokens;
+6. publish the new lengths and bonus tokens, then the event the next plan waits for;
+7. the drafter's own work for the next step, and the copy of (accept length, tokens) to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...models.sampler import sample, uniform_noise
+from .relay import PublishEvent, SpecRelay
+
+if TYPE_CHECKING:
+    from ...engine import Engine, ForwardBatch
+    from ...staging import DeviceInputs
+
+_COIN_SEED = 0x5BD1E995  # the acceptance coins' hash stream, apart from the sampler's noise
+
+
+def accept_greedy(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[B] accept lengths: the drafts equal to the target's token before them, up to the first
+    that differs, plus the target's own token after them (the bonus). drafts [B, K], target [B, K+1]."""
+    # >>> exercise 12: the accept length
+    agree = (drafts == target[:, :-1]).long()
+    return agree.cumprod(1).sum(1) + 1
+    # <<< exercise 12
+
+
+def verify_sample(logits: torch.Tensor, drafts: torch.Tensor, inp: DeviceInputs, steps: torch.Tensor,
+                  all_greedy: bool) -> torch.Tensor:
+    """[B, K+1] the target's token at each verify position. Greedy rows: the argmax. Sampled rows:
+    rejection sampling against the (deterministic) draft: draft i+1 stays with the target's
+    probability of it; where it does not, the token is drawn from the target's distribution
+    without it; that keeps the target's distribution exactly. `steps` [B, K+1]: output indices,
+    the seeded sampler's steps."""
+    B, width, vocab = logits.shape
+    flat = logits.reshape(B * width, vocab)
+    per_pos = {name: getattr(inp, name).repeat_interleave(width) for name in ("temperature", "top_k", "top_p", "seeds")}
+    if all_greedy:
+        return flat.argmax(-1).view(B, width)
+    sampled_rows = per_pos["temperature"] > 0
+    probs = _target_probs(flat.float(), per_pos)  # [B*width, V], top-k/top-p applied
+    proposal = torch.cat([drafts, drafts[:, -1:]], 1).reshape(-1)  # the last position has no draft
+    has_draft = torch.ones(B, width, dtype=torch.bool, device=flat.device)
+    has_draft[:, -1] = False
+    has_draft = has_draft.reshape(-1)
+    coin = uniform_noise(per_pos["seeds"] ^ _COIN_SEED, steps.reshape(-1), 1)[:, 0]
+    keep = has_draft & (coin < probs.gather(1, proposal[:, None])[:, 0])
+    # a rejected draft: sample the rest of the distribution (the draft's probability moved to 0)
+    rest = probs.clone()
+    rest[torch.arange(rest.shape[0]), proposal] = torch.where(has_draft, 0.0, rest[torch.arange(rest.shape[0]), proposal])
+    gumbel = -torch.log(-torch.log(uniform_noise(per_pos["seeds"], steps.reshape(-1), vocab)))
+    drawn = (rest.clamp_min(1e-30).log() + gumbel).masked_fill(rest <= 0, float("-inf")).argmax(-1)
+    tokens = torch.where(keep, proposal, drawn)
+    greedy = flat.argmax(-1)
+    return torch.where(sampled_rows, tokens, greedy).view(B, width)
+
+
+def _target_probs(logits: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sampler's distribution (temperature, top-k, top-p: models/sampler.py) as probabilities."""
+    scaled = logits / p["temperature"].clamp(min=1e-6)[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=logits.device)[None, :]
+    keep_sorted = (p["top_k"][:, None] < 0) | (ranks < p["top_k"][:, None])
+    probs = sorted_logits.softmax(dim=-1)
+    keep_sorted &= (probs.cumsum(dim=-1) - probs) < p["top_p"][:, None]
+    keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+    return scaled.masked_fill(~keep, float("-inf")).softmax(-1)
+
+
+@dataclass
+class PrefillStep:
+    """A prefill batch under speculation: the plain forward and sampling, then the drafter's prefill,
+    the history and the lengths published (the first verify reads them)."""
+
+    relay: SpecRelay
+    drafter: Any
+    event: PublishEvent
+
+    def run(self, engine: Engine, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
+            next_tokens_host: torch.Tensor) -> None:
+        try:
+            input_ids = engine.future_map.resolve(inp.input_ids)
+            logits = engine.forward(batch, inp, input_ids)
+            self.drafter.prefill(engine, batch, inp, input_ids)
+            engine._sample(batch, inp, logits, None, next_tokens, next_tokens_host, None)
+            self.relay.record_tokens(inp.token_rows, inp.positions, input_ids)
+            self.relay.record_tokens(inp.rows, inp.kv_lens, next_tokens)  # the sampled token, at its position
+            self.relay.publish(inp.rows, inp.kv_lens, self.event)
+        finally:
+            self.event.record()  # a failed step still lets the host go on (the error surfaces at copy_done)
+
+
+@dataclass
+class VerifyStep:
+    relay: SpecRelay
+    drafter: Any
+    event: PublishEvent
+    num_steps: int
+    host_lens: list[int]  # each row's length as the host resolved it (the attention metadata's)
+    prompt_lens: list[int]  # output index = position + 1 - prompt length (the seeded sampler's step)
+    fills: tuple[list[int], list[int], list[int]] = field(default_factory=lambda: ([], [], []))  # new slots
+
+    def run(self, engine: Engine, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
+            next_tokens_host: torch.Tensor) -> None:
+        try:
+            self._run(engine, batch, inp, next_tokens, next_tokens_host)
+        finally:
+            self.event.record()
+
+    def _run(self, engine: Engine, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
+             next_tokens_host: torch.Tensor) -> None:
+        K, table, relay = self.num_steps, engine.req_to_token.table, self.relay
+        rows, B = inp.rows, batch.num_reqs
+        fill_rows, fill_positions, fill_slots = (engine._to_device(x) for x in self.fills)
+        table[fill_rows, fill_positions] = fill_slots
+        positions = relay.resolve_positions(rows, K + 1).clamp(max=table.shape[1] - 1)  # [B, K+1]
+        lens = positions[:, 0]
+        inp.positions = positions.reshape(-1)
+        inp.out_slots = table[inp.token_rows, inp.positions]
+        bonus = engine.future_map.tokens[rows]
+        drafts = self.drafter.draft(engine, batch, rows, lens, self.host_lens, bonus)  # [B, K]
+        ids = torch.cat([bonus[:, None], drafts], 1)
+        logits = engine.forward(batch, inp, ids.reshape(-1), every_position=True).view(B, K + 1, -1)
+        steps = positions + 1 - engine._to_device(self.prompt_lens)[:, None]
+        target = verify_sample(logits, drafts, inp, steps, batch.all_greedy)
+        accept = accept_greedy(drafts, target)  # [B] 1..K+1
+        new_bonus = target.gather(1, (accept - 1)[:, None])[:, 0]
+        engine.future_map.publish(rows, new_bonus)
+        relay.record_tokens(inp.token_rows, inp.positions, ids.reshape(-1))
+        relay.record_tokens(rows, lens + accept, new_bonus)
+        relay.publish(rows, lens + accept, self.event)
+        self.drafter.after_verify(engine, rows, lens, self.host_lens, drafts[:, -1])
+        out = torch.cat([accept[:, None], target], 1).reshape(-1)
+        next_tokens.copy_(out)
+        next_tokens_host.copy_(out, non_blocking=engine.mechanisms.on("pinned_copy"))
