@@ -96,6 +96,7 @@ class SchedulerStats:
     delayed_samples: int = 0  # grammar batches whose sampling waited for the previous commit
     spec_verify_rows: int = 0  # speculation: requests over all committed verify steps
     spec_accepted_tokens: int = 0  # speculation: tokens those verify steps committed (/ rows: tokens per verify)
+    mixed_decode_rows: int = 0  # mixed chunk: decode rows that rode in a prefill batch
     spec_unallocated_writes: int = 0  # verify positions past the request's KV slots (spec_alloc_reserve off)
     # (LAUNCH | COMMIT | RETRACT, batch_id) in order (RETRACT: the batch being planned): the latest 65536 only, so a long run's memory stays flat.
     events: deque[tuple[SpanName, int]] = field(default_factory=lambda: deque(maxlen=1 << 16))

@@ -139,6 +139,14 @@ class EngineConfig:
         return 1 if self.speculative_algorithm is None else 2 * (self.speculative_num_steps + 1)
 
     @property
+    def max_batch_tokens(self) -> int:
+        """The most tokens one forward holds: a prefill chunk (plus one per running request when
+        mixed), or a decode step of every running request (K+1 each when speculating)."""
+        rows = self.max_running_requests
+        step = rows * (self.speculative_num_steps + 1 if self.speculative_algorithm is not None else 1)
+        return max(self.chunk_size + (rows if self.enable_mixed_chunk else 0), step)
+
+    @property
     def max_seq_len(self) -> int:
         """The longest prompt + new tokens: the model's window, or the KV pool less the one slot
         an overshoot step may write. The same arithmetic as Scheduler.check_fits(), so a prompt

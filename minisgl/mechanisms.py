@@ -56,6 +56,9 @@ MECHANISMS: dict[str, str] = {
     "spec_publish_wait": "(speculation) the host reads its mirror of the lengths only after the publish event of the "
     "batch in flight (off: it reads last step's lengths in the overlap loop: attention over the wrong number of "
     "positions, wrong tokens)",
+    "mixed_prefix_from_launched": "(enable_mixed_chunk) a decode row mixed into a prefill batch sits at the "
+    "request's launched length (off: at its committed length - 1, SGLang's serial formula without the overlap's "
+    "delta; the overlap loop then writes the row one position early: wrong tokens)",
 }
 
 

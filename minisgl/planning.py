@@ -19,7 +19,7 @@ from .staging import StagingRing, TokenColumns
 class BatchBuilder:
     def __init__(self, config: EngineConfig) -> None:
         rows = config.max_running_requests
-        self.staging = StagingRing(max(config.chunk_size, rows), rows, config.device, config.mechanisms)
+        self.staging = StagingRing(config.max_batch_tokens, rows, config.device, config.mechanisms)
         self.next_id = 0
 
     def build(self, reqs: list[Req], tokens: TokenColumns, qo_lens: list[int], kv_lens: list[int],

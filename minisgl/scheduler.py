@@ -178,6 +178,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> Planned | None:
         budget = self.config.chunk_size
+        decoding = list(self.running.reqs)  # mixed chunk: the decodes that may share this forward
         chunks: list[tuple[Req, int]] = []
         for req in self.prefilling:  # continue chunked prompts first
             n = min(budget, req.prefill_len - req.launched_len)
@@ -211,6 +212,8 @@ class Scheduler:
             samples.append(sampled)
         self.stats.prefill_batches += 1
         self.stats.prefill_tokens += sum(qo_lens)
+        if self.features.mixed_chunk is not None:  # the running decodes join this forward
+            self.features.mixed_chunk.mix(self, decoding, tokens, reqs, qo_lens, kv_lens, samples)
         forward = self.batches.build(reqs, tokens, qo_lens, kv_lens, True, self.features)
         return Planned(forward, BatchView(forward.batch_id, True, reqs, [r.row for r in reqs],
                                           [r.row_generation for r in reqs], samples, qo_lens))
@@ -232,9 +235,7 @@ class Scheduler:
         tokens = TokenColumns()
         release_when_planned = not self.on("commit_point_cache")
         for req in reqs:  # a few list operations per request: this loop is the decode step's host cost
-            tokens.add(req.row, [self._decode_input(req)], req.launched_len, self.kv_ledger.allocate(req, 1))
-            req.launched_len += 1
-            req.inflight_samples += 1
+            self.add_decode_row(tokens, req)
             if release_when_planned and req.will_finish_by_length():
                 # WRONG on purpose: hand the prefix to the cache and free the slots when the final
                 # step is only planned; later requests in this batch get slots it still reads and
@@ -246,6 +247,13 @@ class Scheduler:
                                      self.features)
         self.running.batch_id = forward.batch_id
         return Planned(forward, self.running)
+
+    def add_decode_row(self, tokens: TokenColumns, req: Req, position: int | None = None) -> None:
+        """One decode token of `req` at `position` (its launched length) with a new KV slot."""
+        start = req.launched_len if position is None else position
+        tokens.add(req.row, [self._decode_input(req)], start, self.kv_ledger.allocate(req, 1))
+        req.launched_len += 1
+        req.inflight_samples += 1
 
     def _decode_input(self, req: Req) -> int:
         """The input id of req's next decode step: a committed token, or a FutureMap placeholder."""

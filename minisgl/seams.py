@@ -11,6 +11,7 @@ seam it checks one attribute, finds nothing plugged in, and goes on. The feature
 | `Features.grammar`      | planning, after launch or commit | a request with a grammar            |
 | `Features.logprobs`     | planning, commit                 | a request asking for logprobs       |
 | `Features.speculation`  | planning (prefill and decode)    | speculative_algorithm               |
+| `Features.mixed_chunk`  | planning a prefill batch         | enable_mixed_chunk                  |
 | `Constraint` (constraint.py) | a request's commit           | `SamplingParams.grammar`            |
 """
 
@@ -56,6 +57,12 @@ class SpeculationSeam(Protocol):
         """KV slots `req` may be given by the next decode step (retraction counts them)."""
 
 
+class MixedChunkSeam(Protocol):
+    def mix(self, sched: Any, decoding: list[Req], tokens: Any, reqs: list[Req], qo_lens: list[int],
+            kv_lens: list[int], samples: list[bool]) -> None:
+        """Append one decode token of each of `decoding` to a prefill batch being planned."""
+
+
 class LogprobsSeam(Protocol):
     def plan(self, reqs: Sequence[Req], kv_lens: Sequence[int]) -> Any: ...
 
@@ -72,3 +79,4 @@ class Features:
     grammar: GrammarSeam | None = None  # None: a grammar is refused at add()
     logprobs: LogprobsSeam | None = None  # None: logprobs are refused at add()
     speculation: SpeculationSeam | None = None  # None: a decode step is one token per request
+    mixed_chunk: MixedChunkSeam | None = None  # None: prefill and decode batches are separate forwards

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from ..seams import Features
 from .grammar import DelayedSampling
 from .logprobs import LogprobsFeature
+from .mixed_chunk import MixedChunk
 from .prefill_gate import PrefillGate
 from .retraction import OptimisticAdmission
 from .speculative import SpeculativeDecoding
@@ -21,10 +22,15 @@ if TYPE_CHECKING:
 
 def plug_in(sched: Scheduler) -> Features:
     config = sched.config
+    if config.enable_mixed_chunk and config.speculative_algorithm is not None:
+        # SGLang switches mixed chunk off for STANDALONE and NGRAM (SpeculativeAlgorithm.supports_mixed_chunk)
+        raise ValueError(f"enable_mixed_chunk does not combine with speculative_algorithm="
+                         f"{config.speculative_algorithm!r} (nor does it in SGLang); choose one")
     return Features(
         admission=OptimisticAdmission() if config.admission == "optimistic" else None,
         prefill_gate=PrefillGate(config.min_prefill_tokens, config.max_running_requests)
         if config.min_prefill_tokens else None,
         grammar=DelayedSampling(sched.engine, sched.rows, sched.tracer, sched.stats, sched.mechanisms),
         logprobs=LogprobsFeature(),
-        speculation=SpeculativeDecoding(sched) if config.speculative_algorithm is not None else None)
+        speculation=SpeculativeDecoding(sched) if config.speculative_algorithm is not None else None,
+        mixed_chunk=MixedChunk(sched.mechanisms) if config.enable_mixed_chunk else None)

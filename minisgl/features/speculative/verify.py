@@ -33,10 +33,10 @@ _COIN_SEED = 0x5BD1E995  # the acceptance coins' hash stream, apart from the sam
 def accept_greedy(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """[B] accept lengths: the drafts equal to the target's token before them, up to the first
     that differs, plus the target's own token after them (the bonus). drafts [B, K], target [B, K+1]."""
-    # >>> exercise 12: the accept length
+    # >>> exercise 11: the accept length
     agree = (drafts == target[:, :-1]).long()
     return agree.cumprod(1).sum(1) + 1
-    # <<< exercise 12
+    # <<< exercise 11
 
 
 def verify_sample(logits: torch.Tensor, drafts: torch.Tensor, inp: DeviceInputs, steps: torch.Tensor,

@@ -1,0 +1,56 @@
+"""Mixed chunk: a prefill chunk and the running decodes in one forward (SGLang's enable_mixed_chunk).
+
+Without it a step is either a prefill batch or a decode batch, so while a long prompt is
+prefilled chunk by chunk every running request waits. Mixed, each prefill batch also carries one
+decode token of every running request (SGLang: `ScheduleBatch.mix_with_running`): the decodes
+advance at every step, and the prefill's forward is shared.
+
+A decode row's input id is its latest token, which in the overlap loop is still in flight: the
+row takes a FutureMap placeholder, as in a plain decode batch, and the forward resolves it on the
+device. Its position is the request's *launched* length. SGLang's older formula computed the
+prefix from the committed outputs, `len(prompt) + len(output_ids) + delta`, with `delta = 0`
+under the overlap (the outputs lack the token in flight, which is this row's input) and `-1`
+serially (they already hold it). minisgl keeps the launched length apart from the committed one
+(request.py), so one formula is right in both loops; the switch `mixed_prefix_from_launched`
+off uses the committed length the serial way, and the overlap loop then writes every decode
+row one position early.
+
+Mixed only when no request on either side asks for logprobs, as in SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..mechanisms import Mechanisms
+from ..staging import TokenColumns
+
+if TYPE_CHECKING:
+    from ..request import Req
+    from ..scheduler import Scheduler
+
+
+class MixedChunk:
+    def __init__(self, mechanisms: Mechanisms) -> None:
+        self.mechanisms = mechanisms
+
+    def mix(self, sched: Scheduler, decoding: list[Req], tokens: TokenColumns, reqs: list[Req],
+            qo_lens: list[int], kv_lens: list[int], samples: list[bool]) -> None:
+        """Append one decode token of each running request in `decoding` to the prefill batch."""
+        decodes = [r for r in decoding if not r.finished and not r.will_finish_by_length()]
+        if not decodes or any(r.params.logprobs is not None for r in reqs + decodes):
+            return
+        if sched.kv_ledger.available() < len(decodes):  # optimistic admission: the decode step retracts
+            return
+        for req in decodes:
+            # >>> exercise 12: the decode row's position
+            position = req.launched_len if self.mechanisms.on("mixed_prefix_from_launched") \
+                else req.committed_len - 1  # WRONG under the overlap: the committed outputs lag one token
+            sched.add_decode_row(tokens, req, position)
+            # <<< exercise 12
+            reqs.append(req)
+            qo_lens.append(1)
+            kv_lens.append(req.launched_len)
+            samples.append(True)
+        sched.stats.decode_rows += len(decodes)
+        sched.stats.mixed_decode_rows += len(decodes)
