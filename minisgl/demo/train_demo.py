@@ -68,11 +68,11 @@ MODEL_CONFIG = dict(
 )
 
 # The demo's draft model for speculative decoding (`--draft`): the same tokenizer and tasks, a
-# quarter of the depth and half the width, trained for fewer steps. It need not be exact,
+# half the depth and half the width, trained for fewer steps. It need not be exact,
 # only often right: every token it gets right is one the target accepts without a step of its own.
-DRAFT_CONFIG = dict(MODEL_CONFIG, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+DRAFT_CONFIG = dict(MODEL_CONFIG, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                     num_key_value_heads=1, intermediate_size=192)
-DRAFT_STEPS = 800
+DRAFT_STEPS = 2000
 
 # Files a finished checkpoint directory consists of (old ones are replaced).
 _CHECKPOINT_FILES = (
