@@ -76,7 +76,7 @@ MINISGL_ENV = ("EnvClassSingleton", "MINISGL_")
 # Names the readings give that are not code at the pinned versions, and where each comes from.
 NAMED_ELSEWHERE = {
     "must_sync": "the pseudo-code of article 000",
-    "alloc_future_indices": "SGLang's older ring-buffer FutureMap",
+    "alloc_future_indices": "the ring-buffer FutureMap of SGLang v0.5.5 and older",
     "launch_done": "SGLang's older forward thread",
     "cache_finished_req": "SGLang v0.5.5's release of a request's KV (v0.5.23: `release_kv_cache`)",
 }
