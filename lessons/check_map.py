@@ -9,6 +9,8 @@ backticked name in that column must resolve against the package:
   base class defined in minisgl/ (`Scheduler._release` is `ReleaseMixin._release`, inherited);
 - a bare `name` must be a class or a module-level function somewhere in minisgl/.
 
+The map's SGLang and mini-SGLang names are checked too, by lessons/upstream_map.py (`scan` runs both).
+
 Call arguments are ignored (`Scheduler.overlap_loop(last)` checks `Scheduler.overlap_loop`);
 backticked text that is not a dotted name (a command line, an expression) is not checked.
 

@@ -8,17 +8,18 @@ and checks the map files against it:
 - in a table column headed `SGLang...` (or `mini-SGLang...`), each backticked name must be
   defined in SGLang (or mini-SGLang);
 - everywhere else in the map files, each backticked name must be defined in minisgl, SGLang or
-  mini-SGLang, or be one of the `HISTORICAL` names (code that older releases had);
+  mini-SGLang, or be one of `NAMED_ELSEWHERE` (older releases' code, the articles' pseudo-code);
 - a backticked commit id must have all 40 characters.
 
 What counts as defined: a class, a module-level function or variable, a class member (method,
 class attribute, dataclass field, `self.x` attribute), a function parameter, an environment
 variable the source reads, or a source file or folder. `Class.member` must be a member of that
-class or of one of its bases. A dotted name that does not start with a class (`req.kv.kv_committed_len`)
-must consist of defined names. Call arguments and subscripts are left out
-(`FutureMap.publish(x)` checks `FutureMap.publish`). A command line `--flag` checks the
-argument's name (`disable_overlap_schedule`); `VAR=1` and `argument="value"` check the name. Backticked text with spaces
-or operators (an expression, a code reference) is not a name and is not checked.
+class or of one of its bases. A dotted name that does not start with a class
+(`req.kv.kv_committed_len`) must consist of defined names. Call arguments and subscripts are left
+out (`FutureMap.publish(x)` checks `FutureMap.publish`). A command line `--flag` checks the
+argument's name (`disable_overlap_schedule`); `VAR=1` and `argument="value"` check the name.
+Backticked text with spaces or operators (an expression, a code reference) is not a name and is
+not checked.
 
 To rebuild the manifest (the versions are in `SOURCES`):
 
@@ -38,8 +39,10 @@ import ast
 import builtins
 import importlib.util
 import json
+import os
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -210,13 +213,21 @@ def load_manifest(path: Path = MANIFEST) -> dict[str, Names]:
 def minisgl_names(root: Path = ROOT) -> Names:
     """minisgl's own names, read from the working tree (the package, its mechanisms, its files)."""
     names = collect(root, "minisgl", ["."])
-    names.files = {p.relative_to(root).as_posix() for p in root.rglob("*") if ".git" not in p.parts}
+    names.files = set(repository_files(root))
     names.module_names.add("minisgl")
     spec = importlib.util.spec_from_file_location("mechanisms", root / "minisgl" / "mechanisms.py")
     mechanisms = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mechanisms)  # plain Python, no torch
     names.module_names.update(mechanisms.MECHANISMS)
     return names
+
+
+def repository_files(root: Path) -> Iterator[str]:
+    """The repository's files and folders, without hidden ones (.git, .venv) and caches."""
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "__pycache__"]
+        here = Path(folder).relative_to(root)
+        yield from ((here / name).as_posix() for name in subfolders + files)
 
 
 def column_source(header: str) -> str | None:
@@ -312,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("check", help="check the map files against the manifest")
     args = parser.parse_args(argv)
     if args.command == "build":
-        MANIFEST.write_text(json.dumps(build({"sglang": args.sglang, "mini-sglang": args.mini_sglang}), indent=1, sort_keys=True) + "\n")
+        manifest = build({"sglang": args.sglang, "mini-sglang": args.mini_sglang})
+        MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         print(f"wrote {MANIFEST.relative_to(ROOT)}")
         return 0
     problems = scan()
