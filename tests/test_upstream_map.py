@@ -43,6 +43,14 @@ def test_the_readings_pass():
     assert upstream_map.scan() == []
 
 
+def test_check_map_runs_the_upstream_check_too(monkeypatch):
+    spec = importlib.util.spec_from_file_location("check_map", ROOT / "lessons" / "check_map.py")
+    check_map = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_map)
+    monkeypatch.setattr(check_map, "upstream_problems", lambda: ["an SGLang name that is not there"])
+    assert check_map.scan() == ["an SGLang name that is not there"]
+
+
 def test_every_name_of_the_map_is_checked_and_fails_when_misspelled(names):
     upstream, own = names
     spans = map_spans()
