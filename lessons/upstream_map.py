@@ -323,7 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("check", help="check the map files against the manifest")
     args = parser.parse_args(argv)
     if args.command == "build":
-        manifest = build({"sglang": args.sglang, "mini-sglang": args.mini_sglang})
+        parents = {"sglang": args.sglang, "mini-sglang": args.mini_sglang}
+        for source, parent in parents.items():
+            if not (parent / SOURCES[source]["package"]).is_dir():
+                parser.error(f"--{source}: no {SOURCES[source]['package']}/ package in {parent}")
+        manifest = build(parents)
         MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         print(f"wrote {MANIFEST.relative_to(ROOT)}")
         return 0

@@ -112,3 +112,11 @@ def test_the_manifest_records_the_sources_it_was_made_from():
     assert set(manifest["names"]) == set(upstream_map.SOURCES)
     for names in manifest["names"].values():
         assert names["files"] and names["classes"] and names["functions"]
+
+
+def test_building_from_a_folder_without_the_sources_is_one_clear_error(tmp_path, capsys):
+    before = upstream_map.MANIFEST.read_text()
+    with pytest.raises(SystemExit) as stop:
+        upstream_map.main(["build", "--sglang", str(tmp_path), "--mini-sglang", str(tmp_path)])
+    assert stop.value.code == 2 and "no sglang/ package" in capsys.readouterr().err
+    assert upstream_map.MANIFEST.read_text() == before
