@@ -27,7 +27,8 @@ class AdmissionPolicy(Protocol):
     def charged(self, reqs: Iterable[Req]) -> int:
         """KV slots the admitted `reqs` are counted as still needing when a new request asks."""
 
-    def retract_for_decode(self, sched: Any) -> bool:
+    def retract_for_decode(self, running: list[Req], available: Callable[[], int],
+                           retract: Callable[[Req], None]) -> bool:
         """Retract requests until the next decode step fits; False: not even one fits yet."""
 
 

@@ -48,7 +48,7 @@ class LLM(DrivingMixin):
         self.model_path = self.config.model_path
         self._closed = False
         self._guard = CallGuard()  # the one thread inside a call (see the class doc and guard.py)
-        self._pid = os.getpid()  # the process whose threads run the engine (see _check_can_enter)
+        self._pid = os.getpid()  # the process whose threads run the engine (see _call)
         self._reqs: dict[int, Req] = {}  # queued or running
         self._results: dict[int, RequestOutput] = {}  # finished, not yet handed to the caller
         self._abandoned: set[int] = set()  # started by a generate() that raised: results dropped
