@@ -162,9 +162,9 @@ class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
     def check_fits(self, req: Req) -> None:
         """A request the KV pool could never hold is refused up front (admission would wait forever)."""
         need = req.prompt_len + req.max_new_tokens + 1
-        if need > self.kv_pool.total:
+        if need > self.kv_pool.kv_tokens:
             raise ValueError(f"request needs {need} KV slots (prompt {req.prompt_len} + max_new_tokens "
-                             f"{req.max_new_tokens} + 1), the KV pool has {self.kv_pool.total}; raise kv_tokens")
+                             f"{req.max_new_tokens} + 1), the KV pool has {self.kv_pool.kv_tokens}; raise kv_tokens")
 
     def add(self, req: Req) -> None:
         self.check_fits(req)
