@@ -29,7 +29,7 @@ import torch
 
 from .admission import Admission
 from .mechanisms import Mechanisms
-from .settings import SETTING, SETTINGS, AttentionBackendChoice, AttentionBackendName, Loop, SpeculativeAlgorithm
+from .settings import SETTING, SETTINGS, AttentionBackendName, Loop, SpeculativeAlgorithm
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
