@@ -13,6 +13,7 @@ benchmarks/, lessons/. Caught, where `mod` names an imported minisgl module:
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +21,7 @@ SCANNED = ("minisgl", "tests", "benchmarks", "lessons")
 SETTERS = {"setattr", "delattr", "patch", "object"}  # setattr(), monkeypatch.setattr(), mock.patch(.object)()
 
 
+@cache
 def is_minisgl_module(dotted: str) -> bool:
     path = ROOT.joinpath(*dotted.split("."))
     return dotted.split(".")[0] == "minisgl" and (path.with_suffix(".py").is_file() or (path / "__init__.py").is_file())
