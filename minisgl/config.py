@@ -2,8 +2,8 @@
 
 `resolve_config(...)` turns `LLM(...)`'s keywords or the CLI's flags (the settings, settings.py),
 their defaults and what the checkpoint's config.json says into final values: every size is a
-number, `"auto"` is a concrete attention backend, the device exists, the memory check has passed. `Engine` and `Scheduler`
-take the result and never re-check or re-default anything.
+number, `"auto"` is a concrete attention backend, the device exists, the memory check has passed.
+`Engine` and `Scheduler` take the result and never re-check or re-default anything.
 
 Each quantity has one name everywhere in minisgl:
 

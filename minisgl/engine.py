@@ -119,7 +119,7 @@ class Engine:
         self.dtype = config.dtype
         self.mechanisms = config.mechanisms
         self.model = load_model(config.model_path, config.dtype, device)[0]
-        self.model.kernels = decoder_kernels(device, config.dtype, config.fused_kernels)  # fused GPU kernels, or the torch reference
+        self.model.kernels = decoder_kernels(device, config.dtype, config.fused_kernels)  # or the torch reference
         if config.deterministic:
             # Batch-invariant kernels: a request's tokens then do not depend on which other
             # requests share its batches (see models/decoder.py Linear).

@@ -139,4 +139,4 @@ def test_the_scanner_catches_every_form():
 
 def test_no_module_global_is_assigned_from_outside():
     found = [line for path in scanned_files() for line in assignments_in(path)]
-    assert not found, "module globals of minisgl assigned from outside their module (pass a setting):\n" + "\n".join(found)
+    assert not found, "minisgl module globals assigned from outside their module (pass a setting):\n" + "\n".join(found)

@@ -18,6 +18,7 @@ from ..models.decoder import Attention, RMSNorm, RotaryEmbedding, TorchKernels
 from . import qkv_epilogue as _epilogue
 from .flashinfer_backend import flashinfer_available
 
+
 def decoder_kernels(device: torch.device, dtype: torch.dtype, fused: bool) -> TorchKernels:
     """The kernels an engine hands its model: fused on CUDA in bf16/fp16 when FlashInfer is
     installed (and `fused`, the setting fused_kernels), the torch reference otherwise."""
