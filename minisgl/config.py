@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from .admission import Admission
 from .mechanisms import Mechanisms
-from .settings import SETTING, SETTINGS, AttentionBackendName, Loop, SpeculativeAlgorithm
+from .settings import SETTING, SETTINGS, Admission, AttentionBackendName, Loop, SpeculativeAlgorithm
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from .admission import Admission
 from .checks import MAX_DELAY_MS, MAX_RUNNING_REQUESTS, MAX_TOKENS, check_bool, check_int, check_real
 
 if TYPE_CHECKING:
     import torch
 
 Loop = Literal["normal", "overlap"]
+Admission = Literal["reserve", "optimistic"]  # optimistic: features/retraction.py
 AttentionBackendChoice = Literal["auto", "torch", "flashinfer"]
 AttentionBackendName = Literal["torch", "flashinfer"]  # what "auto" resolves to
 SpeculativeAlgorithm = Literal["ngram", "standalone"]
