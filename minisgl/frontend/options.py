@@ -18,11 +18,11 @@ from ..settings import SETTING, SETTINGS, Setting
 
 
 # The most requests a CLI run builds (generate's demo prompts, bench, trace, the lab's batch): the
-# workload is built up front, and 16,384 offline requests are ~9M prompt tokens (~300 MB of Python
-# lists), four times the largest GPU run recorded (benchmarks/RESULTS.md).
+# workload is built up front, in Python lists, so the bound keeps it well within host memory while
+# leaving room above the largest GPU run recorded (figures: benchmarks/RESULTS.md, "CLI limits").
 MAX_CLI_REQUESTS = 16384
-# generate's demo prompts and trace's requests are distinct held-out demo prompts, drawn one by
-# one: about 6 s per thousand on a loaded 2-core machine, slower as the pool runs out (16,384: minutes).
+# generate's demo prompts and trace's requests are distinct held-out demo prompts, drawn one by one
+# and slower as the pool runs out: the bound keeps the drawing short.
 MAX_DEMO_PROMPTS = 1024
 
 
