@@ -44,9 +44,9 @@ class KVLedger:
     def check_fits(self, req: Req) -> None:
         """A request the pool could never hold is refused up front (admission would wait forever)."""
         need = self.promise(req)
-        if need > self.kv_pool.total:
+        if need > self.kv_pool.kv_tokens:
             raise ValueError(f"request needs {need} KV slots (prompt {req.prompt_len} + max_new_tokens "
-                             f"{req.max_new_tokens} + 1), the KV pool has {self.kv_pool.total}; raise kv_tokens")
+                             f"{req.max_new_tokens} + 1), the KV pool has {self.kv_pool.kv_tokens}; raise kv_tokens")
 
     def reserve(self, req: Req, need: int) -> None:
         req.reserved_tokens = need
