@@ -215,8 +215,8 @@ def profile_batch_sizes(model: str) -> None:
             wall = (time.perf_counter() - start) / steps
         while llm.scheduler.has_work():
             llm.step()
-        kv_tokens = sum(len(p) for p in prompts) + batch * 8  # mid-window context
-        floor = cost.decode_floor(kv_tokens, hbm)
+        attended_positions = sum(len(p) for p in prompts) + batch * 8  # mid-window context
+        floor = cost.decode_floor(attended_positions, hbm)
         groups = by_group(device_kernels(prof))
         kernel_ms = sum(secs for secs, _ in groups.values()) * 1e3 / steps
         launches = sum(count for _, count in groups.values()) / steps

@@ -163,6 +163,7 @@ def test_flashinfer_plan_inputs_alternate_by_parity():
     backend = object.__new__(FlashInferBackend)
     backend.shape, backend.dtype = (4, 2, 8), torch.bfloat16
     backend.deterministic, backend.prefill_reference, backend.grouped = False, None, True
+    backend.tensor_core_min_batch = 3
     backend.decode, backend.prefill = {False: [Decode(), Decode()]}, [Prefill(), Prefill()]
     backend._kv_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
     backend._qo_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
@@ -186,21 +187,19 @@ def test_flashinfer_plan_inputs_alternate_by_parity():
     assert planned()[1:] == [([0, 9, 10, 12], [9, 1, 2]), ([0, 4], [4])]
 
 
-def test_decode_kernel_follows_the_measured_rule(monkeypatch):
-    """The tensor-core decode kernel runs from TENSOR_CORE_DECODE_MIN_BATCH up, for grouped heads;
+def test_decode_kernel_follows_the_measured_rule():
+    """The tensor-core decode kernel runs from tensor_core_decode_min_batch up, for grouped heads;
     always in the deterministic mode; never while the threshold is None (plan picks the wrapper)."""
     import torch
 
-    from minisgl.gpu import flashinfer_backend
     from minisgl.gpu.flashinfer_backend import FlashInferBackend, decode_on_tensor_cores
     from minisgl.models.attention import AttentionMetadata
 
-    monkeypatch.setattr(flashinfer_backend, "TENSOR_CORE_DECODE_MIN_BATCH", None)
-    assert not any(decode_on_tensor_cores(b, grouped=True, deterministic=False) for b in (1, 256))
-    assert decode_on_tensor_cores(1, grouped=False, deterministic=True)
-    monkeypatch.setattr(flashinfer_backend, "TENSOR_CORE_DECODE_MIN_BATCH", 3)
-    assert [decode_on_tensor_cores(b, grouped=True, deterministic=False) for b in (2, 3, 4)] == [False, True, True]
-    assert not decode_on_tensor_cores(4, grouped=False, deterministic=False)  # one query head per KV head
+    assert not any(decode_on_tensor_cores(b, grouped=True, deterministic=False, min_batch=None) for b in (1, 256))
+    assert decode_on_tensor_cores(1, grouped=False, deterministic=True, min_batch=None)
+    assert [decode_on_tensor_cores(b, grouped=True, deterministic=False, min_batch=3) for b in (2, 3, 4)] == [
+        False, True, True]
+    assert not decode_on_tensor_cores(4, grouped=False, deterministic=False, min_batch=3)  # one query head per KV head
 
     class Wrapper:
         def __init__(self, tensor_cores: bool) -> None:
@@ -212,6 +211,7 @@ def test_decode_kernel_follows_the_measured_rule(monkeypatch):
     backend = object.__new__(FlashInferBackend)
     backend.shape, backend.dtype = (4, 2, 8), torch.bfloat16
     backend.deterministic, backend.prefill_reference, backend.grouped = False, None, True
+    backend.tensor_core_min_batch = 3
     backend.decode = {tc: [Wrapper(tc), Wrapper(tc)] for tc in (False, True)}
     backend._kv_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
     backend._kv_lens = [torch.zeros(4, dtype=torch.int32) for _ in range(2)]

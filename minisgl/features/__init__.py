@@ -22,15 +22,13 @@ if TYPE_CHECKING:
 
 def plug_in(sched: Scheduler) -> Features:
     config = sched.config
-    if config.enable_mixed_chunk and config.speculative_algorithm is not None:
-        # SGLang switches mixed chunk off for STANDALONE and NGRAM (SpeculativeAlgorithm.supports_mixed_chunk)
-        raise ValueError(f"enable_mixed_chunk does not combine with speculative_algorithm="
-                         f"{config.speculative_algorithm!r} (nor does it in SGLang); choose one")
+    speculation = SpeculativeDecoding(sched) if config.speculative_algorithm is not None else None
     return Features(
-        admission=OptimisticAdmission() if config.admission == "optimistic" else None,
+        admission=(OptimisticAdmission(speculation.step_need if speculation else len)
+                   if config.admission == "optimistic" else None),
         prefill_gate=PrefillGate(config.min_prefill_tokens, config.max_running_requests)
         if config.min_prefill_tokens else None,
-        grammar=DelayedSampling(sched.engine, sched.rows, sched.tracer, sched.stats, sched.mechanisms),
+        grammar=DelayedSampling(sched),
         logprobs=LogprobsFeature(),
-        speculation=SpeculativeDecoding(sched) if config.speculative_algorithm is not None else None,
+        speculation=speculation,
         mixed_chunk=MixedChunk(sched.mechanisms) if config.enable_mixed_chunk else None)

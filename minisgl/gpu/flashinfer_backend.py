@@ -29,35 +29,17 @@ WORKSPACE_BYTES = 256 << 20
 # "Unsupported head_dim: 32". "auto" takes the torch backend below this (config.py).
 FLASHINFER_MIN_HEAD_DIM = 64
 
-# Decode on tensor cores (FlashInfer then runs its prefill kernel with one query per request)
-# from this batch size up; None: FlashInfer's plain decode kernel at every size. Decided by the
-# A/B on one H200 (`python benchmarks/gpu_checks.py DIR decode-plan`, 2026-12-02, GQA 16/8,
-# head_dim 128, overlap loop, graphs on; ms per step: host launch span / device per forward):
-#
-#   lengths           batch   plain          tensor cores
-#   spread 100..1024    128   1.66 / 4.28    1.97 / 3.91   tensor cores 9% less device time
-#   spread 100..1024    256   1.85 / 6.64    2.74 / 6.46   tensor cores 3% less
-#   uniform 820         128   1.62 / 4.59    1.96 / 4.95   plain 7% less
-#   uniform 820         256   1.59 / 7.63    2.67 / 8.21   plain 7% less
-#   (32 and 64 requests: plain as short or shorter in both)
-#
-# The plain kernel gives each request one thread block per KV head and, once the batch fills
-# the GPU, splits no request: with spread lengths a few long requests finish last, alone. Real
-# batches have spread lengths (a uniform batch is the benchmark's artefact), and the tensor-core
-# plan's extra ~1 ms of host work is hidden in the overlap loop while the device works. The
-# normal loop pays it (its step is host + device): about 8% slower at 256 requests. Both loops
-# must run the same kernel (bf16 overlap == normal), so the rule is the overlap loop's.
-TENSOR_CORE_DECODE_MIN_BATCH: int | None = 128
 
-
-def decode_on_tensor_cores(batch_size: int, grouped: bool, deterministic: bool) -> bool:
-    """Which decode kernel a batch of `batch_size` requests runs (see TENSOR_CORE_DECODE_MIN_BATCH).
+def decode_on_tensor_cores(batch_size: int, grouped: bool, deterministic: bool, min_batch: int | None) -> bool:
+    """Which decode kernel a batch of `batch_size` requests runs: tensor cores (FlashInfer's prefill
+    kernel with one query per request) from `min_batch` up (the setting tensor_core_decode_min_batch;
+    None: never), else the plain decode kernel. Both loops run the same kernel for the same batch.
 
     `grouped`: query heads share KV heads (GQA), the case the tensor-core kernel is for. The
     deterministic mode always needs it: only that kernel can switch the KV split off."""
     if deterministic:
         return True
-    return grouped and TENSOR_CORE_DECODE_MIN_BATCH is not None and batch_size >= TENSOR_CORE_DECODE_MIN_BATCH
+    return grouped and min_batch is not None and batch_size >= min_batch
 
 
 def flashinfer_available() -> bool:
@@ -77,7 +59,8 @@ def fill_indptr(lengths: list[int], out: np.ndarray) -> int:
 
 class FlashInferBackend:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, max_batch: int, deterministic: bool = False) -> None:
+                 device: torch.device, max_batch: int, deterministic: bool = False, *,
+                 tensor_core_min_batch: int | None) -> None:
         import flashinfer
 
         if dtype not in (torch.float16, torch.bfloat16):
@@ -88,6 +71,7 @@ class FlashInferBackend:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.grouped = num_qo_heads > num_kv_heads
         self.deterministic = deterministic
+        self.tensor_core_min_batch = tensor_core_min_batch
         self.prefill_reference = TorchAttentionBackend(deterministic=True) if deterministic else None
         self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
         # Eager decode wrappers for each kernel some batch size may run (the smallest and the
@@ -111,7 +95,7 @@ class FlashInferBackend:
 
     def tensor_cores_for(self, batch_size: int) -> bool:
         """Does a decode batch of this size run on tensor cores? (decode_on_tensor_cores)"""
-        return decode_on_tensor_cores(batch_size, self.grouped, self.deterministic)
+        return decode_on_tensor_cores(batch_size, self.grouped, self.deterministic, self.tensor_core_min_batch)
 
     def plan(self, meta: AttentionMetadata, parity: int = 0, decode_wrapper=None) -> None:
         """Once per batch. `decode_wrapper`: a CUDA-graph wrapper with its own fixed buffers."""

@@ -19,11 +19,10 @@ for each prefill batch, `plan_decode` in place of the plain decode step.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...batch import BatchView, Planned
-from ...demo.paths import DEMO_DRAFT_DIR, is_demo_model
+from ...demo.paths import DEMO_DRAFT_DIR
 from ...future_map import placeholder
 from ...staging import TokenColumns
 from .drafters import NgramDrafter, StandaloneDrafter
@@ -36,16 +35,6 @@ if TYPE_CHECKING:
     from ...scheduler import Scheduler
 
 
-def draft_model_path(target: Path, given: Path | None) -> Path:
-    """The standalone draft: the one given, or the demo's own draft for the demo model."""
-    if given is not None:
-        return Path(given)
-    if is_demo_model(target):
-        return DEMO_DRAFT_DIR
-    raise ValueError("speculative_algorithm='standalone' needs speculative_draft_model_path (a small model with "
-                     "the target's tokenizer); only the demo model has a default draft")
-
-
 class SpeculativeDecoding:
     def __init__(self, sched: Scheduler) -> None:
         config = sched.config
@@ -55,7 +44,8 @@ class SpeculativeDecoding:
         if config.speculative_algorithm == "ngram":
             self.drafter: NgramDrafter | StandaloneDrafter = NgramDrafter(self.relay, K)
         else:
-            path = draft_model_path(config.model_path, config.speculative_draft_model_path)
+            # the config checked that only the demo model goes without a draft path
+            path = config.speculative_draft_model_path or DEMO_DRAFT_DIR
             self.drafter = StandaloneDrafter(sched.engine, path, K)
 
     def on(self, mechanism: str) -> bool:
@@ -72,9 +62,9 @@ class SpeculativeDecoding:
     def prefill_step(self) -> PrefillStep:
         return PrefillStep(self.relay, self.drafter, self.relay.next_publish())
 
-    def step_slots(self, req: Req) -> int:
-        """KV slots `req` may be given by the next verify step (what retraction must find)."""
-        return max(0, self._slots_wanted(req) - req.allocated_len)
+    def step_need(self, reqs: list[Req]) -> int:
+        """KV slots the next verify step of `reqs` may allocate (what retraction must find)."""
+        return sum(max(0, self._slots_wanted(r) - r.allocated_len) for r in reqs)
 
     def _slots_wanted(self, req: Req) -> int:
         # The host's committed length lags the device by the verify in flight (up to K+1
@@ -109,7 +99,7 @@ class SpeculativeDecoding:
             req.launched_len = max(req.launched_len, n + K + 1)
         sched.stats.decode_batches += 1
         sched.stats.decode_rows += len(reqs)
-        forward = sched.batches.build(reqs, tokens, [K + 1] * len(reqs), [n + K + 1 for n in lens], False,
+        forward = sched.batch_builder.build(reqs, tokens, [K + 1] * len(reqs), [n + K + 1 for n in lens], False,
                                       sched.features)
         forward.run_width = K + 2
         forward.device_step = VerifyStep(self.relay, self.drafter, self.relay.next_publish(), K, lens,

@@ -12,12 +12,14 @@ sampling then accepts it with the target's probability (verify.py).
 
 from __future__ import annotations
 
+from itertools import accumulate
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
 
-from ...models.attention import AttentionMetadata, KVCache, TorchAttentionBackend
+from ...models.attention import KVCache, TorchAttentionBackend, paged_metadata
 from ...models.decoder import load_model
 
 if TYPE_CHECKING:
@@ -83,24 +85,19 @@ class StandaloneDrafter:
 
     def prefill(self, engine: Engine, batch: ForwardBatch, inp: DeviceInputs, input_ids: torch.Tensor) -> None:
         """The draft model's KV for a prompt chunk: the target's metadata, the draft's cache."""
-        meta = engine._attention_metadata(batch, inp, engine.req_to_token.table)
+        meta = paged_metadata(batch.qo_lens, batch.kv_lens, batch.is_prefill, inp, engine.req_to_token.table)
         self.model(input_ids, meta, self.kv, self.backend)
 
     def _step(self, engine: Engine, ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
               kv_lens: list[int]) -> torch.Tensor:
         """One draft decode step: token ids at positions (device), `kv_lens` on the host."""
         table = engine.req_to_token.table
-        device = rows.device
-        B = len(kv_lens)
-        kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], device=device)
-        kv_ids = torch.arange(sum(kv_lens), device=device)
-        req_of_kv = torch.searchsorted(kv_indptr[1:], kv_ids, right=True).clamp(max=B - 1)
-        pos_in_req = (kv_ids - kv_indptr[req_of_kv]).clamp(0, table.shape[1] - 1)
         positions = positions.clamp(max=table.shape[1] - 1)
-        meta = AttentionMetadata(positions=positions, out_slots=table[rows, positions],
-                                 qo_indptr=torch.arange(B + 1, device=device, dtype=torch.int32),
-                                 kv_indptr=kv_indptr.to(torch.int32), kv_indices=table[rows[req_of_kv], pos_in_req],
-                                 qo_lens=[1] * B, kv_lens=kv_lens)
+        B, device = len(kv_lens), rows.device
+        inp = SimpleNamespace(rows=rows, positions=positions, out_slots=table[rows, positions],
+                              qo_indptr=torch.arange(B + 1, device=device),
+                              kv_indptr=torch.tensor([0, *accumulate(kv_lens)], device=device))
+        meta = paged_metadata([1] * B, kv_lens, False, inp, table)
         return self.model(ids, meta, self.kv, self.backend).argmax(-1)
 
     def draft(self, engine: Engine, batch: ForwardBatch, rows: torch.Tensor, lens: torch.Tensor,

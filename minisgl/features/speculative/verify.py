@@ -96,7 +96,7 @@ class PrefillStep:
             input_ids = engine.future_map.resolve(inp.input_ids)
             logits = engine.forward(batch, inp, input_ids)
             self.drafter.prefill(engine, batch, inp, input_ids)
-            engine._sample(batch, inp, logits, None, next_tokens, next_tokens_host, None)
+            engine.sample(batch, inp, logits, None, next_tokens, next_tokens_host, None)
             self.relay.record_tokens(inp.token_rows, inp.positions, input_ids)
             self.relay.record_tokens(inp.rows, inp.kv_lens, next_tokens)  # the sampled token, at its position
             self.relay.publish(inp.rows, inp.kv_lens, self.event)
