@@ -1,9 +1,8 @@
 """What crosses a step boundary in the scheduler: batch views, result-queue entries, counters.
 
-The result queue pairs each launched batch with a *view* of it: which requests sat in which
-row. `RunningBatch` is the live decode batch that schedule() filters and merges in place;
-`BatchView` is a snapshot of one batch, frozen at launch (lessons/readings §5: why the
-queue must hold batch.copy(), not the batch).
+The result queue pairs each launched batch with a *view* of it: which requests sat in which row. `RunningBatch` is
+the live decode batch that schedule() filters and merges in place; `BatchView` is a snapshot of one batch, frozen at
+launch (lessons/readings §5: why the queue must hold batch.copy(), not the batch).
 """
 
 from __future__ import annotations
@@ -95,8 +94,6 @@ class SchedulerStats:
     retracted_late_results: int = 0  # in-flight results of requests retracted since their launch, skipped
     delayed_samples: int = 0  # grammar batches whose sampling waited for the previous commit
     spec_verify_rows: int = 0  # speculation: requests over all committed verify steps
-    spec_accepted_tokens: int = 0  # speculation: tokens those verify steps committed (/ rows: tokens per verify)
-    mixed_decode_rows: int = 0  # mixed chunk: decode rows that rode in a prefill batch
-    spec_unallocated_writes: int = 0  # verify positions past the request's KV slots (spec_alloc_reserve off)
+    spec_accepted_tokens: int = 0  # speculation: tokens those verify steps accepted (/ rows: tokens per verify)
     # (LAUNCH | COMMIT | RETRACT, batch_id) in order (RETRACT: the batch being planned): the latest 65536 only, so a long run's memory stays flat.
     events: deque[tuple[SpanName, int]] = field(default_factory=lambda: deque(maxlen=1 << 16))

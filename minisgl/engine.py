@@ -55,10 +55,7 @@ class ForwardBatch:
     delay_sample: bool = False
     mask: Any = None  # features/grammar.py TokenMask
     logprobs: Any = None  # features/logprobs.py LogprobsPlan: rows and output indices fixed at planning
-    # Speculation (features/speculative/): the feature's own device work replaces the forward and
-    # sampling, and a verify row returns `run_width` tokens: its accept length, then K+1 tokens.
-    device_step: Any = None
-    run_width: int = 1
+    device_step: Any = None  # speculation's own forwards and sampling, in place of the engine's
 
     @property
     def num_tokens(self) -> int:
@@ -86,14 +83,6 @@ class ForwardResult:
     copy_done: Event  # after the last device work of the batch (its sampling's copy to the host)
     logprobs: Any = None  # features/logprobs.py LogprobsHost, valid after copy_done
     delayed: DelayedSample | None = None  # set until the delayed sampling is launched
-    run_width: int = 1  # next_tokens_host per row: 1 token, or a verify's accept length and K+1 tokens
-
-    def runs(self) -> list[list[int]]:
-        """Each row's new tokens, valid after copy_done: one, or the run a speculative verify accepted."""
-        flat, width = self.next_tokens_host.tolist(), self.run_width
-        if width == 1:
-            return [[t] for t in flat]
-        return [flat[i + 1:i + 1 + flat[i]] for i in range(0, len(flat), width)]
 
 
 class Engine:
@@ -156,9 +145,9 @@ class Engine:
         # Allocated here, on the host's stream, written on the engine stream. Keep-alive by a
         # kept reference: the ForwardResult holds both until commit, which waits for copy_done,
         # the event after their last use (and close() synchronizes before anything is freed).
-        next_tokens = torch.empty(B * batch.run_width, dtype=torch.int64, device=self.device)
+        next_tokens = torch.empty(B, dtype=torch.int64, device=self.device)
         pinned = self.device.type == "cuda" and self.mechanisms.on("pinned_copy")
-        next_tokens_host = torch.empty(B * batch.run_width, dtype=torch.int64, pin_memory=pinned)
+        next_tokens_host = torch.empty(B, dtype=torch.int64, pin_memory=pinned)
         logprobs = batch.logprobs.allocate(pinned) if batch.logprobs is not None else None
         held: list[tuple[torch.Tensor, DeviceInputs]] = []  # a delayed sampling's logits (launch_sample)
         inputs: list[DeviceInputs] = []
@@ -187,13 +176,14 @@ class Engine:
         batch.staging.consumed = self.stream.record_event()
 
         def forward() -> None:
-            self._forward_and_sample(batch, inputs.pop(), next_tokens, next_tokens_host, logprobs, held)
+            step = batch.device_step or self  # speculation: its own forwards and sampling
+            step._forward_and_sample(batch, inputs.pop(), next_tokens, next_tokens_host, logprobs, held)
             self.tracer.device_end(span.pop(), SpanName.FORWARD, self.stream.name, self.device, iteration, batch.batch_id)
 
         self.stream.launch(forward)
         copy_done = self.stream.record_event()  # a delayed sampling replaces it (launch_sample)
         return ForwardResult(batch.batch_id, next_tokens, next_tokens_host, copy_done, logprobs,
-                             DelayedSample(batch, held) if batch.delay_sample else None, batch.run_width)
+                             DelayedSample(batch, held) if batch.delay_sample else None)
 
     def close(self) -> None:
         """Give back everything this engine holds on the device, and stop the stream's thread.
@@ -236,29 +226,22 @@ class Engine:
                             held: list[tuple[torch.Tensor, DeviceInputs]]) -> None:
         """Runs on the engine stream (device side): the forward, then its sampling, unless the
         batch delays it: then the logits wait in `held` for launch_sample."""
-        if batch.device_step is not None:  # speculation: its own forwards, sampling and publish
-            batch.device_step.run(self, batch, inp, next_tokens, next_tokens_host)
-            return
-        logits = self.forward(batch, inp, self.future_map.resolve(inp.input_ids))
-        if batch.delay_sample:
-            held.append((logits, inp))  # sampled later: launch_sample
-        else:
-            self.sample(batch, inp, logits, batch.mask, next_tokens, next_tokens_host, logprobs)
-
-    def forward(self, batch: ForwardBatch, inp: DeviceInputs, input_ids: torch.Tensor,
-                every_position: bool = False) -> torch.Tensor:
-        """Runs on the engine stream: the target model's logits, for each request's last new token
-        (or, `every_position`, for every new token: a speculative verify)."""
         table = self.req_to_token.table
+        input_ids = self.future_map.resolve(inp.input_ids)
         # The slots of this batch's new positions enter the request table on the device, in
         # stream order. (Prefix slots of a new request were written by the scheduler.)
         table[inp.token_rows, inp.positions] = inp.out_slots
         meta = paged_metadata(batch.qo_lens, batch.kv_lens, batch.is_prefill, inp, table)
         parity = batch.batch_id % 2  # alternate plan buffers: see flashinfer_backend.py
         if self.graphs is not None and self.graphs.can_run(meta):
-            return self.graphs.run(input_ids, meta, parity)  # one launch for the whole decode step
-        self.backend.plan(meta, parity)
-        return self.model(input_ids, meta, self.kv, self.backend, every_position)
+            logits = self.graphs.run(input_ids, meta, parity)  # one launch for the whole decode step
+        else:
+            self.backend.plan(meta, parity)
+            logits = self.model(input_ids, meta, self.kv, self.backend)
+        if batch.delay_sample:
+            held.append((logits, inp))  # sampled later: launch_sample
+        else:
+            self.sample(batch, inp, logits, batch.mask, next_tokens, next_tokens_host, logprobs)
 
     def sample(self, batch: ForwardBatch, inp: DeviceInputs, logits: torch.Tensor, mask: Any,
                 next_tokens: torch.Tensor, next_tokens_host: torch.Tensor, logprobs: Any) -> None:

@@ -25,9 +25,8 @@ def placeholder(row: int) -> int:
 
 class FutureMap:
     def __init__(self, max_running_requests: int, device: torch.device) -> None:
-        # One entry per request-pool row. A row nobody published yet holds 0: a valid id, so a
-        # missing publish (or a batch that read another batch's metadata) shows up as wrong
-        # tokens, not as a crash.
+        # One entry per request-pool row. A row nobody published yet holds 0: a valid id, so a missing
+        # publish (or a batch that read another batch's metadata) shows up as wrong tokens, not a crash.
         self.tokens = torch.zeros(max_running_requests, dtype=torch.int64, device=device)
 
     def publish(self, rows: torch.Tensor, next_tokens: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from .request import Req
 class KVLedger:
     def __init__(self, kv_pool: KVPool, mechanisms: Mechanisms, lookahead: int = 1) -> None:
         self.kv_pool = kv_pool
-        self.lookahead = lookahead  # config.lookahead_slots: positions a request may write past its last token
+        self.lookahead = lookahead  # slots a step may write past a request's last token (config.lookahead_slots)
         self.cache = RadixCache(kv_pool.free)
         self.mechanisms = mechanisms
         self.reserved = 0  # slots promised to admitted requests and not yet allocated
@@ -31,8 +31,7 @@ class KVLedger:
     @staticmethod
     def promise(req: Req, cached_len: int = 0, lookahead: int = 1) -> int:
         """Slots a request may still need: its prefill beyond the cached prefix, the outputs it may
-        still produce, and the `lookahead` slots a step may write past its last token (one
-        overshoot slot; a speculative step's verify positions)."""
+        still produce, and the slots a step may write past its last token (`lookahead`: one, an overshoot)."""
         return req.prefill_len - cached_len + req.max_new_tokens - len(req.output_ids) + lookahead
 
     def available(self) -> int:
@@ -48,8 +47,7 @@ class KVLedger:
         need = self.promise(req, 0, self.lookahead)
         if need > self.kv_pool.kv_tokens:
             raise ValueError(f"request needs {need} KV slots (prompt {req.prompt_len} + max_new_tokens "
-                             f"{req.max_new_tokens} + {self.lookahead}), the KV pool has {self.kv_pool.kv_tokens}; "
-                             "raise kv_tokens")
+                             f"{req.max_new_tokens} + {self.lookahead}): kv_tokens is {self.kv_pool.kv_tokens}, raise it")
 
     def reserve(self, req: Req, need: int) -> None:
         req.reserved_tokens = need

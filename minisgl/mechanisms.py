@@ -1,10 +1,8 @@
 """The named overlap mechanisms: every one can be switched off to watch what breaks.
 
-Each name is checked at the line that implements it (`mechanisms.on("name")`), next to a
-comment saying what breaks without it and which section of lessons/readings explains it. One
-`Mechanisms` object answers for the whole engine (scheduler, engine, staging), and it refuses
-a name it does not know, so a typo can never silently read as "on".
-"""
+Each name is checked at the line that implements it (`mechanisms.on("name")`), next to a comment saying what breaks
+without it and which section of lessons/readings explains it. One `Mechanisms` object answers for the whole engine
+(scheduler, engine, staging), and it refuses a name it does not know, so a typo can never silently read as "on"."""
 
 from __future__ import annotations
 
@@ -50,15 +48,9 @@ MECHANISMS: dict[str, str] = {
     "logprob_snapshot": "the rows and output indices of a batch's logprobs are fixed from the request lengths at "
     "planning (off: recomputed at commit from live lengths that the next schedule moved: each logprob lands one "
     "token late in the overlap loop)",
-    "spec_alloc_reserve": "(speculation) a verify step is given KV slots up to two steps of K+1 past the host's "
-    "committed length, because the verify in flight may still add K+1 (off: one step; in the overlap loop a verify "
-    "writes positions no slot was given for: stats.spec_unallocated_writes, wrong tokens)",
-    "spec_publish_wait": "(speculation) the host reads its mirror of the lengths only after the publish event of the "
-    "batch in flight (off: it reads last step's lengths in the overlap loop: attention over the wrong number of "
-    "positions, wrong tokens)",
-    "mixed_prefix_from_launched": "(enable_mixed_chunk) a decode row mixed into a prefill batch sits at the "
-    "request's launched length (off: at its committed length - 1, SGLang's serial formula without the overlap's "
-    "delta; the overlap loop then writes the row one position early: wrong tokens)",
+    "spec_alloc_reserve": "(speculation) KV for two verify steps past the committed length (off: unallocated writes)",
+    "spec_publish_wait": "(speculation) the lengths' mirror is read after their publish (off: stale, wrong tokens)",
+    "mixed_prefix_from_launched": "(mixed chunk) decode rows at the launched length (off: committed - 1, wrong tokens)",
 }
 
 

@@ -41,6 +41,5 @@ class BatchBuilder:
         if any(p.logprobs is not None for p in params):
             # the rows and output indices fixed now, from the lengths at planning: the launch snapshot
             forward.logprobs = features.logprobs.plan(reqs, kv_lens)
-        if is_prefill and features.speculation is not None:  # the drafter sees every prompt chunk
-            forward.device_step = features.speculation.prefill_step()
+        forward.device_step = features.speculation.prefill_step() if is_prefill and features.speculation else None
         return forward

@@ -7,11 +7,9 @@ The overlap scheduler keeps four moments of a token apart (lessons/readings §1 
 - materialized the sampled id sits in the FutureMap on the device; the next batch may use it
 - committed    copy_done passed and the host appended it to `output_ids`
 
-So a request carries several lengths, each a different moment, never mixed up:
-`allocated_len` (planned KV slots) >= `launched_len` (positions whose KV a launched batch
-writes) >= `kv_committed_len` (positions written by batches already committed), and
-`committed_len` (prompt + committed output ids) lags the device by `inflight_samples`.
-"""
+So a request carries several lengths, each a different moment, never mixed up: `allocated_len` (planned KV slots) >=
+`launched_len` (positions whose KV a launched batch writes) >= `kv_committed_len` (positions written by batches
+already committed), and `committed_len` (prompt + committed output ids) lags the device by `inflight_samples`."""
 
 
 from __future__ import annotations

@@ -8,11 +8,10 @@ Read `normal_loop` and `overlap_loop` first: they share every other method and d
 - overlap_loop (lessons/readings §3 and §11, mini-SGLang's overlap_loop): schedule and launch
   batch n while batch n-1 still runs, then commit n-1: results are committed one step late.
 
-The lag must never change a token, leak a slot or corrupt a cache entry: every place that
-protects that is marked `self.on("<mechanism>")`. The scheduler owns the request queues; its
-parts own the rest: `kv_ledger` (kv_ledger.py) KV accounting and the radix cache, `rows`
-(rows.py) the request rows and the batches in flight that use them, `batch_builder` (planning.py)
-staging buffers and batch ids. Features plug in through `features` (seams.py).
+The lag must never change a token, leak a slot or corrupt a cache entry: every place that protects that is marked
+`self.on("<mechanism>")`. The scheduler owns the request queues; its parts own the rest: `kv_ledger` (kv_ledger.py)
+KV accounting and the radix cache, `rows` (rows.py) the request rows and the batches in flight that use them,
+`batch_builder` (planning.py) staging buffers and batch ids. Features plug in through `features` (seams.py).
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.features = Features()  # the front end plugs features in (features.plug_in)
 
-        # The engine owns the memory; the parts decide which request holds which slot and row.
         self.kv_ledger = KVLedger(engine.kv_pool, self.mechanisms, config.lookahead_slots)
         self.kv_pool, self.cache = self.kv_ledger.kv_pool, self.kv_ledger.cache
         self.req_to_token = engine.req_to_token
@@ -172,7 +170,6 @@ class Scheduler:
 
     def _schedule_prefill(self) -> Planned | None:
         budget = self.config.chunk_size
-        decoding = list(self.running.reqs)  # mixed chunk: the decodes that may share this forward
         chunks: list[tuple[Req, int]] = []
         for req in self.prefilling:  # continue chunked prompts first
             n = min(budget, req.prefill_len - req.launched_len)
@@ -207,7 +204,7 @@ class Scheduler:
         self.stats.prefill_batches += 1
         self.stats.prefill_tokens += sum(qo_lens)
         if self.features.mixed_chunk is not None:  # the running decodes join this forward
-            self.features.mixed_chunk.mix(self, decoding, tokens, reqs, qo_lens, kv_lens, samples)
+            self.features.mixed_chunk.mix(self, tokens, reqs, qo_lens, kv_lens, samples)
         forward = self.batch_builder.build(reqs, tokens, qo_lens, kv_lens, True, self.features)
         return Planned(forward, BatchView(forward.batch_id, True, reqs, [r.row for r in reqs],
                                           [r.row_generation for r in reqs], samples, qo_lens))
@@ -230,7 +227,9 @@ class Scheduler:
         tokens = TokenColumns()
         release_when_planned = not self.on("commit_point_cache")
         for req in reqs:  # a few list operations per request: this loop is the decode step's host cost
-            self.add_decode_row(tokens, req)
+            tokens.add(req.row, [self._decode_input(req)], req.launched_len, self.kv_ledger.allocate(req, 1))
+            req.launched_len += 1
+            req.inflight_samples += 1
             if release_when_planned and req.will_finish_by_length():
                 # WRONG on purpose: released when its last step is only planned, later requests in
                 # this batch get slots it still uses (readings §9: release after the last use).
@@ -241,13 +240,6 @@ class Scheduler:
                                      self.features)
         self.running.batch_id = forward.batch_id
         return Planned(forward, self.running)
-
-    def add_decode_row(self, tokens: TokenColumns, req: Req, position: int | None = None) -> None:
-        """One decode token of `req` at `position` (its launched length) with a new KV slot."""
-        start = req.launched_len if position is None else position
-        tokens.add(req.row, [self._decode_input(req)], start, self.kv_ledger.allocate(req, 1))
-        req.launched_len += 1
-        req.inflight_samples += 1
 
     def _decode_input(self, req: Req) -> int:
         """The input id of req's next decode step: a committed token, or a FutureMap placeholder."""
@@ -322,6 +314,8 @@ class Scheduler:
             result.copy_done.synchronize()  # the host may read the tokens, and the batch's device work is done
             # <<< exercise 8
         with self.tracer.host(SpanName.COMMIT, result.batch_id):
+            if self.features.speculation is not None and not view.is_prefill:  # one row per accepted token
+                view, result = self.features.speculation.accepted(view, result)
             self._commit_results(view, result)
         self._sample_if_ready()
 
@@ -330,11 +324,11 @@ class Scheduler:
         one-step lag made stale is dropped. A finished request is released right here."""
         self.rows.committed(result.batch_id)
         self.stats.events.append((SpanName.COMMIT, result.batch_id))
-        runs = result.runs()  # one token per row; a speculative verify row: the run it accepted
+        tokens = result.next_tokens_host.tolist()
         logprobs = {} if result.logprobs is None else \
-            self.features.logprobs.by_row(view, result, [run[0] for run in runs], self.on("logprob_snapshot"))
-        for i, (req, row, generation, sampled, qo_len, run) in enumerate(zip(
-                view.reqs, view.rows, view.generations, view.samples, view.qo_lens, runs)):
+            self.features.logprobs.by_row(view, result, tokens, self.on("logprob_snapshot"))
+        for i, (req, row, generation, sampled, qo_len, token) in enumerate(zip(
+                view.reqs, view.rows, view.generations, view.samples, view.qo_lens, tokens)):
             # >>> exercise 9: skip a retracted request's in-flight result
             if (req.row, req.row_generation) != (row, generation) and self.on("retract_skip_inflight"):
                 # Retracted after this batch launched: its re-prefill samples this step again.
@@ -354,21 +348,12 @@ class Scheduler:
                 self.stats.overshoot_tokens += qo_len
                 continue
             # <<< exercise 4
-            # A verify wrote K+1 positions: the accepted run's KV is kept, in the slots it was given.
-            req.kv_committed_len += qo_len if result.run_width == 1 else \
-                min(len(run), req.allocated_len - req.kv_committed_len)
+            req.kv_committed_len += qo_len
             if not sampled:
                 continue
             req.inflight_samples -= 1
             finished_before = req.finished  # only possible with skip_finished off
-            for n, token in enumerate(run, 1):  # speculation: several tokens, cut at a finish inside the run
-                req.commit_token(token, logprobs.get(i))
-                if req.finished:
-                    self.stats.overshoot_tokens += len(run) - n
-                    break
-            if result.run_width > 1:
-                self.stats.spec_verify_rows += 1
-                self.stats.spec_accepted_tokens += n
+            req.commit_token(token, logprobs.get(i))
             # >>> exercise 5: the commit point
             if req.finished:
                 if finished_before or not req.released:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 if TYPE_CHECKING:
     from .batch import BatchView, InFlight, RunningBatch
+    from .engine import ForwardResult
     from .request import Req
     from .sampling_params import TokenLogprob
 
@@ -54,11 +55,14 @@ class SpeculationSeam(Protocol):
     def plan_decode(self, sched: Any) -> Any:
         """The decode step as a verify step of K+1 tokens per running request (a Planned)."""
 
+    def accepted(self, view: BatchView, result: ForwardResult) -> tuple[BatchView, ForwardResult]:
+        """A verify batch's result as the commit reads it: one row per accepted token."""
+
 
 class MixedChunkSeam(Protocol):
-    def mix(self, sched: Any, decoding: list[Req], tokens: Any, reqs: list[Req], qo_lens: list[int],
-            kv_lens: list[int], samples: list[bool]) -> None:
-        """Append one decode token of each of `decoding` to a prefill batch being planned."""
+    def mix(self, sched: Any, tokens: Any, reqs: list[Req], qo_lens: list[int], kv_lens: list[int],
+            samples: list[bool]) -> None:
+        """Append one decode token of each running request to a prefill batch being planned."""
 
 
 class LogprobsSeam(Protocol):

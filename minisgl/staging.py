@@ -1,20 +1,17 @@
 """Host staging buffers for one batch's metadata, and their write-after-read protection.
 
-The scheduler writes a batch's metadata (input ids, positions, KV slots, sampling
-parameters) into host buffers; the engine stream copies them to the device when it reaches
-the batch. In the overlap loop the host is already writing batch n+1 while batch n may
-not have been copied yet. Two protections, each a switch here (lessons/readings §4 says how
-they differ from the article's stream-side WAR barrier and its keep-alive buffer):
+The scheduler writes a batch's metadata (input ids, positions, KV slots, sampling parameters) into host buffers; the
+engine stream copies them to the device when it reaches the batch. In the overlap loop the host is already writing
+batch n+1 while batch n may not have been copied yet. Two protections, each a switch here (lessons/readings §4 says
+how they differ from the article's stream-side WAR barrier and its keep-alive buffer):
 
 - `staging_double_buffer`: two buffers alternate, so batch n+1 never lands in batch n's;
 - `staging_war_wait`: before a buffer is rewritten, the host waits for the event recorded
   right after the device read it (the write-after-read barrier).
 
-Either one alone keeps the tokens right in this scheduler: the wait alone by waiting, the
-second buffer alone because batch n is committed (so read) before batch n+2 is planned.
-`unread_overwrites` counts the rewrites of a buffer the device had not read yet: the hazard
-itself, whether or not it happened to change a token (lessons/readings §4).
-"""
+Either one alone keeps the tokens right in this scheduler: the wait alone by waiting, the second buffer alone because
+batch n is committed (so read) before batch n+2 is planned. `unread_overwrites` counts the rewrites of a buffer the
+device had not read yet: the hazard itself, whether or not it happened to change a token (lessons/readings §4)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Recording where time goes: host spans on the scheduler, device spans on the engine stream.
 
-Recording is off unless asked for (`LLM(..., trace=True)`), and cheap when on: a span is
-one tuple appended to a list. Host spans are timed on the scheduler thread. Device spans
-are timed where the work really runs: on the CPU stream's worker thread, or, on CUDA, by a
-pair of CUDA events resolved after the run (so recording never syncs the device).
+Recording is off unless asked for (`LLM(..., trace=True)`), and cheap when on: a span is one tuple appended to a list.
+Host spans are timed on the scheduler thread. Device spans are timed where the work really runs: on the CPU stream's
+worker thread, or, on CUDA, by a pair of CUDA events resolved after the run (so recording never syncs the device).
 
 Reading a finished trace (Perfetto export, G and C, the terminal timeline, the run-level
 breakdown) is the business of `minisgl/observe/`, which reads what is recorded here.

@@ -57,8 +57,9 @@ def test_greedy_speculation_gives_the_plain_tokens(qwen3, other_draft, plain, dr
                          **drafts(qwen3, other_draft)[drafter])
     assert outs == plain
     stats = llm.stats
-    # every output token but a request's first (its prefill samples it) comes from a verify step
-    assert stats.spec_accepted_tokens == sum(map(len, outs)) - len(outs)
+    # every output token but a request's first (its prefill samples it) comes from a verify step,
+    # and a verify may accept tokens past a request's last (max_new_tokens inside its run)
+    assert stats.spec_accepted_tokens >= sum(map(len, outs)) - len(outs)
     per_verify = stats.spec_accepted_tokens / stats.spec_verify_rows
     if drafter == "perfect":
         assert per_verify > 3, "the target as its own draft: nearly every step accepts all K drafts"
@@ -150,10 +151,10 @@ def test_publish_wait_off_reads_stale_lengths_in_the_overlap_loop(qwen3, plain):
 
 def test_alloc_reserve_off_writes_past_the_slots_in_the_overlap_loop(qwen3, plain):
     llm, outs = perfect(qwen3, "overlap", "spec_alloc_reserve")
-    assert llm.stats.spec_unallocated_writes > 0 and outs != plain
+    assert llm.scheduler.features.speculation.unallocated_writes > 0 and outs != plain
     llm.close()
     llm, outs = perfect(qwen3, "normal", "spec_alloc_reserve")
-    assert llm.stats.spec_unallocated_writes == 0 and outs == plain
+    assert llm.scheduler.features.speculation.unallocated_writes == 0 and outs == plain
     llm.close()
 
 

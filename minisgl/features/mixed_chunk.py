@@ -33,24 +33,33 @@ if TYPE_CHECKING:
 class MixedChunk:
     def __init__(self, mechanisms: Mechanisms) -> None:
         self.mechanisms = mechanisms
+        self.decode_rows = 0  # decode rows that rode in a prefill batch
 
-    def mix(self, sched: Scheduler, decoding: list[Req], tokens: TokenColumns, reqs: list[Req],
-            qo_lens: list[int], kv_lens: list[int], samples: list[bool]) -> None:
-        """Append one decode token of each running request in `decoding` to the prefill batch."""
-        decodes = [r for r in decoding if not r.finished and not r.will_finish_by_length()]
+    def mix(self, sched: Scheduler, tokens: TokenColumns, reqs: list[Req], qo_lens: list[int], kv_lens: list[int],
+            samples: list[bool]) -> None:
+        """Append one decode token of each running request to the prefill batch of `reqs` (a request
+        whose last chunk is in that batch samples there, its first decode is the next step's)."""
+        prefilled = {id(r) for r in reqs}
+        decodes = [r for r in sched.running.reqs
+                   if id(r) not in prefilled and not r.finished and not r.will_finish_by_length()]
         if not decodes or any(r.params.logprobs is not None for r in reqs + decodes):
             return
         if sched.kv_ledger.available() < len(decodes):  # optimistic admission: the decode step retracts
             return
         for req in decodes:
+            # as in a decode batch: at the launched length, its input a FutureMap placeholder if in flight
+            tokens.add(req.row, [sched._decode_input(req)], req.launched_len, sched.kv_ledger.allocate(req, 1))
+            req.launched_len += 1
+            req.inflight_samples += 1
             # >>> exercise 12: the decode row's position
-            position = req.launched_len if self.mechanisms.on("mixed_prefix_from_launched") \
-                else req.committed_len - 1  # WRONG under the overlap: the committed outputs lag one token
-            sched.add_decode_row(tokens, req, position)
+            if not self.mechanisms.on("mixed_prefix_from_launched"):
+                # WRONG on purpose: SGLang's serial formula, committed length - 1 (the committed outputs
+                # already hold the input token); under the overlap they lag one token: one position early.
+                tokens.positions[-1] = req.committed_len - 1
             # <<< exercise 12
             reqs.append(req)
             qo_lens.append(1)
             kv_lens.append(req.launched_len)
             samples.append(True)
         sched.stats.decode_rows += len(decodes)
-        sched.stats.mixed_decode_rows += len(decodes)
+        self.decode_rows += len(decodes)

@@ -19,7 +19,10 @@ for each prefill batch, `plan_decode` in place of the plain decode step.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
+
+import torch
 
 from ...batch import BatchView, Planned
 from ...demo.paths import DEMO_DRAFT_DIR
@@ -30,6 +33,7 @@ from .relay import SpecRelay
 from .verify import PrefillStep, VerifyStep
 
 if TYPE_CHECKING:
+    from ...engine import ForwardResult
     from ...request import Req
     from ...sampling_params import SamplingParams
     from ...scheduler import Scheduler
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
 class SpeculativeDecoding:
     def __init__(self, sched: Scheduler) -> None:
         config = sched.config
+        self.sched = sched
         self.num_steps = K = config.speculative_num_steps
         self.mechanisms = sched.mechanisms
         self.relay = SpecRelay(config.max_running_requests, config.table_width, config.device, sched.mechanisms)
@@ -47,6 +52,9 @@ class SpeculativeDecoding:
             # the config checked that only the demo model goes without a draft path
             path = config.speculative_draft_model_path or DEMO_DRAFT_DIR
             self.drafter = StandaloneDrafter(sched.engine, path, K)
+
+        self.verifying: dict[int, VerifyStep] = {}  # launched verify steps by batch id, until their commit
+        self.unallocated_writes = 0  # verify rows that wrote past their request's slots (spec_alloc_reserve off)
 
     def on(self, mechanism: str) -> bool:
         return self.mechanisms.on(mechanism)
@@ -60,7 +68,7 @@ class SpeculativeDecoding:
                              "both); leave speculative_algorithm=None for such requests")
 
     def prefill_step(self) -> PrefillStep:
-        return PrefillStep(self.relay, self.drafter, self.relay.next_publish())
+        return PrefillStep(self.sched.engine, self.relay, self.drafter, self.relay.next_publish())
 
     def step_need(self, reqs: list[Req]) -> int:
         """KV slots the next verify step of `reqs` may allocate (what retraction must find)."""
@@ -89,11 +97,12 @@ class SpeculativeDecoding:
                 fills[2].extend(slots)
             req.inflight_samples += 1
         rows = [r.row for r in reqs]
+        pinned = sched.device.type == "cuda" and self.on("pinned_copy")
         lens = self.relay.host_lengths(rows)  # SGLang's resolve_seq_lens_cpu: after the publish event
         tokens = TokenColumns()
         for req, n in zip(reqs, lens):
             if n + K + 1 > req.allocated_len:  # the verify writes positions no slot was given for
-                sched.stats.spec_unallocated_writes += 1
+                self.unallocated_writes += 1
             slots = (req.slot_ids[n:n + K + 1] + [0] * (K + 1))[:K + 1]  # the host's guess; the device reads the table
             tokens.add(req.row, [placeholder(req.row)] + [0] * K, n, slots)
             req.launched_len = max(req.launched_len, n + K + 1)
@@ -101,9 +110,32 @@ class SpeculativeDecoding:
         sched.stats.decode_rows += len(reqs)
         forward = sched.batch_builder.build(reqs, tokens, [K + 1] * len(reqs), [n + K + 1 for n in lens], False,
                                       sched.features)
-        forward.run_width = K + 2
-        forward.device_step = VerifyStep(self.relay, self.drafter, self.relay.next_publish(), K, lens,
-                                         [r.prompt_len for r in reqs], fills)
+        step = VerifyStep(sched.engine, self.relay, self.drafter, self.relay.next_publish(), K, lens, [r.prompt_len for r in reqs],
+                          fills, torch.empty(len(reqs), K + 2, dtype=torch.int64, pin_memory=pinned))
+        forward.device_step = self.verifying[forward.batch_id] = step
         view = BatchView(forward.batch_id, False, reqs, rows, [r.row_generation for r in reqs], [True] * len(reqs),
                          [K + 1] * len(reqs))
         return Planned(forward, view)
+
+    def accepted(self, view: BatchView, result: ForwardResult) -> tuple[BatchView, ForwardResult]:
+        """A verify batch's result as the commit reads it: each accepted token one row, of one
+        position, so the commit's checks (a retracted or recycled row, a finished request) and its
+        stop at a stop token, EOS or max_new_tokens apply token by token, and the rejected drafts'
+        positions are never committed. (Result layout per row: accept length, then K+1 tokens.)"""
+        flat, width = self.verifying.pop(view.batch_id).runs_host.reshape(-1).tolist(), self.num_steps + 2
+        reqs, rows, generations, qo_lens, tokens = [], [], [], [], []
+        for i, (req, row, generation) in enumerate(zip(view.reqs, view.rows, view.generations)):
+            run = flat[i * width + 1:i * width + 1 + flat[i * width]]
+            self.sched.stats.spec_verify_rows += 1
+            self.sched.stats.spec_accepted_tokens += len(run)
+            if (req.row, req.row_generation) == (row, generation):
+                req.inflight_samples += len(run) - 1  # one step launched, len(run) samples committed
+            # a position past the request's slots (spec_alloc_reserve off) holds no KV of its own
+            written = [int(req.kv_committed_len + j < req.allocated_len) for j in range(len(run))]
+            reqs += [req] * len(run)
+            rows += [row] * len(run)
+            generations += [generation] * len(run)
+            qo_lens += written
+            tokens += run
+        expanded = BatchView(view.batch_id, False, reqs, rows, generations, [True] * len(reqs), qo_lens)
+        return expanded, replace(result, next_tokens_host=torch.tensor(tokens, dtype=torch.int64))

@@ -10,7 +10,8 @@ A verify step, for B requests with K drafts each (SGLang: draft, verify, publish
 5. accept: the longest run of drafts equal to the target's tokens, then the target's token
    after it (the new bonus): 1 to K+1 tokens;
 6. publish the new lengths and bonus tokens, then the event the next plan waits for;
-7. the drafter's own work for the next step, and the copy of (accept length, tokens) to the host.
+7. the drafter's own work for the next step, and the copy of (accept length, tokens) to the host
+   (`runs_host`, the step's own buffer; the result's tokens are the new bonus tokens).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...models.sampler import sample, uniform_noise
+from ...models.attention import paged_metadata
+from ...models.sampler import uniform_noise
 from .relay import PublishEvent, SpecRelay
 
 if TYPE_CHECKING:
@@ -28,6 +30,17 @@ if TYPE_CHECKING:
     from ...staging import DeviceInputs
 
 _COIN_SEED = 0x5BD1E995  # the acceptance coins' hash stream, apart from the sampler's noise
+
+
+def target_logits(engine: Engine, batch: ForwardBatch, inp: DeviceInputs, input_ids: torch.Tensor,
+                  every_position: bool) -> torch.Tensor:
+    """The target model's forward, eagerly (a verify is no decode step a CUDA graph holds): the
+    logits of each request's last new token, or with `every_position` of every new token."""
+    table = engine.req_to_token.table
+    table[inp.token_rows, inp.positions] = inp.out_slots  # the positions' slots enter the table, in stream order
+    meta = paged_metadata(batch.qo_lens, batch.kv_lens, batch.is_prefill, inp, table)
+    engine.backend.plan(meta, batch.batch_id % 2)
+    return engine.model(input_ids, meta, engine.kv, engine.backend, every_position)
 
 
 def accept_greedy(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -86,15 +99,18 @@ class PrefillStep:
     """A prefill batch under speculation: the plain forward and sampling, then the drafter's prefill,
     the history and the lengths published (the first verify reads them)."""
 
+    engine: Engine
     relay: SpecRelay
     drafter: Any
     event: PublishEvent
 
-    def run(self, engine: Engine, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
-            next_tokens_host: torch.Tensor) -> None:
+    def _forward_and_sample(self, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
+                            next_tokens_host: torch.Tensor, logprobs: Any, held: Any) -> None:
+        """Runs on the engine stream in place of Engine._forward_and_sample (no logprobs, no delayed sampling)."""
+        engine = self.engine
         try:
             input_ids = engine.future_map.resolve(inp.input_ids)
-            logits = engine.forward(batch, inp, input_ids)
+            logits = target_logits(engine, batch, inp, input_ids, every_position=False)
             self.drafter.prefill(engine, batch, inp, input_ids)
             engine.sample(batch, inp, logits, None, next_tokens, next_tokens_host, None)
             self.relay.record_tokens(inp.token_rows, inp.positions, input_ids)
@@ -106,6 +122,7 @@ class PrefillStep:
 
 @dataclass
 class VerifyStep:
+    engine: Engine
     relay: SpecRelay
     drafter: Any
     event: PublishEvent
@@ -113,11 +130,14 @@ class VerifyStep:
     host_lens: list[int]  # each row's length as the host resolved it (the attention metadata's)
     prompt_lens: list[int]  # output index = position + 1 - prompt length (the seeded sampler's step)
     fills: tuple[list[int], list[int], list[int]] = field(default_factory=lambda: ([], [], []))  # new slots
+    # per row: the accept length, then the target's K+1 tokens; valid after the batch's copy_done
+    runs_host: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
-    def run(self, engine: Engine, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
-            next_tokens_host: torch.Tensor) -> None:
+    def _forward_and_sample(self, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
+                            next_tokens_host: torch.Tensor, logprobs: Any, held: Any) -> None:
+        """Runs on the engine stream in place of Engine._forward_and_sample (no logprobs, no delayed sampling)."""
         try:
-            self._run(engine, batch, inp, next_tokens, next_tokens_host)
+            self._run(self.engine, batch, inp, next_tokens, next_tokens_host)
         finally:
             self.event.record()
 
@@ -134,7 +154,7 @@ class VerifyStep:
         bonus = engine.future_map.tokens[rows]
         drafts = self.drafter.draft(engine, batch, rows, lens, self.host_lens, bonus)  # [B, K]
         ids = torch.cat([bonus[:, None], drafts], 1)
-        logits = engine.forward(batch, inp, ids.reshape(-1), every_position=True).view(B, K + 1, -1)
+        logits = target_logits(engine, batch, inp, ids.reshape(-1), every_position=True).view(B, K + 1, -1)
         steps = positions + 1 - engine._to_device(self.prompt_lens)[:, None]
         target = verify_sample(logits, drafts, inp, steps, batch.all_greedy)
         accept = accept_greedy(drafts, target)  # [B] 1..K+1
@@ -144,6 +164,7 @@ class VerifyStep:
         relay.record_tokens(rows, lens + accept, new_bonus)
         relay.publish(rows, lens + accept, self.event)
         self.drafter.after_verify(engine, rows, lens, self.host_lens, drafts[:, -1])
-        out = torch.cat([accept[:, None], target], 1).reshape(-1)
-        next_tokens.copy_(out)
-        next_tokens_host.copy_(out, non_blocking=engine.mechanisms.on("pinned_copy"))
+        non_blocking = engine.mechanisms.on("pinned_copy")
+        next_tokens.copy_(new_bonus)
+        next_tokens_host.copy_(new_bonus, non_blocking=non_blocking)
+        self.runs_host.copy_(torch.cat([accept[:, None], target], 1), non_blocking=non_blocking)
