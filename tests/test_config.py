@@ -4,6 +4,7 @@ must agree with what the engine then allocates."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 import inspect
 
 import pytest
@@ -90,14 +91,18 @@ def test_every_setting_is_an_engine_config_field():
     assert {s.field or s.name for s in SETTINGS} == fields - from_checkpoint
 
 
-def test_settings_reach_the_config(qwen3, tmp_path):
+@pytest.mark.parametrize("features", [
+    dict(speculative_algorithm="standalone", speculative_num_steps=5, speculative_draft_model_path="draft"),
+    dict(enable_mixed_chunk=True)])
+def test_settings_reach_the_config(qwen3, features):
+    if "speculative_draft_model_path" in features:  # the target drafts for itself
+        features = {**features, "speculative_draft_model_path": qwen3}
     given = dict(loop="normal", admission="optimistic", chunk_size=64, min_prefill_tokens=32, kv_tokens=300,
-                 speculative_algorithm="standalone", speculative_num_steps=5,
-                 speculative_draft_model_path=str(tmp_path),
-                 enable_mixed_chunk=True, fused_kernels=False, tensor_core_decode_min_batch=None, host_delay_ms=0.5)
+                 fused_kernels=False, tensor_core_decode_min_batch=None, host_delay_ms=0.5, **features)
     with LLM(qwen3, device="cpu", **given) as llm:
         got = {name: getattr(llm.config, name) for name in given}
-    assert got == {**given, "speculative_draft_model_path": tmp_path}
+    expected = {**given, **({"speculative_draft_model_path": Path(qwen3)} if "speculative_algorithm" in given else {})}
+    assert got == expected
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -109,6 +114,8 @@ def test_settings_reach_the_config(qwen3, tmp_path):
      "not a directory"),
     (dict(speculative_draft_model_path=3), TypeError, "speculative_draft_model_path must be a path"),
     (dict(enable_mixed_chunk="yes"), TypeError, "enable_mixed_chunk must be True or False"),
+    (dict(speculative_algorithm="ngram", enable_mixed_chunk=True), ValueError, "does not combine"),
+    (dict(speculative_algorithm="standalone"), ValueError, "needs speculative_draft_model_path"),
     (dict(fused_kernels=None), TypeError, "fused_kernels must be True or False"),
     (dict(tensor_core_decode_min_batch=0), ValueError, "tensor_core_decode_min_batch must be in"),
     (dict(kv_tokens=2), ValueError, r"kv_tokens must be in \[3, "),

@@ -63,10 +63,10 @@ def draw_scenario(seed: int, vocab: int) -> Scenario:
     return Scenario(seed, engine, prompts, params, arrival, abort_at, flush_at)
 
 
-def run(model: str, sc: Scenario, loop: str, aborts: bool) -> tuple[dict[int, tuple[list[int], str]], int]:
-    """Drive the scenario step by step; returns request -> (tokens, finish reason), and how
-    many aborts were sent."""
-    llm = LLM(model, loop=loop, **sc.engine)
+def run(model: str, sc: Scenario, loop: str, aborts: bool, **features) -> tuple[dict[int, tuple[list[int], str]], int]:
+    """Drive the scenario step by step (with `features`: more LLM settings); returns request ->
+    (tokens, finish reason), and how many aborts were sent."""
+    llm = LLM(model, loop=loop, **sc.engine, **features)
     rid_of: dict[int, int] = {}
     outs: dict[int, tuple[list[int], str]] = {}
     index_of: dict[int, int] = {}
@@ -92,11 +92,12 @@ def run(model: str, sc: Scenario, loop: str, aborts: bool) -> tuple[dict[int, tu
     return outs, sent
 
 
-def check_scenario(model: str, sc: Scenario) -> tuple[int, int]:
+def check_scenario(model: str, sc: Scenario, **features) -> tuple[int, int]:
+    """Both loops with aborts (and `features`) against the plain normal loop without them."""
     reference, _ = run(model, sc, "normal", aborts=False)
     sent = 0
     for loop in ("normal", "overlap"):
-        outs, n = run(model, sc, loop, aborts=True)
+        outs, n = run(model, sc, loop, aborts=True, **features)
         sent += n
         for i, (tokens, reason) in sorted(outs.items()):
             ref_tokens, ref_reason = reference[i]
