@@ -126,7 +126,7 @@ def test_bad_settings_are_one_error_naming_them(qwen3, kwargs, error, message):
         LLM(qwen3, device="cpu", **kwargs)
 
 
-def test_cli_flags_are_the_settings(qwen3, tmp_path):
+def test_cli_flags_are_the_settings(qwen3):
     """Every setting but `trace` (the trace command's own) is a flag of every engine command, with the
     setting's range; build_llm hands the parsed flags to LLM unchanged."""
     from minisgl.frontend.cli import parser
@@ -135,14 +135,15 @@ def test_cli_flags_are_the_settings(qwen3, tmp_path):
     args = parser().parse_args([
         "generate", "--model", qwen3, "--device", "cpu", "--loop", "normal", "--disable", "future_map,prefill_sync",
         "--kv-tokens", "300", "--chunk-size", "64", "--speculative-algorithm", "standalone",
-        "--speculative-num-steps", "5", "--speculative-draft-model-path", str(tmp_path), "--enable-mixed-chunk",
+        "--speculative-num-steps", "5", "--speculative-draft-model-path", qwen3,
         "--no-fused-kernels", "--tensor-core-decode-min-batch", "none"])
     with build_llm(args) as llm:
         config = llm.config
     assert (config.loop, config.kv_tokens, config.chunk_size) == ("normal", 300, 64)
     assert config.mechanisms.disabled == {"future_map", "prefill_sync"}
     assert (config.speculative_algorithm, config.speculative_num_steps) == ("standalone", 5)
-    assert (config.speculative_draft_model_path, config.enable_mixed_chunk) == (tmp_path, True)
+    assert (config.speculative_draft_model_path, config.enable_mixed_chunk) == (Path(qwen3), False)
+    assert parser().parse_args(["generate", "--model", qwen3, "--enable-mixed-chunk"]).enable_mixed_chunk is True
     assert (config.fused_kernels, config.tensor_core_decode_min_batch) == (False, None)
     flags = {a.dest: a for a in parser()._subparsers._group_actions[0].choices["generate"]._actions}
     assert {s.name for s in SETTINGS if s.cli} == {s.name for s in SETTINGS} - {"trace"}
