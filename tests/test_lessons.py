@@ -146,6 +146,17 @@ def test_lesson_11_grammar_kept_and_the_naive_mask_breaks_it():
     assert f["misplaced logprobs (snapshot on)"] == 0 and f["misplaced logprobs (live lengths)"] > 0
 
 
+@pytest.mark.full
+def test_lesson_12_speculation_exact_and_its_protections():
+    _, f = run_lesson(12)
+    assert f["outputs differing from plain"] == 0
+    assert f["tokens per verify (overlap, standalone)"] > f["tokens per verify (overlap, ngram)"] > 1
+    assert f["outputs differing (publish wait off)"] > 0 and f["verify rows past their slots (reserve off)"] > 0
+    assert f["KV slots leaked (release_allocated off)"] > 0
+    assert f["decode rows mixed into prefill batches"] > 0 and f["outputs differing (mixed, launched length)"] == 0
+    assert f["outputs differing (mixed, committed - 1 under the overlap)"] > 0
+
+
 def test_make_lessons_lists_every_lesson():
     done = subprocess.run(["make", "-s", "lessons"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

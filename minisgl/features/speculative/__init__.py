@@ -19,6 +19,7 @@ for each prefill batch, `plan_decode` in place of the plain decode step.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -52,8 +53,8 @@ class SpeculativeDecoding:
             # the config checked that only the demo model goes without a draft path
             path = config.speculative_draft_model_path or DEMO_DRAFT_DIR
             self.drafter = StandaloneDrafter(sched.engine, path, K)
-
         self.verifying: dict[int, VerifyStep] = {}  # launched verify steps by batch id, until their commit
+        self.accept_lengths: deque[list[int]] = deque(maxlen=256)  # per committed verify batch, per row
         self.unallocated_writes = 0  # verify rows that wrote past their request's slots (spec_alloc_reserve off)
 
     def on(self, mechanism: str) -> bool:
@@ -124,6 +125,7 @@ class SpeculativeDecoding:
         positions are never committed. (Result layout per row: accept length, then K+1 tokens.)"""
         flat, width = self.verifying.pop(view.batch_id).runs_host.reshape(-1).tolist(), self.num_steps + 2
         reqs, rows, generations, qo_lens, tokens = [], [], [], [], []
+        self.accept_lengths.append([flat[i * width] for i in range(len(view.reqs))])
         for i, (req, row, generation) in enumerate(zip(view.reqs, view.rows, view.generations)):
             run = flat[i * width + 1:i * width + 1 + flat[i * width]]
             self.sched.stats.spec_verify_rows += 1
