@@ -215,4 +215,38 @@ EXERCISES = {e.number: e for e in (
         "SpanName.SAMPLE with that batch id, call launch_sample with the engine, the result and build_mask of "
         "the grammars and states of the view's requests; then add one to the delayed_samples statistic.",
     )),
+    Exercise(11, "speculative decoding under the overlap: the KV reserve, the publish wait and the accept length "
+                 "(features/speculative/, 3 places)", 12, (
+        "tests/test_ex11_speculation.py",
+        "tests/test_speculative.py::test_greedy_speculation_gives_the_plain_tokens[ngram-overlap]",
+    ), (
+        "A verify step keeps between 1 and K+1 tokens, a number that exists only on the device after the verify, "
+        "and the overlap loop plans the next verify before that. What may the next step need that the host cannot "
+        "know yet, and what may the host read, and when? (readings §18: get_alloc_reserve_per_decode, "
+        "resolve_seq_lens_cpu, publish_ready; lesson 12)",
+        "The accept length: count the drafts equal to the target's token at the position before them, stopping at "
+        "the first that differs, then add the bonus (the target's own token). The reserve: the host's committed "
+        "length lags by the verify in flight (up to K+1) and the new verify writes K+1 more: two steps of K+1 past "
+        "the larger of the committed and the prefill length (one step with spec_alloc_reserve off). The host "
+        "lengths: wait for the newest publish event (if any, and while spec_publish_wait is on), then read the "
+        "mirror's rows.",
+        "accept_greedy: (drafts == target[:, :-1]) as integers, cumprod along the drafts, sum, plus one. "
+        "_slots_wanted: width = num_steps + 1; reserve = 2 * width if self.on('spec_alloc_reserve') else width; "
+        "return max(req.kv_committed_len, req.prefill_len) + reserve. host_lengths: if publish_ready is not None "
+        "and the switch is on, publish_ready.synchronize(); return self.mirror[rows].tolist().",
+    )),
+    Exercise(12, "mixed chunk: a running request's decode row in a prefill batch (features/mixed_chunk.py)", 12, (
+        "tests/test_ex12_mixed_chunk.py",
+        "tests/test_speculative_fuzz.py::test_features_match_plain_decoding_under_random_aborts[mixed-chunk]",
+    ), (
+        "A decode row that rides in a prefill batch is still a decode step of its request. What does a decode "
+        "batch write for each request, and which of the request's lengths says where its next token goes, in "
+        "both loops? (readings §18: mix_with_running, the overlap's delta; lesson 12)",
+        "Build the row as _schedule_decode does: the input from _decode_input (a placeholder while the token is "
+        "in flight), the position the launched length, one newly allocated KV slot; then advance launched_len "
+        "and inflight_samples by one. With mixed_prefix_from_launched off the position is committed_len - 1.",
+        "position = req.launched_len if self.on('mixed_prefix_from_launched') else req.committed_len - 1; "
+        "tokens.add(req.row, [sched._decode_input(req)], position, sched.kv_ledger.allocate(req, 1)); "
+        "req.launched_len += 1; req.inflight_samples += 1.",
+    )),
 )}

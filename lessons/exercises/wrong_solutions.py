@@ -519,3 +519,68 @@ sched.stats.delayed_samples += 1
     Wrong(10, "no-mask-when-off", "with the switch off, builds no mask at all", "keep the switch",
           {"delay the sampling": 'delay_sample = self.on("grammar_delayed_sample")'}),
 ]
+
+ACCEPT = "agree = (drafts == target[:, :-1]).long()\nreturn agree.cumprod(1).sum(1) + 1"
+RESERVE = """width = self.num_steps + 1
+reserve = 2 * width if self.on("spec_alloc_reserve") else width
+return {base} + reserve"""
+BASE = "max(req.kv_committed_len, req.prefill_len)"
+HOST_LENGTHS = """if self.publish_ready is not None and self.mechanisms.on("spec_publish_wait"):
+    self.publish_ready.synchronize()
+return self.mirror[rows].tolist()"""
+
+
+def speculation(accept: str = ACCEPT, reserve: str = RESERVE.format(base=BASE), wait: str = HOST_LENGTHS) -> dict[str, str]:
+    return {"the accept length": accept, "allocate for the most a step can accept": reserve,
+            "wait for the publish before reading the mirror": wait}
+
+
+WRONG += [
+    # ---------------------------------------------------------------- exercise 11: speculation under the overlap
+    Wrong(11, "counts-every-agreement", "counts every draft the target agrees with, also after a disagreement",
+          "up to the first that differs", speculation(accept="return (drafts == target[:, :-1]).long().sum(1) + 1")),
+    Wrong(11, "no-bonus", "counts the agreeing drafts but forgets the target's own token after them",
+          "plus one for the target's own token",
+          speculation(accept="return (drafts == target[:, :-1]).long().cumprod(1).sum(1)")),
+    Wrong(11, "shifted-target", "compares each draft with the target's token at its own position, not the one "
+          "before", "equal to the target's token before them",
+          speculation(accept="return (drafts == target[:, 1:]).long().cumprod(1).sum(1) + 1")),
+    Wrong(11, "one-step-reserve", "gives a verify step KV for one step of K+1 only", "two steps of K+1",
+          speculation(reserve="return max(req.kv_committed_len, req.prefill_len) + self.num_steps + 1")),
+    Wrong(11, "reserve-from-launched", "reserves two steps past the launched length, which already counts the "
+          "verify in flight", "the promise covers no more", speculation(reserve=RESERVE.format(
+              base="max(req.launched_len, req.prefill_len)"))),
+    Wrong(11, "no-publish-wait", "reads the mirror of the lengths without waiting for the publish event",
+          "only after the publish event", speculation(wait="return self.mirror[rows].tolist()")),
+    Wrong(11, "ignores-wait-switch", "waits for the publish event even with spec_publish_wait off", "keep the switch",
+          speculation(wait="""if self.publish_ready is not None:
+    self.publish_ready.synchronize()
+return self.mirror[rows].tolist()""")),
+]
+
+MIXED_ROW = """position = {position}
+tokens.add(req.row, [{input_id}], position, sched.kv_ledger.allocate(req, 1))
+{advance}"""
+ADVANCE = "req.launched_len += 1\nreq.inflight_samples += 1"
+LAUNCHED = 'req.launched_len if self.on("mixed_prefix_from_launched") else req.committed_len - 1'
+
+
+def mixed_row(position: str = LAUNCHED, input_id: str = "sched._decode_input(req)", advance: str = ADVANCE):
+    return {"the decode row": MIXED_ROW.format(position=position, input_id=input_id, advance=advance)}
+
+
+WRONG += [
+    # ---------------------------------------------------------------- exercise 12: mixed chunk
+    Wrong(12, "serial-formula", "puts the row at committed length - 1, SGLang's serial formula, in both loops",
+          "is a decode row", mixed_row(position="req.committed_len - 1")),
+    Wrong(12, "committed-length", "puts the row at the committed length", "is a decode row",
+          mixed_row(position="req.committed_len")),
+    Wrong(12, "committed-input", "feeds the last committed token instead of the FutureMap's", "is a decode row",
+          mixed_row(input_id="req.token_at(req.committed_len - 1)")),
+    Wrong(12, "no-sample-count", "does not count the row's sample as in flight", "is a decode row",
+          mixed_row(advance="req.launched_len += 1")),
+    Wrong(12, "no-launched-advance", "does not advance the launched length", "is a decode row",
+          mixed_row(advance="req.inflight_samples += 1")),
+    Wrong(12, "ignores-switch", "uses the launched length even with mixed_prefix_from_launched off",
+          "keep the switch", mixed_row(position="req.launched_len")),
+]

@@ -35,6 +35,9 @@ class MixedChunk:
         self.mechanisms = mechanisms
         self.decode_rows = 0  # decode rows that rode in a prefill batch
 
+    def on(self, mechanism: str) -> bool:
+        return self.mechanisms.on(mechanism)
+
     def mix(self, sched: Scheduler, tokens: TokenColumns, reqs: list[Req], qo_lens: list[int], kv_lens: list[int],
             samples: list[bool]) -> None:
         """Append one decode token of each running request to the prefill batch of `reqs` (a request
@@ -47,15 +50,13 @@ class MixedChunk:
         if sched.kv_ledger.available() < len(decodes):  # optimistic admission: the decode step retracts
             return
         for req in decodes:
-            # as in a decode batch: at the launched length, its input a FutureMap placeholder if in flight
-            tokens.add(req.row, [sched._decode_input(req)], req.launched_len, sched.kv_ledger.allocate(req, 1))
+            # >>> exercise 12: the decode row
+            # as in a decode batch: its input a FutureMap placeholder while in flight, at the launched length;
+            # with the switch off, SGLang's serial formula (WRONG under the overlap: the outputs lag one token)
+            position = req.launched_len if self.on("mixed_prefix_from_launched") else req.committed_len - 1
+            tokens.add(req.row, [sched._decode_input(req)], position, sched.kv_ledger.allocate(req, 1))
             req.launched_len += 1
             req.inflight_samples += 1
-            # >>> exercise 12: the decode row's position
-            if not self.mechanisms.on("mixed_prefix_from_launched"):
-                # WRONG on purpose: SGLang's serial formula, committed length - 1 (the committed outputs
-                # already hold the input token); under the overlap they lag one token: one position early.
-                tokens.positions[-1] = req.committed_len - 1
             # <<< exercise 12
             reqs.append(req)
             qo_lens.append(1)

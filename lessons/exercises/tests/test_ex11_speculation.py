@@ -1,0 +1,78 @@
+"""Exercise 11: speculative decoding under the overlap (readings §18, lesson 12). A verify step keeps
+the drafts up to the first one the target disagrees with, plus the target's own token after them;
+the next step is planned before those accept lengths exist, so it is given KV for two steps past the
+committed length, and the host reads its mirror of the lengths only after their publish event.
+Each assertion names its rule."""
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.features.speculative.verify import accept_greedy
+
+K = 3
+PROMPTS = [[3, 4, 5 + i] * (2 + i) for i in range(3)] + [[9, 10, 11, 12, 13, 14, 15]]
+PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 5, 9, 14)]
+
+ACCEPT_RULE = ("the accept length is the number of leading drafts equal to the target's token before them, up to "
+               "the first that differs, plus one for the target's own token after them (the bonus)")
+RESERVE_RULE = ("a verify step gets KV slots up to two steps of K+1 past max(committed length, prefill length): the "
+                "verify in flight may still add K+1, the new one writes K+1 more, and the promise covers no more")
+WAIT_RULE = ("the host reads its mirror of the lengths only after the publish event of the batch in flight "
+             "(publish_ready.synchronize()), as long as spec_publish_wait is on: keep the switch")
+
+
+def test_accept_length_counts_the_leading_agreements_and_the_bonus():
+    target = torch.tensor([[1, 2, 3, 4]] * 4)
+    drafts = torch.tensor([[1, 2, 3], [1, 9, 3], [9, 2, 3], [1, 2, 9]])
+    assert accept_greedy(drafts, target).tolist() == [4, 2, 1, 3], ACCEPT_RULE
+
+
+def generate(qwen3: str, loop: str, *disabled: str, rule: str, on_step=None) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(qwen3, loop=loop, disable=disabled, device_delay_ms=2, speculative_algorithm="standalone",
+              speculative_draft_model_path=qwen3, speculative_num_steps=K)  # the target drafts for itself
+    try:
+        rids = [llm.add_request(p, s) for p, s in zip(PROMPTS, PARAMS)]
+        outs = {}
+        while llm.has_unfinished():
+            outs.update({o.rid: o.token_ids for o in llm.step()})
+            if on_step is not None:
+                on_step(llm)
+    except Exception as exc:  # noqa: BLE001 - a crash is reported as the rule it breaks
+        if "exercise 11" in str(exc):
+            raise
+        raise AssertionError(f"{rule} ({type(exc).__name__}: {exc})") from None
+    return llm, [outs[r] for r in rids]
+
+
+@pytest.fixture(scope="module")
+def plain(qwen3) -> list[list[int]]:
+    llm = LLM(qwen3, loop="normal")
+    outs = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    llm.close()
+    return outs
+
+
+@pytest.mark.parametrize("loop", ["overlap", "normal"])
+def test_verify_steps_give_the_plain_tokens(qwen3, plain, loop):
+    def within_reserve(llm):
+        for r in llm.scheduler.running.reqs:
+            if not r.released:
+                assert r.allocated_len <= max(r.kv_committed_len, r.prefill_len) + 2 * (K + 1), RESERVE_RULE
+
+    llm, outs = generate(qwen3, loop, rule=ACCEPT_RULE, on_step=within_reserve)
+    spec = llm.scheduler.features.speculation
+    assert spec.unallocated_writes == 0, RESERVE_RULE
+    assert outs == plain, WAIT_RULE if loop == "overlap" else ACCEPT_RULE
+    assert llm.stats.spec_accepted_tokens / llm.stats.spec_verify_rows > 3, ACCEPT_RULE  # a perfect draft
+    llm.close()
+
+
+def test_the_switches_are_kept(qwen3, plain):
+    llm, outs = generate(qwen3, "overlap", "spec_publish_wait", rule=WAIT_RULE)
+    assert outs != plain, WAIT_RULE
+    llm.close()
+    llm, outs = generate(qwen3, "overlap", "spec_alloc_reserve", rule=RESERVE_RULE)
+    assert llm.scheduler.features.speculation.unallocated_writes > 0, \
+        RESERVE_RULE + "; with spec_alloc_reserve off, one step only: keep the switch"
+    llm.close()

@@ -1,0 +1,60 @@
+"""Exercise 12: mixed chunk (readings §18, lesson 12). A prefill batch also carries one decode token of
+every running request, built as a decode batch builds it: the input a FutureMap placeholder while the
+token is in flight, the position the request's launched length, a new KV slot, and the request's
+launched length and in-flight samples advanced. With mixed_prefix_from_launched off, the position is
+SGLang's serial formula, committed length - 1. Each assertion names its rule."""
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+
+PROMPTS = [[3, 4, 5 + i] * (4 + 5 * i) for i in range(5)] + [[9, 10, 11, 12, 13, 14, 15]]
+PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i)
+          for i, n in enumerate((3, 6, 9, 17, 12, 20))]
+
+ROW_RULE = ("a mixed decode row is a decode row: input from _decode_input (a placeholder while in flight), position "
+            "the launched length, one new KV slot, then launched_len and inflight_samples advance by one")
+SWITCH_RULE = ("with mixed_prefix_from_launched off the position is committed_len - 1 (right serially, one early "
+               "under the overlap): keep the switch")
+
+
+def generate(qwen3: str, loop: str, *disabled: str, mixed: bool = True) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(qwen3, loop=loop, disable=disabled, chunk_size=16, max_running_requests=4, device_delay_ms=2,
+              enable_mixed_chunk=mixed)
+    try:
+        rids, outs = [], {}
+        for p, s in zip(PROMPTS, PARAMS):  # staggered: every prefill finds decodes running
+            rids.append(llm.add_request(p, s))
+            outs.update({o.rid: o.token_ids for o in llm.step()})
+        while llm.has_unfinished():
+            outs.update({o.rid: o.token_ids for o in llm.step()})
+    except Exception as exc:  # noqa: BLE001 - a crash is reported as the rule it breaks
+        if "exercise 12" in str(exc):
+            raise
+        raise AssertionError(f"{ROW_RULE} ({type(exc).__name__}: {exc})") from None
+    return llm, [outs[r] for r in rids]
+
+
+@pytest.fixture(scope="module")
+def plain(qwen3) -> list[list[int]]:
+    llm, outs = generate(qwen3, "normal", mixed=False)
+    llm.close()
+    return outs
+
+
+@pytest.mark.parametrize("loop", ["overlap", "normal"])
+def test_mixed_batches_give_the_plain_tokens(qwen3, plain, loop):
+    llm, outs = generate(qwen3, loop)
+    assert llm.scheduler.features.mixed_chunk.decode_rows > 0  # the workload does mix
+    assert outs == plain, ROW_RULE
+    llm.check_invariants()
+    llm.close()
+
+
+def test_the_switch_is_kept(qwen3, plain):
+    llm, outs = generate(qwen3, "overlap", "mixed_prefix_from_launched")
+    assert outs != plain, SWITCH_RULE
+    llm.close()
+    llm, outs = generate(qwen3, "normal", "mixed_prefix_from_launched")
+    assert outs == plain, SWITCH_RULE
+    llm.close()
