@@ -216,7 +216,7 @@ EXERCISES = {e.number: e for e in (
         "the grammars and states of the view's requests; then add one to the delayed_samples statistic.",
     )),
     Exercise(11, "speculative decoding under the overlap: the KV reserve, the publish wait and the accept length "
-                 "(features/speculative/, 3 places)", 12, (
+                 "(features/speculative/: __init__.py, relay.py, verify.py)", 12, (
         "tests/test_ex11_speculation.py",
         "tests/test_speculative.py::test_greedy_speculation_gives_the_plain_tokens[ngram-overlap]",
     ), (
@@ -230,10 +230,11 @@ EXERCISES = {e.number: e for e in (
         "the larger of the committed and the prefill length (one step with spec_alloc_reserve off). The host "
         "lengths: wait for the newest publish event (if any, and while spec_publish_wait is on), then read the "
         "mirror's rows.",
-        "accept_greedy: (drafts == target[:, :-1]) as integers, cumprod along the drafts, sum, plus one. "
-        "_slots_wanted: width = num_steps + 1; reserve = 2 * width if self.on('spec_alloc_reserve') else width; "
-        "return max(req.kv_committed_len, req.prefill_len) + reserve. host_lengths: if publish_ready is not None "
-        "and the switch is on, publish_ready.synchronize(); return self.mirror[rows].tolist().",
+        "accept_greedy: compare drafts with target[:, :-1], as integers, take the running product along the "
+        "drafts, sum each row, add one. _slots_wanted: a step's width is num_steps + 1; the reserve is twice that "
+        "with spec_alloc_reserve on, once with it off; the result is the larger of kv_committed_len and "
+        "prefill_len plus the reserve. host_lengths: when there is a publish_ready event and the switch is on, "
+        "synchronize it; then the mirror's entries at `rows`, as a Python list.",
     )),
     Exercise(12, "mixed chunk: a running request's decode row in a prefill batch (features/mixed_chunk.py)", 12, (
         "tests/test_ex12_mixed_chunk.py",
@@ -245,8 +246,9 @@ EXERCISES = {e.number: e for e in (
         "Build the row as _schedule_decode does: the input from _decode_input (a placeholder while the token is "
         "in flight), the position the launched length, one newly allocated KV slot; then advance launched_len "
         "and inflight_samples by one. With mixed_prefix_from_launched off the position is committed_len - 1.",
-        "position = req.launched_len if self.on('mixed_prefix_from_launched') else req.committed_len - 1; "
-        "tokens.add(req.row, [sched._decode_input(req)], position, sched.kv_ledger.allocate(req, 1)); "
-        "req.launched_len += 1; req.inflight_samples += 1.",
+        "The position: launched_len while mixed_prefix_from_launched is on, else committed_len - 1. Then one "
+        "tokens.add for the request's row with a one-element list of the scheduler's _decode_input for it, that "
+        "position and one slot from the ledger's allocate; then one more launched position and one more sample "
+        "in flight.",
     )),
 )}
