@@ -108,15 +108,22 @@ def test_aborts_mid_verify_leave_the_pools_whole(qwen3, plain, loop):
 
 @pytest.mark.full
 def test_speculation_with_retraction_gives_the_reserve_outputs():
+    """Retraction under speculation: the same tokens as reserve admission (sampled ones too: the
+    coins are seeded by output index), and the greedy ones are plain decoding's."""
     prompts, params = early_stop_workload()
     ref_llm = LLM(demo_model_path(), loop="normal")
-    ref = [o.token_ids for o in ref_llm.generate(prompts, params)]
+    plain = [o.token_ids for o in ref_llm.generate(prompts, params)]
     ref_llm.close()
-    llm = LLM(demo_model_path(), admission="optimistic", kv_tokens=120, speculative_algorithm="standalone")
-    outs = [o.token_ids for o in llm.generate(prompts, params)]
-    assert llm.stats.retractions > 0 and outs == ref
-    assert_pool_whole(llm)
-    llm.close()
+    outs = {}
+    for admission in ("reserve", "optimistic"):
+        llm = LLM(demo_model_path(), admission=admission, kv_tokens=120, speculative_algorithm="standalone")
+        outs[admission] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert (llm.stats.retractions > 0) == (admission == "optimistic")
+        assert_pool_whole(llm)
+        llm.close()
+    assert outs["optimistic"] == outs["reserve"]
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    assert greedy and [outs["optimistic"][i] for i in greedy] == [plain[i] for i in greedy]
 
 
 @pytest.mark.parametrize("algorithm", ["standalone", pytest.param("ngram", marks=pytest.mark.full)])
