@@ -32,15 +32,17 @@ def fuzz(qwen3: str, seconds: float, **features) -> None:
     with LLM(qwen3) as llm:
         vocab = llm.engine.model.vocab_size
     start = time.perf_counter()
-    scenarios = aborts = 0
+    scenarios = requests = aborts = 0
     speculating = "speculative_algorithm" in features
     while scenarios == 0 or time.perf_counter() - start < seconds:
         sc = draw_scenario(FUZZ_SEED * 1_000_003 + scenarios, vocab)
         if speculating:
             sc = for_speculation(sc)
         if sc.prompts:
-            aborts += check_scenario(qwen3, sc, **features)[1]
+            n, sent = check_scenario(qwen3, sc, **features)
+            requests, aborts = requests + n, aborts + sent
         scenarios += 1
+    print(f"\nfuzz {features}: {scenarios} scenarios, {requests} requests, {aborts} aborts, 0 mismatches")
     assert aborts > 0 or scenarios < 3  # the run did exercise aborts
 
 
