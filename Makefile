@@ -55,17 +55,17 @@ lesson-%: install
 	$(PY) $$f $(ARGS)
 
 exercises: install
-	@$(PY) lessons/exercises/make_exercise.py list
+	@$(PY) -m minisgl.course.make_exercise list
 
 exercise-ref-%: install
-	$(PY) lessons/exercises/make_exercise.py check $* --reference -- $(PYTEST_ARGS)
+	$(PY) -m minisgl.course.make_exercise check $* --reference -- $(PYTEST_ARGS)
 
 hint-%: install
-	@$(PY) lessons/exercises/make_exercise.py hint $* --level $(LEVEL)
+	@$(PY) -m minisgl.course.make_exercise hint $* --level $(LEVEL)
 
 exercise-wrong-%: install
-	@if [ -z "$(NAME)" ]; then $(PY) lessons/exercises/make_exercise.py wrong $*; \
-	else $(PY) lessons/exercises/make_exercise.py check $* --wrong $(NAME) -- -x $(PYTEST_ARGS); fi
+	@if [ -z "$(NAME)" ]; then $(PY) -m minisgl.course.make_exercise wrong $*; \
+	else $(PY) -m minisgl.course.make_exercise check $* --wrong $(NAME) -- -x $(PYTEST_ARGS); fi
 
 exercise-%: install
-	$(PY) lessons/exercises/make_exercise.py check $* -- $(PYTEST_ARGS)
+	$(PY) -m minisgl.course.make_exercise check $* -- $(PYTEST_ARGS)

@@ -285,7 +285,7 @@ def lesson_main(main) -> None:
         console.print(f"[yellow]This lesson needs exercise {missing['number']} ({escape(missing['part'])}), "
                       "which you have not written yet.[/]")
         console.print("It runs once that exercise passes (`make exercises` lists them; `make exercise-N`, or "
-                      "`python lessons/exercises/make_exercise.py check N` without make, checks one).")
+                      "`python -m minisgl.course.make_exercise check N` without make, checks one).")
         sys.exit(0)
 
 

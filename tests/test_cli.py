@@ -188,9 +188,8 @@ def test_course_exercise_numbers_refuse_bad_values_in_one_line(capsys, argv):
     """`python -m minisgl course hint|exercise N` runs make_exercise.py: its numbers follow the
     CLI's rule, exit 2 with one `error:` line (it printed argparse's usage, or exit 1 with
     "no exercise -1" for nan)."""
-    from .conftest import load_exercise_tool
 
-    tool = load_exercise_tool("make_exercise")
+    from minisgl.course import make_exercise as tool
     with pytest.raises(SystemExit) as exit_:
         tool.main(argv)
     err = capsys.readouterr().err.strip().splitlines()

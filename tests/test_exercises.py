@@ -17,19 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import load_exercise_tool, tiered
+from .conftest import tiered
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "lessons" / "exercises" / "make_exercise.py"
 WRONG_LIMIT_S = 60  # a wrong solution must be reported within a minute, a hang included
 
 
-tool = load_exercise_tool("make_exercise")
-runner = load_exercise_tool("runner")
+from minisgl.course import make_exercise as tool
+from minisgl.course import runner
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "minisgl.course.make_exercise", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 

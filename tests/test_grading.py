@@ -1,4 +1,4 @@
-"""The grader (lessons/exercises/grade.py) on three submissions made from the student edition: the
+"""The grader (minisgl/course/grade.py) on three submissions made from the student edition: the
 reference's regions put back (full marks), the student edition untouched (zero), and the reference
 with one line added outside a region, in the function that holds exercise 5's and 4's regions
 (those two flagged with no marks, the others graded as usual)."""
@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import load_exercise_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 GRADED = [3, 5]  # one exercise the outside edit leaves alone, one it costs (each run takes a while)
 
 
-grade = load_exercise_tool("grade")
-edition = sys.modules["student_edition"]
+from minisgl.course import grade
+from minisgl.course import student_edition as edition
 RELEASE_FLAG = "        req.released = True\n"  # a line of _release (release.py), outside its regions
 
 
@@ -101,7 +100,7 @@ def test_a_patch_that_is_not_a_regular_file_is_not_gradable_instead_of_a_hang(tm
         sub = grade.read_submission(tmp_path / name, base)
         assert "not a regular file" in sub.not_gradable
     (tmp_path / "nothing").mkdir()
-    done = subprocess.run([sys.executable, str(ROOT / "lessons" / "exercises" / "grade.py"), str(tmp_path / "nothing"),
+    done = subprocess.run([sys.executable, "-m", "minisgl.course.grade", str(tmp_path / "nothing"),
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: no submission")
 

@@ -12,7 +12,7 @@ backticked name in that column must resolve against the package:
 Call arguments are ignored (`Scheduler.overlap_loop(last)` checks `Scheduler.overlap_loop`);
 backticked text that is not a dotted name (a command line, an expression) is not checked.
 
-    python lessons/check_map.py    # list names that resolve to nothing (exit 1 if any)
+    python -m minisgl.course.check_map    # list names that resolve to nothing (exit 1 if any)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAP_FILES = (ROOT / "lessons" / "readings" / "README.md", ROOT / "lessons" / "readings" / "sglang_overlap_loop.md")
 MINISGL_COLUMNS = {"minisgl", "minisgl switch"}
 CODE = re.compile(r"`([^`]+)`")

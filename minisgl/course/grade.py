@@ -1,6 +1,6 @@
 """Grade a class: every exercise of every submission, and whether code outside the regions changed.
 
-    python lessons/exercises/grade.py SUBMISSIONS_DIR --out DIR [--jobs 2] [--exercises 1 2]
+    python -m minisgl.course.grade SUBMISSIONS_DIR --out DIR [--jobs 2] [--exercises 1 2]
 
 Each entry of SUBMISSIONS_DIR is one student (named by the entry): either a student-edition work
 tree (a folder, as written by student_edition.py and then edited), or a patch against the student
@@ -47,11 +47,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from catalog import EXERCISES  # noqa: E402
-from make_exercise import PACKAGE, Wrong, generate, marked_files, regions, replace_regions  # noqa: E402
-from student_edition import write_student_edition  # noqa: E402
+from minisgl.course.catalog import EXERCISES
+from minisgl.course.make_exercise import PACKAGE, Wrong, generate, marked_files, regions, replace_regions
+from minisgl.course.student_edition import write_student_edition
 
 from minisgl.frontend.options import OneLineParser, count  # noqa: E402
 
@@ -241,7 +239,7 @@ def fingerprint(number: int, bodies: dict[str, str]) -> CheckKey:
 def run_one_check(number: int, bodies: dict[str, str]) -> CheckResult:
     """Exercise `number`'s tests against the reference package with `bodies` between its markers.
     Runs in a grading worker (grade_class), one check after another in the same process."""
-    from runner import run_checks  # imports pytest and, through the tests, torch: only in the workers
+    from minisgl.course.runner import run_checks  # imports pytest and, through the tests, torch: only in the workers
 
     with tempfile.TemporaryDirectory(prefix=f"minisgl-grade-ex{number}-") as tmp:
         work = Path(tmp) / f"ex{number}"

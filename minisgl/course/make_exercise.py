@@ -25,13 +25,13 @@ code). `wrong` lists the known-wrong solutions kept in wrong_solutions.py; `chec
 NAME` runs exercise N's tests against the reference with that wrong solution put in: what
 the tests say to a learner who wrote it.
 
-    python lessons/exercises/make_exercise.py list
-    python lessons/exercises/make_exercise.py hint 1 [--level 2]
-    python lessons/exercises/make_exercise.py generate 1 [--force] [--dest DIR]
-    python lessons/exercises/make_exercise.py check 1 [--dest DIR] [-- extra pytest args]
-    python lessons/exercises/make_exercise.py check 1 --reference   # the same tests, reference code
-    python lessons/exercises/make_exercise.py wrong [1]             # the known-wrong solutions
-    python lessons/exercises/make_exercise.py check 1 --wrong commit-before-launch
+    python -m minisgl.course.make_exercise list
+    python -m minisgl.course.make_exercise hint 1 [--level 2]
+    python -m minisgl.course.make_exercise generate 1 [--force] [--dest DIR]
+    python -m minisgl.course.make_exercise check 1 [--dest DIR] [-- extra pytest args]
+    python -m minisgl.course.make_exercise check 1 --reference   # the same tests, reference code
+    python -m minisgl.course.make_exercise wrong [1]             # the known-wrong solutions
+    python -m minisgl.course.make_exercise check 1 --wrong commit-before-launch
 """
 
 from __future__ import annotations
@@ -48,20 +48,16 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from catalog import EXERCISES  # noqa: E402
+from minisgl.course import EXERCISE_TESTS, PACKAGE, ROOT, WORK
+from minisgl.course.catalog import EXERCISES
+from minisgl.frontend.options import OneLineParser
 
-from minisgl.frontend.options import OneLineParser  # noqa: E402
 try:
-    from wrong_solutions import WRONG, Wrong  # noqa: E402
+    from minisgl.course.wrong_solutions import WRONG, Wrong
     STUDENT_EDITION = False
 except ModuleNotFoundError:  # the student edition (student_edition.py) ships no known-wrong solutions, and
     WRONG, STUDENT_EDITION = [], True  # its learner writes every region in minisgl/ itself
 
-ROOT = HERE.parents[1]
-PACKAGE = ROOT / "minisgl"
-WORK = HERE / "work"
 START = re.compile(r"^(?P<indent>[ \t]*)# >>> exercise (?P<n>\d+): (?P<name>.+?)\s*$")
 END = re.compile(r"^[ \t]*# <<< exercise (?P<n>\d+)\s*$")
 HANG_S = 40  # a half-written loop can wait forever: stop it well inside a minute, with the stacks
@@ -84,7 +80,7 @@ addopts = -p no:cacheprovider
 # and arms the hang guard. The guard writes the stacks to a file the checker prints: pytest
 # captures the test's own stderr, which would swallow them.
 CONFTEST = '''\
-"""Written by lessons/exercises/make_exercise.py: the tests here must test THIS copy of minisgl."""
+"""Written by minisgl/course/make_exercise.py: the tests here must test THIS copy of minisgl."""
 import faulthandler
 import os
 from pathlib import Path
@@ -253,7 +249,7 @@ def refresh_tests(dest: Path) -> None:
     if tests.exists():
         shutil.rmtree(tests)
     shutil.copytree(ROOT / "tests", tests, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for path in sorted((HERE / "tests").glob("*.py")):
+    for path in sorted(EXERCISE_TESTS.glob("*.py")):
         shutil.copy(path, tests / path.name)
     (dest / "pytest.ini").write_text(PYTEST_INI)
     (dest / "conftest.py").write_text(CONFTEST)

@@ -1,6 +1,6 @@
 """Write the student edition: a repository to hand to a class, without the answers.
 
-    python lessons/exercises/student_edition.py DIR
+    python -m minisgl.course.student_edition DIR
 
 DIR gets every file of this repository except the teacher's ones (TEACHER_ONLY: the guide with
 the answers, the known-wrong solutions, the grader and the tests of these tools), with every
@@ -20,22 +20,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from catalog import EXERCISES  # noqa: E402
-from make_exercise import ROOT, marked_files, replace_regions  # noqa: E402
+from minisgl.course.catalog import EXERCISES
+from minisgl.course.make_exercise import ROOT, marked_files, replace_regions
 
 # What only a teacher gets: the answers to the written questions, the known-wrong solutions (near
 # copies of the reference), and the tools and tests that need the reference to work.
 TEACHER_ONLY = frozenset({
     "lessons/TEACHER.md",
-    "lessons/exercises/wrong_solutions.py",
-    "lessons/exercises/student_edition.py",
-    "lessons/exercises/grade.py",
+    "minisgl/course/wrong_solutions.py",
+    "minisgl/course/student_edition.py",
+    "minisgl/course/grade.py",
     "tests/test_exercises.py",
     "tests/test_student_edition.py",
     "tests/test_grading.py",
-    "lessons/check_figures.py",  # checks the guide's figures: reads TEACHER.md
+    "minisgl/course/check_figures.py",  # checks the guide's figures: reads TEACHER.md
     "benchmarks/grading_class.py",  # a synthetic class for timing the grader: made from the wrong solutions
 })
 COMMIT_MESSAGE = "minisgl course: student edition (every exercise region raises NotImplementedError)"
