@@ -30,6 +30,9 @@ TEACHER_ONLY = frozenset({
     "minisgl/course/wrong_solutions.py",
     "minisgl/course/student_edition.py",
     "minisgl/course/grade.py",
+    "minisgl/course/judge.py",
+    "minisgl/course/submission.py",
+    "minisgl/course/region_policy.py",
     "tests/test_exercises.py",
     "tests/test_student_edition.py",
     "tests/test_grading.py",
@@ -55,14 +58,16 @@ def without_answers(source: str) -> str:
     return source
 
 
-def write_student_edition(dest: Path) -> Path:
-    """Write the student edition to dest (which must not exist, or be empty) and commit it there."""
+def write_student_edition(dest: Path, exclude: tuple[Path, ...] = ()) -> Path:
+    """Write the student edition to dest (which must not exist, or be empty) and commit it there.
+    Files under `exclude` (e.g. a folder of submissions kept in this checkout) are left out."""
     dest = Path(dest).resolve()
     if dest.exists() and any(dest.iterdir()):
         raise SystemExit(f"{dest} exists and is not empty")
     marked = {f"minisgl/{rel.as_posix()}" for rel in marked_files()}
+    excluded = [p.resolve() for p in exclude]
     for name in repository_files():
-        if name in TEACHER_ONLY:
+        if name in TEACHER_ONLY or any((ROOT / name).resolve().is_relative_to(p) for p in excluded):
             continue
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
