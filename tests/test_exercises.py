@@ -116,7 +116,7 @@ def test_skeleton_fails_cleanly_with_not_implemented(tmp_path, number):
         left = [r for r in tool.regions(skeleton.splitlines()) if r.number == number]
         assert not left, f"{rel}: exercise {number} regions left in the skeleton"
         expected = sum(r.number == number for r in tool.regions((tool.PACKAGE / rel).read_text().splitlines()))
-        raises = re.findall(rf"NotImplementedError\((['\"])exercise {number}: (.+?) \(make hint-{number} for hints\)\1\)",
+        raises = re.findall(rf"NotImplementedError\((['\"])exercise {number}: (.+?) \(hints: python -m minisgl course hint {number}\)\1\)",
                             skeleton)  # repr() quotes a name holding an apostrophe with double quotes
         assert len(raises) == expected and {name for _, name in raises} <= names  # one raise per region, naming the part only
     report = runner.run_checks(tmp_path, number, stop_at_first_failure=True)

@@ -201,8 +201,10 @@ def test_a_report_forged_past_the_region_check_is_caught_by_the_judge(tmp_path, 
     monkeypatch.setattr(judge, "region_problems", lambda code: [])
     verdict = j.check(3, {"snapshot": textwrap.dedent(HOSTILE_EX3["forger"])})
     assert verdict.status == "forged" and verdict.mark == 0.0, verdict
-    forked = j.check(3, {"snapshot": textwrap.dedent(HOSTILE_EX3["forker"])})
-    assert forked.status == "passed", forked  # its own code is right; what it forked is gone
+    forker = ("import os\nif 'FORKED' not in os.environ:\n    os.environ['FORKED'] = '1'\n"
+              "    if os.fork() == 0:\n        os.setsid()\n        while True:\n            pass\n" + SNAPSHOT)
+    forked = j.check(3, {"snapshot": forker})
+    assert forked.status == "passed", forked  # its own code is right (it forks once); what it forked is gone
     assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p)]
 
 

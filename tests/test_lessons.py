@@ -178,3 +178,18 @@ def test_nothing_cites_a_path_outside_the_repository():
 def test_code_references_point_at_todays_lines():
     problems = check_refs.check()
     assert not problems, "stale references (fix: python -m minisgl.course.check_refs --fix):\n" + "\n".join(problems)
+
+
+def test_every_lesson_text_gives_the_command_without_make_first_and_asks_for_a_prediction():
+    """Lesson texts are read on Windows and macOS laptops too: the first command of the "Run:"
+    line is `python -m minisgl course lesson N`, the Windows form is given, no text needs
+    `.venv/bin/python`, and the learner writes a prediction down before the run."""
+    for number, script in SCRIPTS.items():
+        text = script.with_suffix(".md").read_text()
+        run = text[text.index("\nRun: "):].split("\n\n")[0]
+        commands = re.findall(r"`([^`]+)`", run)
+        assert commands[0] == f"python -m minisgl course lesson {number}", (number, commands)
+        assert f".venv\\Scripts\\python -m minisgl course lesson {number}" in commands, number
+        assert ".venv/bin/python" not in text and "ARGS=" not in text, number
+        predict = text.index("**Predict first.**")
+        assert predict < text.index("## What the script shows\n") + 40, number

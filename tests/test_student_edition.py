@@ -79,7 +79,7 @@ def test_every_region_raises_naming_its_exercise_and_the_reference_fits_back(stu
         text = (student / "minisgl" / rel).read_text()
         for region in tool.regions(text.splitlines()):
             body = [line.strip() for line in text.splitlines()[region.first + 1:region.last]]
-            message = f"exercise {region.number}: {region.name} (make hint-{region.number} for hints)"
+            message = f"exercise {region.number}: {region.name} (hints: python -m minisgl course hint {region.number})"
             assert body[-1:] == [f"raise NotImplementedError({message!r})"] and all(
                 line.startswith("# define ") for line in body[:-1]), body
             if (region.number, region.name) == (5, "checkpoint"):  # exercise 4's region below reads it
@@ -107,3 +107,19 @@ def test_a_lesson_that_needs_a_missing_part_names_the_exercise_and_ends_cleanly(
     assert done.returncode == 0 and said and "Traceback" not in done.stderr, (done.stdout[-2000:], done.stderr[-2000:])
     package = "".join(path.read_text() for path in (student / "minisgl").rglob("*.py"))
     assert re.search(rf"NotImplementedError\(['\"]exercise {said[1]}: ", package), "it names an exercise that is not missing"
+
+
+def test_no_text_of_the_edition_points_at_a_file_it_lacks(student):
+    """Every relative link of the edition's texts resolves there, and every mention of a teacher's
+    file (the guide, the grader, the known-wrong solutions) says it is not in this edition."""
+    names = edition._teacher_only_names()
+    for md in sorted(student.rglob("*.md")):
+        if ".git" in md.relative_to(student).parts:
+            continue
+        text = md.read_text()
+        for target in re.findall(r"\]\(([^)#\s]+)", text):
+            if "://" not in target:
+                assert (md.parent / target).exists(), f"{md.relative_to(student)} links {target}"
+        for line in text.splitlines():
+            assert not names.search(line) or edition.TEACHERS_NOTE in line, \
+                f"{md.relative_to(student)} names a teacher's file without saying so: {line}"

@@ -172,7 +172,7 @@ def names_used_below(lines: list[str], region: Region) -> list[str]:
 def skeleton_raise(region: Region, defines: list[str] = ()) -> list[str]:
     """What replaces a region in a skeleton: the part's name and where the hints are, and the names
     the code below needs from it (exercise 5 defines `written` for the release after it), no more."""
-    message = f"exercise {region.number}: {region.name} (make hint-{region.number} for hints)"
+    message = f"exercise {region.number}: {region.name} (hints: python -m minisgl course hint {region.number})"
     needs = [f"{region.indent}# define {', '.join(defines)} here: the code after this region uses it\n"] if defines else []
     return [*needs, f"{region.indent}raise NotImplementedError({message!r})\n"]
 
@@ -299,7 +299,7 @@ def print_hint(number: int, level: int) -> None:
     print(f"exercise {number}: {exercise.title} — hint {level} of 3")
     print(textwrap.fill(exercise.hints[level - 1], width=100))
     if level < 3:
-        print(f"(more: make hint-{number} LEVEL={level + 1})")
+        print(f"(more: python -m minisgl course hint {number} --level {level + 1})")
 
 
 def print_wrong(number: int | None) -> None:
@@ -356,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         for e in EXERCISES.values():
             print(f"exercise-{e.number}  {e.title}  [lesson {e.lesson}]")
         return 0
+    if STUDENT_EDITION and (args.command == "wrong" or getattr(args, "reference", False) or getattr(args, "wrong", None)):
+        raise SystemExit("the reference and the known-wrong solutions are the teacher's: not part of the student "
+                         "edition (check N tests your own minisgl/)")
     if args.command == "wrong":
         print_wrong(args.number)
         return 0
@@ -379,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.reference or args.wrong or STUDENT_EDITION:  # the student edition: test minisgl/ as it is
         wrong = find_wrong(args.number, args.wrong) if args.wrong else None
-        with tempfile.TemporaryDirectory(prefix="minisgl-reference-") as tmp:
+        prefix = "minisgl-your-code-" if STUDENT_EDITION else "minisgl-reference-"
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
             dest = args.dest or Path(tmp)
             generate(args.number if wrong else None, dest, force=True, wrong=wrong)
             return run_tests(tests, dest, extra, learner=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,48 @@ def repository_files(root: Path = ROOT) -> list[str]:
     return sorted(name for name in set(listed) if name and (root / name).is_file())
 
 
+TEACHERS_NOTE = " (teacher's edition only)"
+
+
+def _teacher_only_names() -> re.Pattern[str]:
+    """A teacher's file by its name, or a module of the package by its dotted name."""
+    names = {Path(name).name for name in TEACHER_ONLY} | {
+        name.removesuffix(".py").replace("/", ".") for name in TEACHER_ONLY if name.startswith("minisgl/")}
+    return re.compile(r"\b(?:" + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) + r")\b")
+
+
+def without_teacher_links(text: str) -> str:
+    """A text of the edition in which every mention of a teacher's file (a link, a code span, a
+    bare name, a line of a code block) says that the file is not in this edition; a link to
+    one becomes its text."""
+    names = _teacher_only_names()
+    chunks = re.split(r"(^```.*?^```[^\n]*$)", text, flags=re.MULTILINE | re.DOTALL)
+    out = []
+    for i, chunk in enumerate(chunks):
+        if i % 2:  # a fenced code block: a note at the end of each line that names one
+            out.append("\n".join(line + "  #" + TEACHERS_NOTE if names.search(line) and TEACHERS_NOTE not in line
+                                  else line for line in chunk.split("\n")))
+        else:
+            out.append(_noted_prose(chunk, names))
+    return "".join(out)
+
+
+def _noted_prose(text: str, names: re.Pattern[str]) -> str:
+    link = re.compile(r"\[(?P<text>[^\]]*)\]\((?P<target>[^)]*)\)")
+    out = []
+    parts = re.split(r"(`[^`\n]*`)", text)
+    for i, part in enumerate(parts):
+        following = parts[i + 1] if i + 1 < len(parts) else ""
+        if i % 2:  # a code span
+            noted = names.search(part) and not following.startswith(TEACHERS_NOTE)
+            out.append(part + TEACHERS_NOTE if noted else part)
+            continue
+        part = link.sub(lambda m: m["text"] + TEACHERS_NOTE if names.search(m["target"]) else m[0], part)
+        part = names.sub(lambda m: m[0] if part.startswith(TEACHERS_NOTE, m.end()) else m[0] + TEACHERS_NOTE, part)
+        out.append(part)
+    return "".join(out)
+
+
 def without_answers(source: str) -> str:
     """Every exercise region's body replaced by its skeleton raise, the markers kept. Later
     exercises first: a skeleton names what the reference code below it reads (exercise 5's
@@ -75,6 +118,8 @@ def write_student_edition(dest: Path, exclude: tuple[Path, ...] = ()) -> Path:
             source = without_answers((ROOT / name).read_text())
             ast.parse(source, name)  # the skeleton must stay valid Python
             target.write_text(source)
+        elif name.endswith(".md"):
+            target.write_text(without_teacher_links((ROOT / name).read_text()))
         else:
             shutil.copy2(ROOT / name, target)
     git = ["git", "-c", "user.name=minisgl course", "-c", "user.email=course@minisgl.invalid"]
