@@ -30,7 +30,7 @@ from minisgl.course.grade import put_regions, written_regions
 from minisgl.course.student_edition import write_student_edition
 from minisgl.course.wrong_solutions import WRONG
 
-OUTSIDE_LINE = "        req.released = True\n"  # a line of Scheduler._release (release.py), outside its regions
+OUTSIDE_LINE = "        req.released = True\n"  # a line of KVLedger.release (kv_ledger.py), outside its regions
 
 
 def as_patch(base: Path, tree: Path, patch: Path) -> None:

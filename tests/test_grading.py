@@ -84,7 +84,7 @@ def test_an_added_import_or_scratch_file_is_reported_and_an_edit_around_a_region
     batch = tree / "minisgl" / "batch.py"
     batch.write_text(IMPORT_LINE + batch.read_text())
     (tree / "scratch.py").write_text("print('trying things')\n")
-    release = tree / "minisgl" / "release.py"
+    release = tree / "minisgl" / "kv_ledger.py"
     release.write_text(release.read_text().replace("        req.released = True\n",
                                                    "        req.released = True\n        req.cached_len = 0\n", 1))
     sub = read(tree, base, tmp_path)
