@@ -105,11 +105,9 @@ class Req:
         return ids[start:start + n]
 
     def reset_for_retract(self) -> None:
-        """Back to waiting, its resources already released: it resumes from its committed tokens.
-
-        The next prefill covers everything committed, so its sample is output index
-        len(output_ids), the step the seeded sampler would have used anyway. The sample in
-        flight now is forgotten: its result must be skipped at its commit (retract_skip_inflight)."""
+        """Back to waiting, resources released: the next prefill covers everything committed, so
+        its sample is output index len(output_ids), the seeded sampler's step anyway. The sample
+        in flight is forgotten: its result is skipped at its commit (retract_skip_inflight)."""
         self.prefill_len = self.committed_len
         self.inflight_samples = 0
         self.row = self.row_generation = -1

@@ -212,7 +212,7 @@ EXERCISES = {e.number: e for e in (
         "In DelayedSampling.plan: set delay_sample from the switch; when it is off, set mask to build_mask of the "
         "requests' grammars and their grammar_state. In DelayedSampling.launch: take the result from the InFlight; "
         "assert that rows.done_id equals the result's batch id minus one; inside a host span of the tracer named "
-        "SpanName.SAMPLE with that batch id, call the engine's launch_sample with the result and build_mask of "
+        "SpanName.SAMPLE with that batch id, call launch_sample with the engine, the result and build_mask of "
         "the grammars and states of the view's requests; then add one to the delayed_samples statistic.",
     )),
 )}

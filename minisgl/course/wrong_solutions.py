@@ -469,7 +469,7 @@ result = inflight.result
 {check}
 with self.tracer.host(SpanName.SAMPLE, result.batch_id):
     reqs = {reqs}
-    self.engine.launch_sample(result, {mask})
+    launch_sample(self.engine, result, {mask})
 self.stats.delayed_samples += 1
 """
 COMMITTED = 'assert self.rows.done_id == result.batch_id - 1, "sampling before the previous commit"'
@@ -509,7 +509,7 @@ mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs])
 result = inflight.result
 {COMMITTED}
 reqs = inflight.view.reqs
-self.engine.launch_sample(result, {MASK_NOW})
+launch_sample(self.engine, result, {MASK_NOW})
 self.stats.delayed_samples += 1
 """}),
     Wrong(10, "no-commit-check", "samples without checking that the previous batch is committed",

@@ -28,7 +28,7 @@ from ..tracer import SpanName
 
 if TYPE_CHECKING:
     from ..batch import InFlight
-    from ..engine import Engine
+    from ..engine import Engine, ForwardResult
     from ..rows import RowTracker
     from ..batch import SchedulerStats
     from ..mechanisms import Mechanisms
@@ -150,6 +150,26 @@ def build_mask(grammars: Sequence[Grammar | None], states: Sequence[int]) -> Tok
     return TokenMask(tuple(g.allowed(s) if g is not None else None for g, s in zip(grammars, states)))
 
 
+def launch_sample(engine: Engine, result: ForwardResult, mask: TokenMask) -> None:
+    """Queue the delayed sampling of a launched forward on the engine stream, with masks built
+    after the forward was launched (SGLang's launch_batch_sample_if_needed); no wait. Queued
+    before the next batch's forward: that forward reads this batch's tokens from the FutureMap,
+    and a CUDA-graph replay rewrites the logits buffer held here."""
+    delayed = result.delayed
+    assert delayed is not None, f"batch {result.batch_id}: its sampling was not delayed, or was launched already"
+    result.delayed = None
+    iteration, tracer = engine.tracer.iteration, engine.tracer
+
+    def sample_held() -> None:
+        begin = tracer.device_begin(engine.device)
+        logits, inp = delayed.held.pop()
+        engine.sample(delayed.batch, inp, logits, mask, result.next_tokens, result.next_tokens_host, result.logprobs)
+        tracer.device_end(begin, SpanName.SAMPLE, engine.stream.name, engine.device, iteration, result.batch_id)
+
+    engine.stream.launch(sample_held)
+    result.copy_done = engine.stream.record_event()
+
+
 class DelayedSampling:
     """The grammar seam: a batch with a grammar samples only after every earlier batch is committed.
 
@@ -186,7 +206,7 @@ class DelayedSampling:
         assert self.rows.done_id == result.batch_id - 1, "delayed sampling before the previous batch's commit"
         with self.tracer.host(SpanName.SAMPLE, result.batch_id):
             reqs = inflight.view.reqs  # the batch's own rows, in its order: one mask entry per row
-            self.engine.launch_sample(result, build_mask([r.params.grammar for r in reqs],
-                                                         [r.grammar_state for r in reqs]))
+            launch_sample(self.engine, result, build_mask([r.params.grammar for r in reqs],
+                                                          [r.grammar_state for r in reqs]))
         self.stats.delayed_samples += 1
         # <<< exercise 10
