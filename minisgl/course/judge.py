@@ -95,10 +95,11 @@ class TestTexts:
         strings, doc = functions.get(name, ([], ""))
         words = " ".join(message.split())
         found = [s for s in {*strings, *module} if len(s.strip()) >= 12 and " ".join(s.split()) in words]
-        said = max(found, key=len).strip() if found else " ".join(doc.split())
+        # the test's name states its rule too: test_a_row_is_freed_at_once -> "a row is freed at once"
+        said = max(found, key=len).strip() if found else " ".join(doc.split()) or name.removeprefix("test_").replace(
+            "_", " ")
         raised = exception if EXCEPTION_NAME.fullmatch(exception or "") and exception != "AssertionError" else ""
-        text = f"{name}: " + (said[:300] or "failed") + (f" (raised {raised})" if raised else "")
-        return text
+        return f"{name}: {said[:300]}" + (f" (raised {raised})" if raised else "")
 
 
 def _kill_session(pid: int) -> None:
