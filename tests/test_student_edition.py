@@ -123,3 +123,12 @@ def test_no_text_of_the_edition_points_at_a_file_it_lacks(student):
         for line in text.splitlines():
             assert not names.search(line) or edition.TEACHERS_NOTE in line, \
                 f"{md.relative_to(student)} names a teacher's file without saying so: {line}"
+
+
+@pytest.mark.full  # an engine start in a fresh interpreter
+def test_the_demo_in_the_edition_names_the_missing_exercise_in_one_line(student):
+    done = subprocess.run([sys.executable, "-m", "minisgl", "demo"], cwd=student, capture_output=True, text=True,
+                          timeout=300)
+    said = re.search(r"needs exercise (\d+)", done.stderr)
+    assert done.returncode == 2 and said and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
