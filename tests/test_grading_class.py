@@ -82,7 +82,7 @@ def as_patch(base: Path, tree: Path) -> str:
 def graded(tmp_path_factory):
     root = tmp_path_factory.mktemp("class")
     base = edition.write_student_edition(root / "edition")
-    subs = ROOT / "lessons" / "exercises" / "work" / f"submissions-{os.getpid()}"  # inside the teacher's checkout
+    subs = ROOT / f"class-submissions-{os.getpid()}"  # inside the teacher's checkout, not ignored by git
     shutil.rmtree(subs, ignore_errors=True)
     subs.mkdir(parents=True)
     out = root / "out"
