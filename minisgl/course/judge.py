@@ -45,6 +45,7 @@ from minisgl.course.region_policy import region_problems
 RUN_ENV = "MINISGL_GRADE_RUN"  # set in every child: the grader finds (and kills) what a check left running
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "SYSTEMROOT")
 EXCEPTION_NAME = re.compile(r"[A-Za-z_][\w.]{0,80}")
+MAX_RECORDS, MAX_RECORD_BYTES = 10_000, 1 << 16  # a check reports a few dozen records of at most 24 KiB
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,14 @@ class Judge:
             self._running.add(child.pid)
         os.close(write_fd)
         lines: list[bytes] = []
-        reader = threading.Thread(target=lambda: lines.extend(os.fdopen(read_fd, "rb")), daemon=True)
+
+        def read_report() -> None:
+            with os.fdopen(read_fd, "rb") as report:
+                for line in report:
+                    if len(lines) < MAX_RECORDS:  # a flood is read to its end and dropped: no unbounded memory
+                        lines.append(line[:MAX_RECORD_BYTES])
+
+        reader = threading.Thread(target=read_report, daemon=True)
         reader.start()
         try:
             child.stdin.write((nonce + "\n").encode())
