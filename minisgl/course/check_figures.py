@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from minisgl.course import LESSONS
 

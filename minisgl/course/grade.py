@@ -37,7 +37,6 @@ import csv
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import signal
 import sys
