@@ -178,13 +178,15 @@ def test_nothing_was_written_outside_the_copies_and_no_teacher_text_reached_a_me
 
 
 def test_no_process_of_the_class_outlived_its_check(graded):
-    alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p)]
+    alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p, grade.RUN_PREFIX)]
     assert alive == []
 
 
-def _grading_process(proc: Path) -> bool:
+def _grading_process(proc: Path, folder: str) -> bool:
+    """A process of a grading run: working in its scratch (a check's fork), or started with its token."""
     try:
-        return any(var.startswith(judge.RUN_ENV.encode()) for var in (proc / "environ").read_bytes().split(b"\0"))
+        return folder in os.readlink(proc / "cwd") or any(
+            var.startswith(judge.RUN_ENV.encode()) for var in (proc / "environ").read_bytes().split(b"\0"))
     except OSError:
         return False
 
@@ -205,7 +207,8 @@ def test_a_report_forged_past_the_region_check_is_caught_by_the_judge(tmp_path, 
               "    if os.fork() == 0:\n        os.setsid()\n        while True:\n            pass\n" + SNAPSHOT)
     forked = j.check(3, {"snapshot": forker})
     assert forked.status == "passed", forked  # its own code is right (it forks once); what it forked is gone
-    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p)]
+    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p, str(scratch) + "/")]
+    j.close()
 
 
 def test_an_interrupted_grading_records_no_mark_and_exits_non_zero(tmp_path):

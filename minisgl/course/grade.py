@@ -127,7 +127,7 @@ def remove_stale_runs(temp: Path) -> list[Path]:
             continue
         if owner is None and time.time() - folder.stat().st_mtime < 60:
             continue  # a run that is writing its owner file right now
-        kill_run_processes(f"{folder.name}:")
+        kill_run_processes(f"{folder.name}:", folder)
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed
@@ -280,6 +280,8 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
         pool.shutdown(wait=False, cancel_futures=True)
         judge.stop_all()
         raise
+    finally:
+        judge.close()
     pool.shutdown()
     grades = []
     for sub in subs:

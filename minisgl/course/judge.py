@@ -31,6 +31,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -111,10 +112,12 @@ def _kill_session(pid: int) -> None:
             pass
 
 
-def kill_run_processes(token: str) -> int:
-    """Kill every process whose environment carries a token that starts with `token` (what a check
-    forked and moved out of its session); Linux only (/proc). Returns how many were killed."""
-    killed, needle = 0, f"{RUN_ENV}={token}".encode()
+def kill_run_processes(token: str, folder: Path) -> int:
+    """Kill every process of a check (or a run) that left its session: one working in `folder`
+    (a forked child keeps its parent's working folder), or one whose environment carries a token
+    that starts with `token` (a program started from a check gets the check's environment).
+    Linux only (/proc). Returns how many were killed."""
+    killed, needle, inside = 0, f"{RUN_ENV}={token}".encode(), str(folder)
     proc = Path("/proc")
     if not proc.is_dir():
         return 0
@@ -122,7 +125,9 @@ def kill_run_processes(token: str) -> int:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if any(var.startswith(needle) for var in (entry / "environ").read_bytes().split(b"\0")):
+            cwd = os.readlink(entry / "cwd")
+            if (cwd == inside or cwd.startswith(inside + os.sep)
+                    or any(var.startswith(needle) for var in (entry / "environ").read_bytes().split(b"\0"))):
                 os.kill(int(entry.name), signal.SIGKILL)
                 killed += 1
         except (OSError, ValueError):
@@ -150,6 +155,70 @@ def _child_limits() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 30, 1 << 30))
 
 
+ZYGOTE = Path(__file__).resolve().with_name("judge_zygote.py")
+
+
+class ProcessStarter:
+    """The judge's side of judge_zygote.py: a process that imported torch, transformers and pytest
+    once, and forks each check's fresh process from there."""
+
+    def __init__(self, scratch: Path) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+        env.update(OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")  # no BLAS thread in the process that forks
+        with open(scratch / "zygote.log", "wb") as log:
+            self.process = subprocess.Popen([sys.executable, str(ZYGOTE), str(theirs.fileno())], cwd=scratch, env=env,
+                                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_child_limits)
+        theirs.close()
+        self.sock, self.cond = ours, threading.Condition()
+        self.pids: dict[int, int] = {}  # request -> the pid of its process
+        self.exits: dict[int, int] = {}  # pid -> exit code (negative: the signal that ended it)
+        self.requests, self.dead = 0, False
+        threading.Thread(target=self._listen, daemon=True).start()
+
+    def _listen(self) -> None:
+        while True:
+            try:
+                message = json.loads(self.sock.recv(1 << 16) or b"null")
+            except (OSError, ValueError):
+                message = None
+            with self.cond:
+                if message is None:
+                    self.dead = True
+                elif "pid" in message:
+                    self.pids[message["id"]] = message["pid"]
+                else:
+                    self.exits[message["exited"]] = message["code"]
+                self.cond.notify_all()
+            if message is None:
+                return
+
+    def start(self, copy: Path, env: dict[str, str], tests: list[str], nonce: str, report_fd: int) -> int:
+        """Start a check's process in `copy`; its pid (the id of its session too)."""
+        with self.cond:
+            self.requests += 1
+            request = self.requests
+        socket.send_fds(self.sock, [json.dumps({"id": request, "copy": str(copy), "env": env, "tests": tests,
+                                                "nonce": nonce}).encode()], [report_fd])
+        with self.cond:
+            self.cond.wait_for(lambda: request in self.pids or self.dead, timeout=120)
+            if request not in self.pids:
+                raise RuntimeError("the judge's process starter is gone: no mark can be given")
+            return self.pids.pop(request)
+
+    def wait(self, pid: int, timeout: float) -> int | None:
+        """The exit code of `pid`, or None if it is still running after `timeout` seconds."""
+        with self.cond:
+            self.cond.wait_for(lambda: pid in self.exits or self.dead, timeout=timeout)
+            return self.exits.pop(pid, None)
+
+    def close(self) -> None:
+        self.sock.close()
+        _kill_session(self.process.pid)
+        self.process.wait()
+
+
 class Judge:
     """Runs checks for one grading run: `edition` is the student edition, `scratch` this run's
     private folder (removed by the caller), `fill` the code put between the other exercises'
@@ -162,6 +231,7 @@ class Judge:
         self.expected: dict[int, dict[str, str]] = {}  # exercise -> test -> its outcome on the reference
         self._running: set[int] = set()
         self._stopped = False
+        self.starter = ProcessStarter(scratch)
         self._lock = threading.Lock()
         self._serial = 0
 
@@ -172,7 +242,11 @@ class Judge:
             running = list(self._running)
         for pid in running:
             _kill_session(pid)
-        kill_run_processes(f"{self.token}:")
+        kill_run_processes(f"{self.token}:", self.scratch)
+
+    def close(self) -> None:
+        self.stop_all()
+        self.starter.close()
 
     # ------------------------------------------------------------------ the copy
 
@@ -208,20 +282,18 @@ class Judge:
         token = f"{self.token}:{copy.name}:"  # this check's processes, and no other check's
         env.update(HOME=str(copy / "home"), TMPDIR=str(copy / "tmp"), TEMP=str(copy / "tmp"), TMP=str(copy / "tmp"),
                    XDG_CACHE_HOME=str(copy / "home" / ".cache"), PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1",
-                   PYTHONHASHSEED="0", PYTHONUTF8="1", **{RUN_ENV: token})
+                   PYTHONUTF8="1", **{RUN_ENV: token})
         read_fd, write_fd = os.pipe()
-        posix = os.name == "posix"
         start = time.monotonic()
-        with self._lock, open(copy / "home" / "output.txt", "wb") as output:
+        with self._lock:
             if self._stopped:  # the grader is being interrupted: start nothing more
                 os.close(read_fd), os.close(write_fd)
                 raise RuntimeError("grading was stopped")
-            child = subprocess.Popen(
-                [sys.executable, "-m", "minisgl.course.judge_child", str(write_fd), *tests], cwd=copy, env=env,
-                stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
-                start_new_session=posix, preexec_fn=_child_limits if posix else None)
-            self._running.add(child.pid)
-        os.close(write_fd)
+            try:
+                pid = self.starter.start(copy, env, tests, nonce, write_fd)
+            finally:
+                os.close(write_fd)
+            self._running.add(pid)
         lines: list[bytes] = []
 
         def read_report() -> None:
@@ -232,22 +304,14 @@ class Judge:
 
         reader = threading.Thread(target=read_report, daemon=True)
         reader.start()
-        try:
-            child.stdin.write((nonce + "\n").encode())
-            child.stdin.close()
-        except OSError:
-            pass
-        ended = "exited"
-        try:
-            child.wait(timeout=self.limit_s)
-        except subprocess.TimeoutExpired:
-            ended = "hang"
-        _kill_session(child.pid)  # the child, or anything it left in its session
-        child.kill()
-        child.wait()
-        kill_run_processes(token)
+        code = self.starter.wait(pid, self.limit_s)
+        ended = "hang" if code is None else "exited" if code == 0 else "crash"
+        _kill_session(pid)  # the child, or anything it left in its session
+        if code is None:
+            self.starter.wait(pid, 30)
+        kill_run_processes(token, copy)
         with self._lock:
-            self._running.discard(child.pid)
+            self._running.discard(pid)
         reader.join(timeout=10)
         records = []
         for line in lines:
@@ -256,8 +320,6 @@ class Judge:
             except ValueError:
                 record = {"nonce": None}
             records.append(record if isinstance(record, dict) else {"nonce": None})
-        if ended != "hang" and child.returncode != 0:
-            ended = "crash"
         return [dict(r, _nonce_ok=r.get("nonce") == nonce) for r in records], ended, time.monotonic() - start
 
     def _verdict(self, number: int, records: list[dict], ended: str, seconds: float, canary: str, secret: str,

@@ -1,10 +1,8 @@
 """The child side of one graded check: run pytest on the given tests, report each outcome to the judge.
 
-    python -m minisgl.course.judge_child FD NODEID... < NONCE
-
-Started by judge.py inside the check's throw-away copy. The nonce is read from stdin and the
-report file descriptor is taken before pytest or minisgl is imported, so before any code of the
-submission runs. Each record is one JSON line tagged with the nonce. The judge does not take
+Run by judge.py inside the check's throw-away copy, in a child that its process starter
+(judge_zygote.py) forked, through `run`. The nonce and the report file descriptor are taken
+before pytest collects the tests, so before any code of the submission runs. Each record is one JSON line tagged with the nonce. The judge does not take
 these records on trust: it also checks that every expected test is reported exactly once, and that
 a canary test it planted (one that must fail with a text only the judge knows) is reported failed
 with that text.
@@ -14,14 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 
-def main() -> int:
-    nonce = sys.stdin.readline().strip()
-    report = os.fdopen(int(sys.argv[1]), "w", buffering=1)
-    tests = sys.argv[2:]
-    os.environ.pop("MINISGL_JUDGE_NONCE", None)
+def run(nonce: str, report_fd: int, tests: list[str]) -> int:
+    """Run `tests` with pytest here, each record tagged with `nonce`, on the pipe `report_fd`."""
+    report = os.fdopen(report_fd, "w", buffering=1)
 
     def send(**record: str) -> None:
         report.write(json.dumps({"nonce": nonce, **record}) + "\n")
@@ -56,7 +51,3 @@ def _failure_lines(text: str) -> str:
     """The `E ...` lines of a pytest failure (what the judge may quote from, after checking them)."""
     lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
     return " ".join(lines or text.strip().splitlines()[-1:])[:4000]
-
-
-if __name__ == "__main__":
-    sys.exit(main())
