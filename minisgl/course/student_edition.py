@@ -32,6 +32,7 @@ TEACHER_ONLY = frozenset({
     "minisgl/course/student_edition.py",
     "minisgl/course/grade.py",
     "minisgl/course/judge.py",
+    "minisgl/course/judge_zygote.py",
     "minisgl/course/submission.py",
     "minisgl/course/region_policy.py",
     "tests/test_exercises.py",
