@@ -4,8 +4,9 @@ Each check gets:
 - a throw-away copy made from the student edition (no file of the teacher's is in it), with the
   submission's code between exercise N's markers and the reference code between the others
   (`fill`: a mistake in one exercise costs no marks in another);
-- a fresh Python process in a session of its own, its working folder, HOME and TMPDIR inside the
-  copy, and an environment holding nothing of the teacher's;
+- a fresh process in a session of its own (forked by judge_zygote.py, which imported torch and
+  pytest once and nothing of the teacher's), its working folder, HOME and TMPDIR inside the copy,
+  and an environment holding nothing of the teacher's;
 - a limit in seconds: past it, every process of the session is killed and the check is a hang.
 
 The verdict is decided here, not in the child. The child (judge_child.py) reports each test's
