@@ -276,12 +276,10 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
                   f"{verdict.status}, {sum(t.passed for t in verdict.tests)}/{len(verdict.tests)} tests; {elapsed:.0f} s, "
                   f"about {elapsed / done * (len(checks) - done):.0f} s to go", flush=True)
     except BaseException:
-        judge.stop_all()
         pool.shutdown(wait=False, cancel_futures=True)
-        judge.stop_all()
         raise
     finally:
-        judge.close()
+        judge.close()  # every check still running ends, and no new one starts
     pool.shutdown()
     grades = []
     for sub in subs:

@@ -179,9 +179,14 @@ class ProcessStarter:
         threading.Thread(target=self._listen, daemon=True).start()
 
     def _listen(self) -> None:
+        self.sock.settimeout(0.5)  # a datagram socket sees no end when its peer dies: look at the process
         while True:
             try:
-                message = json.loads(self.sock.recv(1 << 16) or b"null")
+                message = json.loads(self.sock.recv(1 << 16))
+            except socket.timeout:
+                if self.process.poll() is None:
+                    continue
+                message = None
             except (OSError, ValueError):
                 message = None
             with self.cond:
@@ -215,9 +220,12 @@ class ProcessStarter:
             return self.exits.pop(pid, None)
 
     def close(self) -> None:
-        self.sock.close()
+        """Stop the starter (and whatever it started that is still in its session); any wait ends."""
         _kill_session(self.process.pid)
         self.process.wait()
+        with self.cond:
+            self.dead = True
+            self.cond.notify_all()
 
 
 class Judge:
@@ -236,18 +244,15 @@ class Judge:
         self._lock = threading.Lock()
         self._serial = 0
 
-    def stop_all(self) -> None:
-        """Kill every check still running (an interrupted grader)."""
+    def close(self) -> None:
+        """Kill every check still running and the process starter: the end of grading, or an interrupt."""
         with self._lock:
             self._stopped = True
             running = list(self._running)
         for pid in running:
             _kill_session(pid)
-        kill_run_processes(f"{self.token}:", self.scratch)
-
-    def close(self) -> None:
-        self.stop_all()
         self.starter.close()
+        kill_run_processes(f"{self.token}:", self.scratch)
 
     # ------------------------------------------------------------------ the copy
 
