@@ -3,7 +3,8 @@
 Recording is off unless asked for (`LLM(..., trace=True)`), and cheap when on: a span is
 one tuple appended to a list. Host spans are timed on the scheduler thread. Device spans
 are timed where the work really runs: on the CPU stream's worker thread, or, on CUDA, by a
-pair of CUDA events resolved after the run (so recording never syncs the device).
+pair of CUDA events, turned into a span once the device has passed both (recording never
+syncs the device, and only the pairs of the forwards still in flight stay alive).
 
 Reading a finished trace (Perfetto export, G and C, the terminal timeline, the run-level
 breakdown) is the business of `minisgl/observe/`, which reads what is recorded here.
@@ -12,6 +13,7 @@ breakdown) is the business of `minisgl/observe/`, which reads what is recorded h
 from __future__ import annotations
 
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -69,7 +71,7 @@ class Tracer:
         self.spans: list[Span] = []
         self.batches: list[BatchRecord] = []  # every batch launched while enabled
         self.iteration = 0
-        self._cuda_pending: list[tuple[SpanName, str, torch.cuda.Event, torch.cuda.Event, int, int]] = []
+        self._cuda_pending: deque[tuple[SpanName, str, torch.cuda.Event, torch.cuda.Event, int, int]] = deque()
         self._cuda_origin: tuple[torch.cuda.Event, float] | None = None
 
     @contextmanager
@@ -103,19 +105,33 @@ class Tracer:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._cuda_pending.append((name, stream_name, token, end, iteration, batch_id))  # type: ignore[arg-type]
+            self._resolve_finished()
         else:
             self.spans.append(Span(name, stream_name, token, time.perf_counter(), iteration, batch_id))  # type: ignore[arg-type]
 
+    def _resolve_finished(self) -> None:
+        """Turn the oldest pending event pairs the device has passed into spans, without waiting:
+        a run keeps as many pairs alive as it has forwards in flight, not one per forward so far."""
+        origin = self._cuda_origin
+        if origin is None or not origin[0].query():
+            return
+        while self._cuda_pending and self._cuda_pending[0][2].query() and self._cuda_pending[0][3].query():
+            self._append_cuda_span(self._cuda_pending.popleft())
+
+    def _append_cuda_span(self, pending: tuple[SpanName, str, torch.cuda.Event, torch.cuda.Event, int, int]) -> None:
+        """One completed event pair as a span on the host clock (the origin event's time)."""
+        name, lane, start, end, iteration, batch_id = pending
+        origin_event, origin_time = self._cuda_origin  # type: ignore[misc]
+        s = origin_time + origin_event.elapsed_time(start) / 1000.0
+        e = origin_time + origin_event.elapsed_time(end) / 1000.0
+        self.spans.append(Span(name, lane, s, e, iteration, batch_id))
+
     def resolve(self) -> list[Span]:
-        """Turn pending CUDA event pairs into spans on the host clock (syncs once, at the end)."""
+        """Turn the pending CUDA event pairs into spans (syncs once, at the end) and sort all spans."""
         if self._cuda_pending and self._cuda_origin is not None:
             torch.cuda.synchronize()
-            origin_event, origin_time = self._cuda_origin
-            for name, lane, start, end, iteration, batch_id in self._cuda_pending:
-                s = origin_time + origin_event.elapsed_time(start) / 1000.0
-                e = origin_time + origin_event.elapsed_time(end) / 1000.0
-                self.spans.append(Span(name, lane, s, e, iteration, batch_id))
-            self._cuda_pending.clear()
+            while self._cuda_pending:
+                self._append_cuda_span(self._cuda_pending.popleft())
         self.spans.sort(key=lambda sp: sp.start)
         return self.spans
 

@@ -18,13 +18,10 @@ from ..models.decoder import Attention, RMSNorm, RotaryEmbedding, TorchKernels
 from . import qkv_epilogue as _epilogue
 from .flashinfer_backend import flashinfer_available
 
-ENABLED = True  # read when an engine is built: tests and benchmarks clear it to run the reference
-
-
-def decoder_kernels(device: torch.device, dtype: torch.dtype) -> TorchKernels:
+def decoder_kernels(device: torch.device, dtype: torch.dtype, enabled: bool = True) -> TorchKernels:
     """The kernels an engine hands its model: fused on CUDA in bf16/fp16 when FlashInfer is
-    installed (and ENABLED), the torch reference otherwise."""
-    if ENABLED and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashinfer_available():
+    installed (and `enabled`: the engine's `fused_kernels` switch), the torch reference otherwise."""
+    if enabled and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashinfer_available():
         return FusedKernels()
     return TorchKernels()
 
