@@ -6,7 +6,7 @@ backticked name in that column must resolve against the package:
 
 - a mechanism switch (`future_map`) must be a key of `minisgl.MECHANISMS`;
 - `Class.member` must be a method, class attribute or `self.member` attribute of that class or of a
-  base class defined in minisgl/ (`Scheduler._release` is `ReleaseMixin._release`, inherited);
+  base class defined in minisgl/ (a method inherited from a base class counts);
 - a bare `name` must be a class or a module-level function somewhere in minisgl/.
 
 Call arguments are ignored (`Scheduler.overlap_loop(last)` checks `Scheduler.overlap_loop`);

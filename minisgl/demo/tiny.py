@@ -371,8 +371,7 @@ def make_tiny(
 
     _, model_cls = _classes(arch)
     torch.manual_seed(seed)
-    # Build the parameters directly in the target dtype: for the 0.6B preset
-    # that is 1.2 GB of bfloat16 instead of 2.4 GB of float32 first.
+    # Build the parameters directly in the target dtype: a large preset never exists in float32.
     with _default_dtype(torch_dtype), torch.device(device):
         model = model_cls(config)
     model.eval()
