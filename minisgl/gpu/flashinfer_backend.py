@@ -26,9 +26,9 @@ import torch
 from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend, store_new_kv
 
 WORKSPACE_BYTES = 256 << 20
-# FlashInfer 0.6.6 has no kernels for the demo model's head_dim 32 (H200, 2026-12-02): the
-# tensor-core decode failed with "Invalid configuration", the plain decode's split-KV merge with
-# "Unsupported head_dim: 32". "auto" takes the torch backend below this (config.py).
+# FlashInfer has no kernels for head sizes as small as the demo model's 32 (its decode kernels
+# refuse them: benchmarks/RESULTS.md names the errors). "auto" takes the torch backend below
+# this (config.py).
 FLASHINFER_MIN_HEAD_DIM = 64
 
 # Decode on tensor cores (FlashInfer then runs its prefill kernel with one query per request)
