@@ -9,6 +9,8 @@ backticked name in that column must resolve against the package:
   base class defined in minisgl/ (a method inherited from a base class counts);
 - a bare `name` must be a class or a module-level function somewhere in minisgl/.
 
+The map's SGLang and mini-SGLang names are checked too, by lessons/upstream_map.py (`scan` runs both).
+
 Call arguments are ignored (`Scheduler.overlap_loop(last)` checks `Scheduler.overlap_loop`);
 backticked text that is not a dotted name (a command line, an expression) is not checked.
 
@@ -117,12 +119,23 @@ def scan() -> list[str]:
     problems = []
     for path in MAP_FILES:
         problems += [f"{path.relative_to(ROOT)} {p}" for p in check_text(path.read_text(), names)]
-    return problems
+    return problems + upstream_problems()
+
+
+def upstream_problems() -> list[str]:
+    """The map's SGLang and mini-SGLang names, checked against their manifest by lessons/upstream_map.py."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("upstream_map", ROOT / "lessons" / "upstream_map.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module.scan()
 
 
 def main() -> int:
     problems = scan()
-    print("\n".join(problems) if problems else "map: every minisgl name resolves")
+    print("\n".join(problems) if problems else "map: every minisgl, SGLang and mini-SGLang name resolves")
     return 1 if problems else 0
 
 

@@ -30,7 +30,10 @@ class RatioSchedule:
     init: float = 0.7  # SGLang: SGLANG_INIT_NEW_TOKEN_RATIO
     min_factor: float = 0.14  # SGLang: SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR (min = init * factor)
     decay_steps: int = 100  # SGLang: 600 (SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS); our runs are shorter
-    retract_headroom_steps: int = 4  # SGLang: 20 (SGLANG_RETRACT_DECODE_STEPS); our pools are smaller
+    # Retract until this many decode steps fit, and re-estimate the ratio with them. SGLang retracts
+    # only until the next step fits and uses SGLANG_RETRACT_DECODE_STEPS (20) for the ratio and the
+    # tree eviction (readings §15): minisgl's small pools would retract again at once.
+    retract_headroom_steps: int = 4
 
 
 @dataclass
