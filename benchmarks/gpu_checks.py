@@ -23,10 +23,8 @@ invariance: the CUDA tests' mixed workload (tests/workloads.py) in both loops wi
         FlashInfer with the fused ops off): identical sequences, and the first (request,
         position) whose logits differ bit for bit between the loops, with the two batches it
         was computed in. Names the part that is not batch-invariant.
-decode-plan: the `tensor_core_decode` switch on and off, on one machine (on, FlashInfer's
-        tensor-core kernel runs from flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH requests up,
-        the plain one below, so the smaller sizes check that both sides agree; `python
-        benchmarks/profile_decode.py DIR attention` times the two kernels alone at any size): for 32..256 requests of uniform
+decode-plan: FlashInfer's tensor-core decode kernel against its plain one, on one machine
+        (the setting tensor_core_decode_min_batch): for 32..256 requests of uniform
         (820) or spread (100..1024) prompt lengths, the overlap loop's steady decode with graphs:
         host ms of the launch span (the plan and the replay), device ms per forward after its
         launch, wall ms per step. Prints the batch size from which tensor cores give the shorter
@@ -242,7 +240,7 @@ def prefill(model: str) -> None:
             launch.append(sum(sp.duration for sp in spans if sp.name == SpanName.LAUNCH and sp.batch_id in ids))
             device.append(sum(sp.duration for sp in spans
                               if sp.lane != HOST_LANE and sp.name == SpanName.FORWARD and sp.batch_id in ids))
-            floor.append(sum(cost.prefill_floor(r.num_tokens, r.attention_pairs, r.kv_tokens, hbm, flops)
+            floor.append(sum(cost.prefill_floor(r.num_tokens, r.attention_pairs, r.attended_positions, hbm, flops)
                              for r in records))
         med = [sorted(v)[2] * 1000 for v in (launch, device, floor)]
         print(f"  {tokens:>6} {-(-tokens // 560):>8} {med[0]:>9.2f} {med[1]:>9.2f} {med[2]:>8.2f} "
@@ -301,8 +299,8 @@ def invariance(model: str) -> None:
         return outs, rows
 
     for label, kwargs in (("flashinfer", {}), ("torch backend", {"attention_backend": "torch"}),
-                          ("flashinfer, fused ops off", {"disable": ("fused_kernels",)})):
-        probe = LLM(model, device="cuda", loop="normal", chunk_size=16, disable=kwargs.get("disable", ()))
+                          ("flashinfer, fused ops off", {"fused_kernels": False})):
+        probe = LLM(model, device="cuda", loop="normal", chunk_size=16, **kwargs)
         base = random_workload(0, probe.engine.model.vocab_size)
         workload = with_stops(base, [o.token_ids for o in probe.generate([a.prompt for a in base],
                                                                           [a.params for a in base])], 0)
@@ -328,7 +326,8 @@ def decode_plan(model: str, sizes: tuple[int, ...] = (32, 64, 128, 256), steps: 
     spreads = {"uniform 820": (820, 820), "spread 100..1024": (100, 1024)}
     rows: dict[tuple[str, int], dict[bool, tuple[float, float, float]]] = {}
     for tensor_cores in (False, True):
-        llm = LLM(model, device="cuda", loop="overlap", trace=True, disable=() if tensor_cores else ("tensor_core_decode",))
+        llm = LLM(model, device="cuda", loop="overlap", trace=True,
+                  tensor_core_decode_min_batch=1 if tensor_cores else None)
         for spread, (lo, hi) in spreads.items():
             for bs in sizes:
                 rng = random.Random(bs)  # both kernels decode the same lengths

@@ -17,14 +17,15 @@
 #   bash benchmarks/h200.sh profile        # kernel time of a whole offline run by kind (PROFILE=attention|steps|batches|gemm: others)
 #   bash benchmarks/h200.sh make8b         # the Qwen3-8B shape, random bf16 weights drawn on the GPU, in /tmp/qwen3-8b (16 GB)
 #   bash benchmarks/h200.sh 8b             # offline breakdown on the 8B shape at 256 and 1,024 requests (SIZES_8B), both loops; HF generate at 256
-#   bash benchmarks/h200.sh kernels        # kernels and device ms per decode step at 256 and 64 requests, each A/B variant (VARIANTS)
-#   bash benchmarks/h200.sh ab             # offline breakdown, 256 requests (N), overlap loop, each A/B variant (VARIANTS)
+#   bash benchmarks/h200.sh kernels        # kernels and device ms per decode step at 256 and 64 requests, each A/B variant (KERNEL_VARIANTS)
+#   bash benchmarks/h200.sh ab             # offline breakdown, 256 requests (N), overlap loop, each A/B variant (AB_VARIANTS)
 # Several modes in one device call: `timeout 200 bash benchmarks/h200.sh A; timeout 300 bash ... B`.
 # Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online), SCALE (scale's
 # request counts, default "256 1024 4096": on a new machine give 4096 a call of its own), GATE_RUNS
 # (gate: REQUESTS:MIN_PREFILL_TOKENS pairs, default "1024:0 1024:4096 4096:4096"; 0 is the gate off),
-# SCALE_LOOPS (scale: "--compare-loops --delays 0" unless given, e.g. "--loop overlap"), VARIANTS
-# (kernels, ab: mechanisms switched off per variant, ';' between variants, '-' the default).
+# SCALE_LOOPS (scale: "--compare-loops --delays 0" unless given, e.g. "--loop overlap"),
+# KERNEL_VARIANTS (kernels: settings per engine, ';' between variants, '-' the defaults, default
+# "-;fast_decode_plan=false"), AB_VARIANTS (ab: bench flags per run, default "-;--no-fast-decode-plan").
 # Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -100,15 +101,16 @@ case "$what" in
     done ;;
   kernels)
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
-    python3 benchmarks/profile_decode.py /tmp/qwen3-0.6b batches 256,64 "${VARIANTS:--;fast_decode_plan}" 2>&1 | tee "$OUT/kernels.log" ;;
+    python3 benchmarks/profile_decode.py /tmp/qwen3-0.6b batches 256,64 "${KERNEL_VARIANTS:--;fast_decode_plan=false}" 2>&1 | tee "$OUT/kernels.log" ;;
   ab)
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
-    IFS=';' read -ra variants <<< "${VARIANTS:--;fast_decode_plan}"
+    IFS=';' read -ra variants <<< "${AB_VARIANTS:--;--no-fast-decode-plan}"
     for v in "${variants[@]}"; do
-      echo "=== figure: A/B, ${N:-256} requests, overlap, off: $v ==="
-      off=""; [ "$v" != "-" ] && off="--disable $v"
+      echo "=== figure: A/B, ${N:-256} requests, overlap, flags: $v ==="
+      flags=""; [ "$v" != "-" ] && flags="$v"
+      name=$(echo "$v" | tr -c 'a-z0-9\n' '_')
       python3 -m minisgl bench --workload offline --num-requests "${N:-256}" --model /tmp/qwen3-0.6b --loop overlap \
-        --breakdown $off --json "$OUT/ab_${v//,/+}.json" 2>&1 | tee "$OUT/ab_${v//,/+}.log"
+        --breakdown $flags --json "$OUT/ab_$name.json" 2>&1 | tee "$OUT/ab_$name.log"
     done ;;
   decode-plan)
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b

@@ -15,7 +15,8 @@ attention: FlashInfer decode attention alone on batches like the offline run's t
 batches [SIZES [VARIANTS]]: steady decode at 256, 192, 128, 64, 32, 8 and 1 requests (or
    SIZES, "256,64"; contexts like the run's tail): wall per step, then torch.profiler over 8
    steps each: kernel time and kernels per step by group, against the step's floor; VARIANTS
-   ("-;fast_decode_plan": the default, then that mechanism off) are engines built in turn;
+   ("-;fast_decode_plan=false": the defaults, then that setting; ',' between a variant's
+   settings) are engines built in turn;
 gemm: the four layer GEMMs of the shape, timed inside a CUDA graph (as the engine runs them)
    from 1 to 256 rows: cuBLAS, plain and with swapped operands, against the weights-read floor. MODEL_DIR is not read.
 """
@@ -197,21 +198,26 @@ def gemms_in_graph() -> None:
 BATCHES = (256, 192, 128, 64, 32, 8, 1)
 
 
-def profile_batch_sizes(model: str, batches: tuple[int, ...] = BATCHES, variants: tuple[tuple[str, ...], ...] = ((),)
-                        ) -> None:
+def setting_value(text: str) -> object:
+    """A setting's value as the command line writes it: true, false, none or a number."""
+    words = {"true": True, "false": False, "none": None}
+    return words[text.lower()] if text.lower() in words else int(text)
+
+
+def profile_batch_sizes(model: str, batches: tuple[int, ...] = BATCHES, variants: tuple[dict, ...] = ({},)) -> None:
     """Steady decode at several batch sizes, contexts like the offline run's tail: per step, the
     wall time unprofiled (the loop's own: host and device overlapped), then under the profiler
     the kernel time by group, the number of kernels by group, against the step's floor. Each
-    variant (mechanisms switched off, e.g. ("fast_decode_plan",)) is its own engine, built in turn
+    variant (engine settings, e.g. {"fast_decode_plan": False}) is its own engine, built in turn
     on the same machine: an A/B."""
     from minisgl.observe.breakdown import ModelCost
 
     cost = ModelCost.from_config(model)
     hbm, _ = measure_ceilings(torch.device("cuda"))
-    for disable in variants:
+    for settings in variants:
         rng = random.Random(0)
-        llm = LLM(model, device="cuda", disable=disable)
-        label = "off: " + ",".join(disable) if disable else "default"
+        llm = LLM(model, device="cuda", **settings)
+        label = ",".join(f"{k}={v}" for k, v in settings.items()) or "default"
         for batch in batches:
             prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024) + rng.randint(0, 1024))]
                        for _ in range(batch)]
@@ -224,8 +230,8 @@ def profile_batch_sizes(model: str, batches: tuple[int, ...] = BATCHES, variants
                 torch.cuda.synchronize()
             while llm.scheduler.has_work():
                 llm.step()
-            kv_tokens = sum(len(p) for p in prompts) + batch * 16  # mid-window context
-            floor = cost.decode_floor(kv_tokens, hbm)
+            attended_positions = sum(len(p) for p in prompts) + batch * 16  # mid-window context
+            floor = cost.decode_floor(attended_positions, hbm)
             groups = by_group(device_kernels(prof))
             kernel_ms = sum(secs for secs, _ in groups.values()) * 1e3 / steps
             launches = sum(count for _, count in groups.values()) / steps
@@ -246,11 +252,11 @@ if __name__ == "__main__":
     elif mode == "gemm":
         gemms_in_graph()
     elif mode == "batches":
-        # optional: sizes ("256,64") and variants, ';' between variants, ',' between the
-        # mechanisms a variant switches off ("-" for the default): "-;fast_decode_plan"
+        # optional: sizes ("256,64") and variants, ';' between variants, ',' between a variant's
+        # settings ("-" for the defaults): "-;fast_decode_plan=false"
         sizes = tuple(int(b) for b in sys.argv[3].split(",")) if len(sys.argv) > 3 else BATCHES
-        variants = tuple(() if v == "-" else tuple(v.split(",")) for v in sys.argv[4].split(";")) \
-            if len(sys.argv) > 4 else ((),)
+        variants = tuple({} if v == "-" else {k: setting_value(x) for k, x in (kv.split("=") for kv in v.split(","))}
+                         for v in sys.argv[4].split(";")) if len(sys.argv) > 4 else ({},)
         profile_batch_sizes(sys.argv[1], sizes, variants)
     else:
         attention_alone(False)

@@ -39,13 +39,6 @@ MECHANISMS: dict[str, str] = {
     "do not wait for the second's launch (off: no device idle between prefills, first tokens committed later "
     "when a launch is slow)",
     "cuda_graph": "(GPU) decode batches replay captured CUDA graphs (off: eager launches)",
-    "fused_kernels": "(GPU, bf16) the decoder's elementwise steps (norms with their residual adds, SiLU-and-mul, "
-    "rotary, the q/k/v epilogue) in fused FlashInfer and Triton kernels (off: the plain torch reference, "
-    "several kernels each)",
-    "tensor_core_decode": "(GPU) decode batches of 128 requests and more run FlashInfer's tensor-core kernel "
-    "(off: its plain decode kernel at every size)",
-    "fast_decode_plan": "(GPU) a decode batch's attention plan skips FlashInfer's host-side Python over the "
-    "lengths (off: its own plan(), which takes Python's max over them one element at a time)",
     "pinned_copy": "(GPU) results copied device-to-host into pinned memory with a copy_done event "
     "(off: a blocking copy that stalls the host)",
     "retract_skip_inflight": "(admission=\"optimistic\") the in-flight batch's result for a request retracted "

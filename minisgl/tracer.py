@@ -60,7 +60,7 @@ class BatchRecord:
     is_prefill: bool
     num_reqs: int
     num_tokens: int  # new tokens
-    kv_tokens: int  # positions attended over, all requests together
+    attended_positions: int  # positions attended over, all requests together
     attention_pairs: int  # sum over requests of new tokens x positions: prefill attention work
     padded_reqs: int  # rows actually computed: the CUDA-graph size a decode batch is padded to
 

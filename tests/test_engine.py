@@ -165,7 +165,7 @@ def test_flashinfer_plan_inputs_alternate_by_parity():
     backend = object.__new__(FlashInferBackend)
     backend.shape, backend.dtype = (4, 2, 8), torch.bfloat16
     backend.deterministic, backend.prefill_reference, backend.grouped = False, None, True
-    backend.tensor_core_decode, backend.fast_decode_plan, backend._planned = True, False, weakref.WeakSet()
+    backend.tensor_core_min_batch, backend.fast_decode_plan, backend._planned = 3, False, weakref.WeakSet()
     backend.decode, backend.prefill = {False: [Decode(), Decode()]}, [Prefill(), Prefill()]
     backend._kv_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
     backend._qo_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
@@ -190,22 +190,20 @@ def test_flashinfer_plan_inputs_alternate_by_parity():
 
 
 def test_decode_kernel_follows_the_measured_rule():
-    """The tensor-core decode kernel runs from TENSOR_CORE_DECODE_MIN_BATCH up, for grouped heads;
-    always in the deterministic mode; never with the `tensor_core_decode` switch off (plan picks
-    the wrapper)."""
+    """The tensor-core decode kernel runs from tensor_core_decode_min_batch up, for grouped heads;
+    always in the deterministic mode; never while the threshold is None (plan picks the wrapper)."""
     import weakref
 
     import torch
 
-    from minisgl.gpu.flashinfer_backend import TENSOR_CORE_DECODE_MIN_BATCH as MIN
     from minisgl.gpu.flashinfer_backend import FlashInferBackend, decode_on_tensor_cores
     from minisgl.models.attention import AttentionMetadata
 
-    assert not any(decode_on_tensor_cores(b, grouped=True, deterministic=False, enabled=False) for b in (1, 256))
-    assert decode_on_tensor_cores(1, grouped=False, deterministic=True, enabled=False)
-    assert [decode_on_tensor_cores(b, grouped=True, deterministic=False) for b in (MIN - 1, MIN, MIN + 1)] == \
-        [False, True, True]
-    assert not decode_on_tensor_cores(MIN, grouped=False, deterministic=False)  # one query head per KV head
+    assert not any(decode_on_tensor_cores(b, grouped=True, deterministic=False, min_batch=None) for b in (1, 256))
+    assert decode_on_tensor_cores(1, grouped=False, deterministic=True, min_batch=None)
+    assert [decode_on_tensor_cores(b, grouped=True, deterministic=False, min_batch=3) for b in (2, 3, 4)] == [
+        False, True, True]
+    assert not decode_on_tensor_cores(4, grouped=False, deterministic=False, min_batch=3)  # one query head per KV head
 
     class Wrapper:
         def __init__(self, tensor_cores: bool) -> None:
@@ -217,12 +215,12 @@ def test_decode_kernel_follows_the_measured_rule():
     backend = object.__new__(FlashInferBackend)
     backend.shape, backend.dtype = (4, 2, 8), torch.bfloat16
     backend.deterministic, backend.prefill_reference, backend.grouped = False, None, True
-    backend.tensor_core_decode, backend.fast_decode_plan, backend._planned = True, False, weakref.WeakSet()
+    backend.tensor_core_min_batch, backend.fast_decode_plan, backend._planned = 3, False, weakref.WeakSet()
     backend.decode = {tc: [Wrapper(tc), Wrapper(tc)] for tc in (False, True)}
-    backend._kv_indptr = [torch.zeros(MIN + 1, dtype=torch.int32) for _ in range(2)]
-    backend._kv_lens = [torch.zeros(MIN, dtype=torch.int32) for _ in range(2)]
-    backend._last_page_len = torch.ones(MIN, dtype=torch.int32)
-    for n, expected in ((MIN - 1, False), (MIN, True)):
+    backend._kv_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
+    backend._kv_lens = [torch.zeros(4, dtype=torch.int32) for _ in range(2)]
+    backend._last_page_len = torch.ones(4, dtype=torch.int32)
+    for n, expected in ((2, False), (3, True)):
         backend.plan(AttentionMetadata(positions=torch.zeros(n), out_slots=torch.zeros(n), qo_indptr=torch.arange(n + 1),
                                        kv_indptr=torch.zeros(n + 1), kv_indices=torch.arange(2 * n), qo_lens=[1] * n,
                                        kv_lens=[2] * n))
@@ -254,7 +252,7 @@ def test_fast_decode_plan_only_after_a_wrappers_first_plan():
         backend = object.__new__(FlashInferBackend)
         backend.shape, backend.dtype = (4, 2, 8), torch.bfloat16
         backend.deterministic, backend.prefill_reference, backend.grouped = False, None, True
-        backend.tensor_core_decode, backend.fast_decode_plan, backend._planned = False, fast, weakref.WeakSet()
+        backend.tensor_core_min_batch, backend.fast_decode_plan, backend._planned = None, fast, weakref.WeakSet()
         backend.decode = {False: [Wrapper(0), Wrapper(1)]}
         backend._kv_indptr = [torch.zeros(3, dtype=torch.int32) for _ in range(2)]
         backend._kv_lens = [torch.zeros(2, dtype=torch.int32) for _ in range(2)]

@@ -311,7 +311,7 @@ def test_host_work_by_phase_separates_the_mix_of_iterations():
         (pytest.approx(1.0), pytest.approx(1.0), pytest.approx(1.5))
 
 
-def test_breakdown_prints_c_by_span_and_the_allocator(monkeypatch):
+def test_breakdown_prints_c_by_span_and_the_allocator():
     """`bench --breakdown`'s table (observe/bench.py): each phase's C per iteration, then its
     schedule / launch / commit parts, and on CUDA the allocator's counts during the run."""
     from minisgl.observe import bench
@@ -324,9 +324,8 @@ def test_breakdown_prints_c_by_span_and_the_allocator(monkeypatch):
     cost = ModelCost(matmul_params=1000, layers=2, q_size=8, kv_bytes_per_token=10)
     rows = breakdown(hand_spans(), batches, cost, hbm=1e6, flops=1e9, full_batch=full)
     console = Console(record=True, width=150, file=io.StringIO())
-    monkeypatch.setattr(bench, "console", console)
     bench.print_breakdown({"loop": "overlap", "breakdown": rows,
-                           "allocator": {"num_device_alloc": 3, "num_device_free": 1, "num_alloc_retries": 0}})
+                           "allocator": {"num_device_alloc": 3, "num_device_free": 1, "num_alloc_retries": 0}}, console)
     text = console.export_text()
     full_row = next(line for line in text.splitlines() if "full batch" in line)
     # iterations 2 and 3 (ms per iteration, the hand spans' seconds x 1000): 1750 in all,

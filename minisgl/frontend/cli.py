@@ -17,7 +17,7 @@ from typing import Sequence
 from ..checks import MAX_TOKENS
 from ..sampling_params import FLOAT32_MAX, TOP_K_MAX
 from .options import (DELAY_MS, MAX_CLI_REQUESTS, MAX_DEMO_PROMPTS, SEED, Number, NumberList, OneLineParser,
-                      add_engine_args, build_llm, count, disabled_names)
+                      add_engine_args, build_llm, count)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -177,7 +177,7 @@ def run_command(args: argparse.Namespace) -> int:
     symptom (a double free, lost requests, a DeviceError from overwritten metadata: the switch table
     in docs/usage.md): one line and exit 1, and the warnings of the failed run's clean-up are dropped.
     With every mechanism on, a failure is a bug and keeps its traceback."""
-    disabled = disabled_names(args) if hasattr(args, "disable") else []
+    disabled = getattr(args, "disable", [])
     if not disabled:
         return args.func(args)
     with warnings.catch_warnings(record=True) as caught:

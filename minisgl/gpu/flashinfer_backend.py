@@ -31,27 +31,17 @@ WORKSPACE_BYTES = 256 << 20
 # this (config.py).
 FLASHINFER_MIN_HEAD_DIM = 64
 
-# Decode on tensor cores (FlashInfer then runs its prefill kernel with one query per request)
-# from this batch size up, unless the engine's `tensor_core_decode` switch is off (then
-# FlashInfer's plain decode kernel at every size). Decided by the A/B on one H200
-# (`python benchmarks/gpu_checks.py DIR decode-plan`; table in benchmarks/RESULTS.md): with
-# spread lengths, as real batches have, the tensor-core kernel took less device time from 128
-# requests up, the plain one as little or less below. The plain kernel gives each request one
-# thread block per KV head and, once the batch fills the GPU, splits no request: a few long
-# requests then finish last, alone. Both loops must run the same kernel (bf16 overlap ==
-# normal), so the rule is the overlap loop's.
-TENSOR_CORE_DECODE_MIN_BATCH = 128
 
-
-def decode_on_tensor_cores(batch_size: int, grouped: bool, deterministic: bool, enabled: bool = True) -> bool:
-    """Which decode kernel a batch of `batch_size` requests runs (see TENSOR_CORE_DECODE_MIN_BATCH).
+def decode_on_tensor_cores(batch_size: int, grouped: bool, deterministic: bool, min_batch: int | None) -> bool:
+    """Which decode kernel a batch of `batch_size` requests runs: tensor cores (FlashInfer's prefill
+    kernel with one query per request) from `min_batch` up (the setting tensor_core_decode_min_batch;
+    None: never), else the plain decode kernel. Both loops run the same kernel for the same batch.
 
     `grouped`: query heads share KV heads (GQA), the case the tensor-core kernel is for. The
-    deterministic mode always needs it: only that kernel can switch the KV split off.
-    `enabled`: the engine's `tensor_core_decode` switch."""
+    deterministic mode always needs it: only that kernel can switch the KV split off."""
     if deterministic:
         return True
-    return enabled and grouped and batch_size >= TENSOR_CORE_DECODE_MIN_BATCH
+    return grouped and min_batch is not None and batch_size >= min_batch
 
 
 def flashinfer_available() -> bool:
@@ -71,8 +61,8 @@ def fill_indptr(lengths: list[int], out: np.ndarray) -> int:
 
 class FlashInferBackend:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, max_batch: int, deterministic: bool = False,
-                 tensor_core_decode: bool = True, fast_decode_plan: bool = True) -> None:
+                 device: torch.device, max_batch: int, deterministic: bool = False, *,
+                 tensor_core_min_batch: int | None, fast_decode_plan: bool) -> None:
         import flashinfer
 
         if dtype not in (torch.float16, torch.bfloat16):
@@ -83,8 +73,8 @@ class FlashInferBackend:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.grouped = num_qo_heads > num_kv_heads
         self.deterministic = deterministic
-        self.tensor_core_decode = tensor_core_decode
-        self.fast_decode_plan = fast_decode_plan
+        self.tensor_core_min_batch = tensor_core_min_batch
+        self.fast_decode_plan = fast_decode_plan  # the setting fast_decode_plan (_fast_plan)
         self._planned: weakref.WeakSet = weakref.WeakSet()  # decode wrappers FlashInfer's own plan() has set up once
         self.prefill_reference = TorchAttentionBackend(deterministic=True) if deterministic else None
         self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
@@ -110,7 +100,7 @@ class FlashInferBackend:
 
     def tensor_cores_for(self, batch_size: int) -> bool:
         """Does a decode batch of this size run on tensor cores? (decode_on_tensor_cores)"""
-        return decode_on_tensor_cores(batch_size, self.grouped, self.deterministic, self.tensor_core_decode)
+        return decode_on_tensor_cores(batch_size, self.grouped, self.deterministic, self.tensor_core_min_batch)
 
     def plan(self, meta: AttentionMetadata, parity: int = 0, decode_wrapper=None) -> None:
         """Once per batch. `decode_wrapper`: a CUDA-graph wrapper with its own fixed buffers."""

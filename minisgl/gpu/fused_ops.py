@@ -19,10 +19,11 @@ from ..models.decoder import Attention, RMSNorm, RotaryEmbedding, TorchKernels
 from . import qkv_epilogue as _epilogue
 from .flashinfer_backend import flashinfer_available
 
-def decoder_kernels(device: torch.device, dtype: torch.dtype, enabled: bool = True) -> TorchKernels:
+
+def decoder_kernels(device: torch.device, dtype: torch.dtype, fused: bool) -> TorchKernels:
     """The kernels an engine hands its model: fused on CUDA in bf16/fp16 when FlashInfer is
-    installed (and `enabled`: the engine's `fused_kernels` switch), the torch reference otherwise."""
-    if enabled and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashinfer_available():
+    installed (and `fused`, the setting fused_kernels), the torch reference otherwise."""
+    if fused and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashinfer_available():
         return FusedKernels()
     return TorchKernels()
 
