@@ -3,8 +3,7 @@
 Recording is off unless asked for (`LLM(..., trace=True)`), and cheap when on: a span is
 one tuple appended to a list. Host spans are timed on the scheduler thread. Device spans
 are timed where the work really runs: on the CPU stream's worker thread, or, on CUDA, by a
-pair of CUDA events, turned into a span once the device has passed both (recording never
-syncs the device, and only the pairs of the forwards still in flight stay alive).
+pair of CUDA events each (gpu/cuda_spans.py: recording never syncs the device).
 
 Reading a finished trace (Perfetto export, G and C, the terminal timeline, the run-level
 breakdown) is the business of `minisgl/observe/`, which reads what is recorded here.
@@ -13,13 +12,15 @@ breakdown) is the business of `minisgl/observe/`, which reads what is recorded h
 from __future__ import annotations
 
 import time
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from .gpu.cuda_spans import CudaSpans
 
 
 class SpanName(StrEnum):
@@ -71,8 +72,7 @@ class Tracer:
         self.spans: list[Span] = []
         self.batches: list[BatchRecord] = []  # every batch launched while enabled
         self.iteration = 0
-        self._cuda_pending: deque[tuple[SpanName, str, torch.cuda.Event, torch.cuda.Event, int, int]] = deque()
-        self._cuda_origin: tuple[torch.cuda.Event, float] | None = None
+        self._cuda: CudaSpans | None = None  # made by the first device span on CUDA
 
     @contextmanager
     def host(self, name: SpanName, batch_id: int = -1) -> Iterator[None]:
@@ -90,11 +90,10 @@ class Tracer:
         if not self.enabled:
             return None
         if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            if self._cuda_origin is None:
-                self._cuda_origin = (event, time.perf_counter())
-            return event
+            if self._cuda is None:
+                from .gpu.cuda_spans import CudaSpans
+                self._cuda = CudaSpans()
+            return self._cuda.begin()
         return time.perf_counter()
 
     def device_end(self, token: object, name: SpanName, stream_name: str, device: torch.device, iteration: int,
@@ -102,41 +101,19 @@ class Tracer:
         if token is None:
             return
         if device.type == "cuda":
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._cuda_pending.append((name, stream_name, token, end, iteration, batch_id))  # type: ignore[arg-type]
-            self._resolve_finished()
+            done = self._cuda.end(token, name, stream_name, iteration, batch_id)  # type: ignore[union-attr, arg-type]
+            self.spans.extend(Span(*fields) for fields in done)
         else:
             self.spans.append(Span(name, stream_name, token, time.perf_counter(), iteration, batch_id))  # type: ignore[arg-type]
 
-    def _resolve_finished(self) -> None:
-        """Turn the oldest pending event pairs the device has passed into spans, without waiting:
-        a run keeps as many pairs alive as it has forwards in flight, not one per forward so far."""
-        origin = self._cuda_origin
-        if origin is None or not origin[0].query():
-            return
-        while self._cuda_pending and self._cuda_pending[0][2].query() and self._cuda_pending[0][3].query():
-            self._append_cuda_span(self._cuda_pending.popleft())
-
-    def _append_cuda_span(self, pending: tuple[SpanName, str, torch.cuda.Event, torch.cuda.Event, int, int]) -> None:
-        """One completed event pair as a span on the host clock (the origin event's time)."""
-        name, lane, start, end, iteration, batch_id = pending
-        origin_event, origin_time = self._cuda_origin  # type: ignore[misc]
-        s = origin_time + origin_event.elapsed_time(start) / 1000.0
-        e = origin_time + origin_event.elapsed_time(end) / 1000.0
-        self.spans.append(Span(name, lane, s, e, iteration, batch_id))
-
     def resolve(self) -> list[Span]:
-        """Turn the pending CUDA event pairs into spans (syncs once, at the end) and sort all spans."""
-        if self._cuda_pending and self._cuda_origin is not None:
-            torch.cuda.synchronize()
-            while self._cuda_pending:
-                self._append_cuda_span(self._cuda_pending.popleft())
+        """All spans, sorted, the pending CUDA pairs resolved (syncs once, at the end)."""
+        if self._cuda is not None:
+            self.spans.extend(Span(*fields) for fields in self._cuda.resolve(wait=True))
         self.spans.sort(key=lambda sp: sp.start)
         return self.spans
 
     def clear(self) -> None:
         self.spans.clear()
         self.batches.clear()
-        self._cuda_pending.clear()
-        self._cuda_origin = None
+        self._cuda = None
