@@ -124,3 +124,32 @@ def test_switched_off_the_masks_are_built_at_planning(qwen3):
     assert outs == reference, (
         "keep the switch: with grammar_delayed_sample off the masks are built at planning (ForwardBatch.mask), "
         "which in the normal loop is right, nothing being in flight: the outputs must still follow the grammar")
+
+
+FINISHED_RULE = ("the mask has one entry per row of the batch, also for a request that finished while the batch was "
+                 "in flight (its row is still in the batch: its result is dropped at the commit); leaving such a row "
+                 "out shifts the mask of every row after it onto the wrong request")
+
+
+def test_a_request_that_finished_meanwhile_keeps_its_row_in_the_delayed_masks(qwen3, monkeypatch):
+    """Half the requests stop on a stop token (the third of every cycle) while their next step is
+    in flight: the delayed sampling of that step still has their rows."""
+    import minisgl.features.grammar as grammar_module
+
+    rows_and_masks = []
+    launch_sample = grammar_module.launch_sample
+
+    def spy(engine, result, mask):
+        rows_and_masks.append((int(result.next_tokens.shape[0]), len(mask.allowed)))
+        return launch_sample(engine, result, mask)
+
+    monkeypatch.setattr(grammar_module, "launch_sample", spy)
+    sp = [SamplingParams(max_new_tokens=12, ignore_eos=True, grammar=CYCLE, temperature=0.0 if i % 2 else 0.8, seed=i,
+                         stop_token_ids=(20, 21, 22) if i % 2 == 0 else ()) for i in range(len(PROMPTS))]
+    llm, outs = generate(qwen3, "overlap", sp, rule=FINISHED_RULE)
+    overshoot = llm.stats.overshoot_tokens
+    llm.close()
+    assert overshoot > 0, "the workload must finish requests while their next step is in flight"
+    short = [(rows, masks) for rows, masks in rows_and_masks if rows != masks]
+    assert rows_and_masks and not short, f"{FINISHED_RULE} (rows and mask entries of such batches: {short[:3]})"
+    assert not broken(outs), f"outputs {broken(outs)} break their grammar: {FINISHED_RULE}"
