@@ -23,6 +23,7 @@ import ast
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 MAP_FILES = (ROOT / "lessons" / "readings" / "README.md", ROOT / "lessons" / "readings" / "sglang_overlap_loop.md")
@@ -114,12 +115,14 @@ def check_text(text: str, names: PackageNames) -> list[str]:
     return problems
 
 
-def scan() -> list[str]:
+def scan(upstream: Callable[[], list[str]] | None = None) -> list[str]:
+    """Every problem of the map: its minisgl names here, its SGLang and mini-SGLang names by
+    `upstream` (default: upstream_problems)."""
     names = PackageNames(ROOT / "minisgl")
     problems = []
     for path in MAP_FILES:
         problems += [f"{path.relative_to(ROOT)} {p}" for p in check_text(path.read_text(), names)]
-    return problems + upstream_problems()
+    return problems + (upstream or upstream_problems)()
 
 
 def upstream_problems() -> list[str]:
