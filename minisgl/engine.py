@@ -135,7 +135,8 @@ class Engine:
             m = self.model
             return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
                                      config.max_running_requests, deterministic=config.deterministic,
-                                     tensor_core_min_batch=config.tensor_core_decode_min_batch)
+                                     tensor_core_min_batch=config.tensor_core_decode_min_batch,
+                                     fast_decode_plan=config.fast_decode_plan)
         return TorchAttentionBackend(deterministic=config.deterministic)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:

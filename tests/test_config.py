@@ -94,7 +94,8 @@ def test_settings_reach_the_config(qwen3, tmp_path):
     given = dict(loop="normal", admission="optimistic", chunk_size=64, min_prefill_tokens=32, kv_tokens=300,
                  speculative_algorithm="standalone", speculative_num_steps=5,
                  speculative_draft_model_path=str(tmp_path),
-                 enable_mixed_chunk=True, fused_kernels=False, tensor_core_decode_min_batch=None, host_delay_ms=0.5)
+                 enable_mixed_chunk=True, fused_kernels=False, tensor_core_decode_min_batch=None, host_delay_ms=0.5,
+                 fast_decode_plan=False)
     with LLM(qwen3, device="cpu", **given) as llm:
         got = {name: getattr(llm.config, name) for name in given}
     assert got == {**given, "speculative_draft_model_path": tmp_path}
