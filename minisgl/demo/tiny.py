@@ -46,62 +46,18 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
 ARCHS = ("llama", "qwen2", "qwen3")
 
-# Shapes of each preset.  ``vocab_size=None`` means "the tokenizer's size".
-PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=None,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        dtype="float32",
-    ),
-    # head_dim 128 and GQA group 2, like Qwen3-0.6B: what FlashInfer's kernels support on GPU.
-    "small": dict(
-        hidden_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        intermediate_size=1024,
-        vocab_size=None,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        dtype="float32",
-    ),
-    "qwen3-0.6b": dict(
-        hidden_size=1024,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=True,
-        dtype="bfloat16",
-    ),
-    "qwen3-8b": dict(
-        hidden_size=4096,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=12288,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
-    ),
-}
+# Shapes of each preset: (hidden, layers, heads, kv heads, head_dim, intermediate, vocab, window, rope
+# theta, tied embeddings, dtype); a vocab of None means "the tokenizer's size". "small" has head_dim
+# 128 and GQA group 2, like Qwen3-0.6B: what FlashInfer's kernels support on a GPU.
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "vocab_size", "max_position_embeddings", "rope_theta", "tie_word_embeddings",
+               "dtype")
+PRESETS: dict[str, dict] = {name: dict(zip(_SHAPE_KEYS, shape)) for name, shape in {
+    "tiny": (64, 2, 4, 2, 16, 128, None, 2048, 10000.0, False, "float32"),
+    "small": (512, 2, 4, 2, 128, 1024, None, 4096, 10000.0, False, "float32"),
+    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072, 151936, 40960, 1_000_000.0, True, "bfloat16"),
+    "qwen3-8b": (4096, 36, 32, 8, 128, 12288, 151936, 40960, 1_000_000.0, False, "bfloat16"),
+}.items()}
 
 # A short, original English text used to train the tiny tokenizer.  It only
 # needs to contain ordinary words, digits and punctuation.
