@@ -101,7 +101,7 @@ class Engine:
         self.dtype = config.dtype
         self.mechanisms = config.mechanisms
         self.model = load_model(config.model_path, config.dtype, device)[0]
-        self.model.kernels = decoder_kernels(device, config.dtype)  # fused GPU kernels, or the torch reference
+        self.model.kernels = decoder_kernels(device, config.dtype, config.fused_kernels)  # or the torch reference
         if config.deterministic:
             # Batch-invariant kernels: a request's tokens then do not depend on which other
             # requests share its batches (see models/decoder.py Linear).
@@ -134,7 +134,9 @@ class Engine:
         if config.attention_backend == "flashinfer":
             m = self.model
             return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
-                                     config.max_running_requests, deterministic=config.deterministic)
+                                     config.max_running_requests, deterministic=config.deterministic,
+                                     tensor_core_min_batch=config.tensor_core_decode_min_batch,
+                                     fast_decode_plan=config.fast_decode_plan)
         return TorchAttentionBackend(deterministic=config.deterministic)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:

@@ -47,7 +47,7 @@ class InvariantError(AssertionError):
 
 def memory_report(sched: Owners) -> dict[str, int]:
     return {
-        "kv_total": sched.kv_pool.total,
+        "kv_total": sched.kv_pool.kv_tokens,
         "kv_free": sched.kv_pool.free_count,
         "kv_cached": sched.cache.total_size,
         "rows_total": sched.req_to_token.max_running_requests,

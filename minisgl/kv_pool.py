@@ -23,8 +23,7 @@ class KVPool:
     RESERVED_SLOT = 0
 
     def __init__(self, kv_tokens: int) -> None:
-        if kv_tokens < 1:
-            raise ValueError(f"kv_tokens must be >= 1, got {kv_tokens}")
+        self.kv_tokens = kv_tokens  # at least 3: the setting's range (settings.py)
         num_slots = kv_tokens + 1
         self.num_slots = num_slots
         # A stack: the most recently freed slot is handed out first, so reuse is immediate and
@@ -34,10 +33,6 @@ class KVPool:
         # call per allocated slot would cost host time on every decode step.
         self._is_free = bytearray([1]) * num_slots
         self._is_free[self.RESERVED_SLOT] = 0
-
-    @property
-    def total(self) -> int:
-        return self.num_slots - 1
 
     @property
     def free_count(self) -> int:

@@ -13,7 +13,6 @@ writes) >= `kv_committed_len` (positions written by batches already committed), 
 `committed_len` (prompt + committed output ids) lags the device by `inflight_samples`.
 """
 
-
 from __future__ import annotations
 
 import time
@@ -24,7 +23,6 @@ from .sampling_params import RequestTimes, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from .radix_cache import TreeNode
-
 
 
 class Req:

@@ -11,7 +11,7 @@ Read `normal_loop` and `overlap_loop` first: they share every other method and d
 The lag must never change a token, leak a slot or corrupt a cache entry: every place that
 protects that is marked `self.on("<mechanism>")`. The scheduler owns the request queues; its
 parts own the rest: `kv_ledger` (kv_ledger.py) KV accounting and the radix cache, `rows`
-(rows.py) the request rows and the batches in flight that use them, `batches` (planning.py)
+(rows.py) the request rows and the batches in flight that use them, `batch_builder` (planning.py)
 staging buffers and batch ids. Features plug in through `features` (seams.py).
 """
 
@@ -54,7 +54,7 @@ class Scheduler:
         self.kv_pool, self.cache = self.kv_ledger.kv_pool, self.kv_ledger.cache
         self.req_to_token = engine.req_to_token
         self.rows = RowTracker(engine.req_to_token, self.mechanisms)
-        self.batches = BatchBuilder(config)
+        self.batch_builder = BatchBuilder(config)
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt not fully launched (chunked prefill)
@@ -129,6 +129,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, req: Req) -> None:
+        if (req.params.grammar, req.params.logprobs) != (None, None) and None in (self.features.grammar,
+                                                                                 self.features.logprobs):
+            raise ValueError("grammars and logprobs need their features plugged in (minisgl.features.plug_in)")
         self.kv_ledger.check_fits(req)
         self.waiting.append(req)
 
@@ -201,7 +204,7 @@ class Scheduler:
             samples.append(sampled)
         self.stats.prefill_batches += 1
         self.stats.prefill_tokens += sum(qo_lens)
-        forward = self.batches.build(reqs, tokens, qo_lens, kv_lens, True, self.features)
+        forward = self.batch_builder.build(reqs, tokens, qo_lens, kv_lens, True, self.features)
         return Planned(forward, BatchView(forward.batch_id, True, reqs, [r.row for r in reqs],
                                           [r.row_generation for r in reqs], samples, qo_lens))
 
@@ -213,7 +216,8 @@ class Scheduler:
             self.running.reqs[:] = [r for r in self.running.reqs if not r.will_finish_by_length()]
         # <<< exercise 4
         admission = self.features.admission
-        if not self.running.reqs or (admission is not None and not admission.retract_for_decode(self)):
+        if not self.running.reqs or (admission is not None and not admission.retract_for_decode(
+                self.running.reqs, self.kv_ledger.available, self._retract)):
             return None
         reqs = self.running.reqs
         self.stats.overshoot_steps += sum(r.will_finish_by_length() for r in reqs)
@@ -229,7 +233,7 @@ class Scheduler:
                 self._release(req)
         self.stats.decode_batches += 1
         self.stats.decode_rows += len(reqs)
-        forward = self.batches.build(reqs, tokens, [1] * len(reqs), [r.launched_len for r in reqs], False,
+        forward = self.batch_builder.build(reqs, tokens, [1] * len(reqs), [r.launched_len for r in reqs], False,
                                      self.features)
         self.running.batch_id = forward.batch_id
         return Planned(forward, self.running)
@@ -249,7 +253,7 @@ class Scheduler:
             return False
         # Match at most prefill_len - 1 tokens: the prefill must compute one, for its logits.
         matched, node = self.cache.match_prefix(req.committed_ids()[:req.prefill_len - 1])
-        self.cache.lock(node)
+        self.cache.lock(node)  # before the headroom: its own prefix must not count as evictable
         need = self.kv_ledger.promise(req, len(matched))
         if self._kv_headroom() < need:
             self.cache.unlock(node)
@@ -284,6 +288,7 @@ class Scheduler:
         self.stats.batches += 1
         self.stats.events.append((SpanName.LAUNCH, forward.batch_id))
         if result.delayed is not None:  # the grammar seam: sample once batch n-1 is committed
+            assert self.unsampled is None, "a batch launched before the previous one was sampled"
             self.unsampled = InFlight(planned.view.snapshot(), result)
             self._sample_if_ready()
         return result
@@ -359,6 +364,15 @@ class Scheduler:
         its KV (checkpointed into the radix cache, the tail freed), then its row."""
         self.kv_ledger.release(req)
         self.rows.free(req.row)
+
+    def _retract(self, req: Req) -> None:
+        """Back to waiting, KV released (optimistic admission: features/retraction.py decides whom)."""
+        self.running.reqs.remove(req)
+        self._release(req)
+        req.reset_for_retract()
+        self.waiting.appendleft(req)
+        self.stats.retractions += 1
+        self.stats.events.append((SpanName.RETRACT, self.batch_builder.next_id))
 
     def _release_committed_aborts(self) -> None:
         for req in [r for r in self.releasing if not self.rows.in_flight(r.row)]:

@@ -467,12 +467,12 @@ if (req.row, req.row_generation) != (row, generation):
 DELAYED_SAMPLE = """
 result = inflight.result
 {check}
-with self.tracer.host(SpanName.SAMPLE, result.batch_id):
+with sched.tracer.host(SpanName.SAMPLE, result.batch_id):
     reqs = {reqs}
-    launch_sample(self.engine, result, {mask})
-self.stats.delayed_samples += 1
+    launch_sample(sched.engine, result, {mask})
+sched.stats.delayed_samples += 1
 """
-COMMITTED = 'assert self.rows.done_id == result.batch_id - 1, "sampling before the previous commit"'
+COMMITTED = 'assert sched.rows.done_id == result.batch_id - 1, "sampling before the previous commit"'
 MASK_NOW = "build_mask([r.params.grammar for r in reqs], [r.grammar_state for r in reqs])"
 DELAY_AT_PLANNING = """
 delay_sample = self.on("grammar_delayed_sample")
@@ -503,14 +503,14 @@ mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs])
     Wrong(10, "uncounted", "launches the delayed sampling but does not count it", "count each delayed sampling",
           {"launch the delayed sampling": DELAYED_SAMPLE.format(check=COMMITTED, reqs="inflight.view.reqs",
                                                                 mask=MASK_NOW).replace(
-              "self.stats.delayed_samples += 1", "")}),
+              "sched.stats.delayed_samples += 1", "")}),
     Wrong(10, "no-host-span", "builds the masks and launches the sampling outside the tracer's host span",
           "the timeline must show", {"launch the delayed sampling": f"""
 result = inflight.result
 {COMMITTED}
 reqs = inflight.view.reqs
-launch_sample(self.engine, result, {MASK_NOW})
-self.stats.delayed_samples += 1
+launch_sample(sched.engine, result, {MASK_NOW})
+sched.stats.delayed_samples += 1
 """}),
     Wrong(10, "no-commit-check", "samples without checking that the previous batch is committed",
           "refuse to sample a batch before every earlier batch is committed", delayed_sample(check="")),

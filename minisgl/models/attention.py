@@ -90,15 +90,8 @@ class AttentionBackend(Protocol):
 
     def plan(self, meta: AttentionMetadata, parity: int = 0) -> None: ...
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer_id: int,
-        meta: AttentionMetadata,
-        kv: KVCache,
-    ) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor: ...
 
 
 class TorchAttentionBackend:
