@@ -113,15 +113,17 @@ def graded(tmp_path_factory):
         teacher_files = snapshot(ROOT)
         home_before = snapshot(Path.home(), depth=1)
         started = time.monotonic()
+        temp = root / "tmp"  # this grader's scratch, apart from any other grading run on the machine
+        temp.mkdir()
         done = subprocess.run([sys.executable, "-m", "minisgl", "course", "grade", str(subs), "--out", str(out),
                                "--exercises", *GRADED, "--jobs", "2", "--check-limit", str(LIMIT_S)],
-                              capture_output=True, text=True, timeout=1800)
+                              capture_output=True, text=True, timeout=1800, env=dict(os.environ, TMPDIR=str(temp)))
         wall = time.monotonic() - started
         changed_in_checkout = sorted(set(snapshot(ROOT).items()) - set(teacher_files.items()))
         changed_in_home = sorted(set(snapshot(Path.home(), depth=1)) - set(home_before))
     finally:
         shutil.rmtree(subs, ignore_errors=True)
-    return done, out, wall, changed_in_checkout, changed_in_home
+    return done, out, wall, changed_in_checkout, changed_in_home, temp
 
 
 def snapshot(folder: Path, depth: int = 64) -> dict[str, int]:
@@ -144,7 +146,7 @@ def sheet(out: Path) -> dict[str, dict[str, str]]:
 
 
 def test_every_mark_of_the_class_is_right(graded):
-    done, out, wall, _, _ = graded
+    done, out, wall, _, _, _ = graded
     print(f"graded the class in {wall:.0f} s")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = sheet(out)
@@ -165,7 +167,7 @@ def test_every_mark_of_the_class_is_right(graded):
 
 
 def test_nothing_was_written_outside_the_copies_and_no_teacher_text_reached_a_message(graded):
-    done, out, _, changed_in_checkout, changed_in_home = graded
+    done, out, _, changed_in_checkout, changed_in_home, _ = graded
     assert not ESCAPED.exists() and changed_in_checkout == [] and changed_in_home == []
     assert sorted(p.name for p in out.iterdir()) == ["grade-details.csv", "grades.csv", "grades.json"]
     guide = (ROOT / "lessons" / "TEACHER.md").read_text()
@@ -178,15 +180,15 @@ def test_nothing_was_written_outside_the_copies_and_no_teacher_text_reached_a_me
 
 
 def test_no_process_of_the_class_outlived_its_check(graded):
-    alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p, grade.RUN_PREFIX)]
-    assert alive == []
+    temp = graded[-1]
+    alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p, f"{temp}/")]
+    assert alive == [] and list(temp.iterdir()) == []  # and its scratch is gone
 
 
 def _grading_process(proc: Path, folder: str) -> bool:
-    """A process of a grading run: working in its scratch (a check's fork), or started with its token."""
+    """A process of a grading run: working in its scratch (a check or what it forked)."""
     try:
-        return folder in os.readlink(proc / "cwd") or any(
-            var.startswith(judge.RUN_ENV.encode()) for var in (proc / "environ").read_bytes().split(b"\0"))
+        return os.readlink(proc / "cwd").startswith(folder)
     except OSError:
         return False
 
