@@ -45,7 +45,7 @@ from .logprobs import LogprobsHost
 from .models.sampler import apply_token_mask, sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
-from .models.decoder import DETERMINISTIC_ROWS, load_model, set_fixed_rows
+from .models.decoder import CPU_INVARIANT_ROWS, DETERMINISTIC_ROWS, load_model, set_fixed_rows
 from .tracer import BatchRecord, SpanName, Tracer
 
 
@@ -120,10 +120,12 @@ class Engine:
         self.mechanisms = config.mechanisms
         self.model = load_model(config.model_path, config.dtype, device)[0]
         self.model.kernels = decoder_kernels(device, config.dtype)  # fused GPU kernels, or the torch reference
-        if config.deterministic:
-            # Batch-invariant kernels: a request's tokens then do not depend on which other
-            # requests share its batches (see models/decoder.py Linear).
-            set_fixed_rows(self.model, DETERMINISTIC_ROWS)
+        # Batch-invariant kernels: a request's numbers then do not depend on which other requests
+        # share its batches, nor on its chunking (models/decoder.py Linear, models/attention.py).
+        # Always on the CPU; on CUDA only with `deterministic` (they cost too much there).
+        self.invariant = config.deterministic or device.type == "cpu"
+        if self.invariant:
+            set_fixed_rows(self.model, DETERMINISTIC_ROWS if device.type == "cuda" else CPU_INVARIANT_ROWS)
         self.device_delay_s = config.device_delay_ms / 1000.0
         self.backend = self._make_backend()
         # Device memory, allocated in one phase from the config; the scheduler receives the KV
@@ -153,7 +155,7 @@ class Engine:
             m = self.model
             return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
                                      config.max_running_requests, deterministic=config.deterministic)
-        return TorchAttentionBackend(deterministic=config.deterministic)
+        return TorchAttentionBackend(deterministic=self.invariant)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
         """Queue batch's forward + sampling on the engine stream; return without waiting."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +128,8 @@ class TorchAttentionBackend:
         # 1) Store the new tokens' K/V first, so the gather below sees them too.
         k_pool, v_pool = store_new_kv(k, v, layer_id, meta, kv)
 
+        if self.deterministic and q.device.type == "cpu":
+            return batch_invariant_attention(q, k_pool, v_pool, meta)
         if meta.is_decode and not self.deterministic:
             return decode_attention(q, k_pool, v_pool, meta)
         attend = invariant_attention if self.deterministic else causal_attention
@@ -214,14 +216,93 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
             scores = torch.einsum("qhd,khd->hqk", q_slab, k[keys]) / math.sqrt(head_dim)
             kv_pos = torch.arange(t * KV_TILE, (t + 1) * KV_TILE, device=q.device)
             scores = scores.masked_fill(kv_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-            new_best = torch.maximum(best, scores.amax(dim=-1, keepdim=True))
-            rescale = torch.exp(best - new_best)
-            weights = torch.exp(scores - new_best)
-            total = total * rescale + weights.sum(dim=-1, keepdim=True)
-            acc = acc * rescale + torch.einsum("hqk,khd->hqd", weights, v[keys])
-            best = new_best
+            best, total, acc = fold_key_tile(best, total, acc, scores,
+                                             lambda weights: torch.einsum("hqk,khd->hqd", weights, v[keys]))
         out[start:start + rows] = (acc / total).transpose(0, 1)[:rows].to(q.dtype)
     return out
+
+
+def fold_key_tile(best: torch.Tensor, total: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor,
+                  weigh_values: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of the online softmax: fold a tile's masked scores [..., Q, KV_TILE] into the
+    running max `best` and sum `total` [..., Q, 1] and the weighted values `acc` [..., Q, D];
+    `weigh_values(weights)` is weights @ the tile's values."""
+    new_best = torch.maximum(best, scores.amax(dim=-1, keepdim=True))
+    rescale = torch.exp(best - new_best)
+    weights = torch.exp(scores - new_best)
+    total = total * rescale + weights.sum(dim=-1, keepdim=True)
+    acc = acc * rescale + weigh_values(weights)
+    return new_best, total, acc
+
+
+def batch_invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                              meta: AttentionMetadata) -> torch.Tensor:
+    """Attention whose numbers for a query depend only on its position and its keys: not on the
+    batch, the chunking, or whether it is a decode row. The CPU's batch-invariant path: a few
+    batched matmuls per layer, where a Python loop per request would hold the GIL the host needs.
+
+    Every (query, kv head) pair is one matmul problem of the same shape: the kv head's `group`
+    query heads against a tile of KV_TILE keys aligned to absolute positions (tile t holds
+    positions t*KV_TILE ...), folded in order by an online softmax; a tile past a query's
+    position is an exact no-op for it (weights 0, rescale 1). Only how the problems are batched
+    differs: the one-token requests (decode rows) in one batch, each longer chunk in its own,
+    its queries sharing one copy of the keys.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    queries = q.float().view(num_tokens, num_kv_heads, group, head_dim)
+    q_starts = meta.qo_indptr[:-1].long()
+    singles = [b for b, n in enumerate(meta.qo_lens) if n == 1]
+    if singles:
+        index = torch.tensor(singles, device=q.device)
+        rows = q_starts[index]
+        keys, values = _gather_keys(k_pool, v_pool, meta, index, max(meta.kv_lens[b] for b in singles))
+        n = len(singles) * num_kv_heads  # problems: (row, kv head)
+        found = _fold_tiles(queries[rows].reshape(n, group, head_dim), keys.view(n, -1, head_dim),
+                            values.view(n, -1, head_dim), meta.positions[rows].repeat_interleave(num_kv_heads))
+        out[rows] = found.view(len(singles), num_heads, head_dim).to(q.dtype)
+    q_start = 0
+    for b, (q_len, kv_len) in enumerate(zip(meta.qo_lens, meta.kv_lens)):
+        if q_len > 1:
+            rows = slice(q_start, q_start + q_len)
+            keys, values = _gather_keys(k_pool, v_pool, meta, torch.tensor([b], device=q.device), kv_len)
+            for h in range(num_kv_heads):  # problems: the chunk's queries, one kv head's keys shared (no copy)
+                found = _fold_tiles(queries[rows, h], keys[0, h].expand(q_len, -1, -1),
+                                    values[0, h].expand(q_len, -1, -1), meta.positions[rows])
+                out[rows, h * group:(h + 1) * group] = found.to(q.dtype)
+        q_start += q_len
+    return out
+
+
+def _gather_keys(k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, reqs: torch.Tensor,
+                 longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of requests `reqs`, float32 [R, Hkv, L, D] with L = `longest` rounded up to
+    whole tiles; past a request's end any of its slots (its tiles there are masked)."""
+    length = -(-longest // KV_TILE) * KV_TILE
+    starts = meta.kv_indptr[:-1].long()[reqs]
+    ends = meta.kv_indptr[1:].long()[reqs]
+    index = (starts[:, None] + torch.arange(length, device=reqs.device)[None, :]).minimum(ends[:, None] - 1)
+    slots = meta.kv_indices[index]
+    return (k_pool[slots].float().permute(0, 2, 1, 3).contiguous(),
+            v_pool[slots].float().permute(0, 2, 1, 3).contiguous())
+
+
+def _fold_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """P problems: q [P, group, D] at positions q_pos [P] against keys/values [P, L, D] (L a
+    multiple of KV_TILE), tile by tile -> [P, group, D] float32."""
+    num, group, head_dim = q.shape
+    best = torch.full((num, group, 1), float("-inf"), device=q.device)
+    total = torch.zeros(num, group, 1, device=q.device)
+    acc = torch.zeros(num, group, head_dim, device=q.device)
+    for t in range(keys.shape[1] // KV_TILE):
+        tile = slice(t * KV_TILE, (t + 1) * KV_TILE)
+        scores = torch.bmm(q, keys[:, tile].transpose(1, 2)) / math.sqrt(head_dim)
+        kv_pos = torch.arange(t * KV_TILE, (t + 1) * KV_TILE, device=q.device)
+        scores = scores.masked_fill(kv_pos[None, None, :] > q_pos[:, None, None], float("-inf"))
+        best, total, acc = fold_key_tile(best, total, acc, scores, lambda weights: torch.bmm(weights, values[:, tile]))
+    return acc / total
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
