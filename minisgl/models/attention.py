@@ -13,6 +13,7 @@ tensor of T rows; `qo_indptr` says which rows belong to which request.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -245,64 +246,71 @@ def batch_invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     query heads against a tile of KV_TILE keys aligned to absolute positions (tile t holds
     positions t*KV_TILE ...), folded in order by an online softmax; a tile past a query's
     position is an exact no-op for it (weights 0, rescale 1). Only how the problems are batched
-    differs: the one-token requests (decode rows) in one batch, each longer chunk in its own,
-    its queries sharing one copy of the keys.
+    differs: the one-token requests (decode rows) in one batched matmul, each longer chunk in one
+    per kv head, its queries sharing one copy of the keys; the softmax folds them all at once.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
-    queries = q.float().view(num_tokens, num_kv_heads, group, head_dim)
-    q_starts = meta.qo_indptr[:-1].long()
+    device = q.device
+    # Problems in order, as flat (token, kv head) indices into q and the output; and their key
+    # sets: (first problem, problems, keys [n or 1, L, D], values) per batched matmul.
+    order: list[int] = []
+    sets: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+    q_starts = [0, *itertools.accumulate(meta.qo_lens)]
     singles = [b for b, n in enumerate(meta.qo_lens) if n == 1]
     if singles:
-        index = torch.tensor(singles, device=q.device)
-        rows = q_starts[index]
-        keys, values = _gather_keys(k_pool, v_pool, meta, index, max(meta.kv_lens[b] for b in singles))
-        n = len(singles) * num_kv_heads  # problems: (row, kv head)
-        found = _fold_tiles(queries[rows].reshape(n, group, head_dim), keys.view(n, -1, head_dim),
-                            values.view(n, -1, head_dim), meta.positions[rows].repeat_interleave(num_kv_heads))
-        out[rows] = found.view(len(singles), num_heads, head_dim).to(q.dtype)
-    q_start = 0
-    for b, (q_len, kv_len) in enumerate(zip(meta.qo_lens, meta.kv_lens)):
+        keys, values = _gather_keys(k_pool, v_pool, meta, singles, max(meta.kv_lens[b] for b in singles))
+        n = len(singles) * num_kv_heads
+        sets.append((0, n, keys.view(n, -1, head_dim), values.view(n, -1, head_dim)))
+        order += [q_starts[b] * num_kv_heads + h for b in singles for h in range(num_kv_heads)]
+    for b, q_len in enumerate(meta.qo_lens):
         if q_len > 1:
-            rows = slice(q_start, q_start + q_len)
-            keys, values = _gather_keys(k_pool, v_pool, meta, torch.tensor([b], device=q.device), kv_len)
-            for h in range(num_kv_heads):  # problems: the chunk's queries, one kv head's keys shared (no copy)
-                found = _fold_tiles(queries[rows, h], keys[0, h].expand(q_len, -1, -1),
-                                    values[0, h].expand(q_len, -1, -1), meta.positions[rows])
-                out[rows, h * group:(h + 1) * group] = found.to(q.dtype)
-        q_start += q_len
-    return out
+            keys, values = _gather_keys(k_pool, v_pool, meta, [b], meta.kv_lens[b])
+            for h in range(num_kv_heads):  # one kv head's keys, shared by the chunk's queries (no copy)
+                sets.append((len(order), q_len, keys[0, h][None], values[0, h][None]))
+                order += range(q_starts[b] * num_kv_heads + h, q_starts[b + 1] * num_kv_heads, num_kv_heads)
+    index = torch.tensor(order, device=device)
+    queries = q.float().view(num_tokens * num_kv_heads, group, head_dim)[index]  # [P, group, D]
+    q_pos = meta.positions[index // num_kv_heads]
+    num = len(order)
+    best = torch.full((num, group, 1), float("-inf"), device=device)
+    total = torch.zeros(num, group, 1, device=device)
+    acc = torch.zeros(num, group, head_dim, device=device)
+    for t in range(max(keys.shape[1] for _, _, keys, _ in sets) // KV_TILE):
+        tile = slice(t * KV_TILE, (t + 1) * KV_TILE)
+        live = [(first, n, keys[:, tile].expand(n, -1, -1), values[:, tile].expand(n, -1, -1))
+                for first, n, keys, values in sets if keys.shape[1] > t * KV_TILE]
+        scores = torch.full((num, group, KV_TILE), float("-inf"), device=device)  # a set without this tile: masked
+        for first, n, keys, _ in live:
+            torch.bmm(queries[first:first + n], keys.transpose(1, 2), out=scores[first:first + n])
+        scores = scores / math.sqrt(head_dim)
+        kv_pos = torch.arange(t * KV_TILE, (t + 1) * KV_TILE, device=device)
+        scores = scores.masked_fill(kv_pos[None, None, :] > q_pos[:, None, None], float("-inf"))
+
+        def weigh_values(weights: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(num, group, head_dim, device=device)
+            for first, n, _, values in live:
+                torch.bmm(weights[first:first + n], values, out=out[first:first + n])
+            return out
+
+        best, total, acc = fold_key_tile(best, total, acc, scores, weigh_values)
+    out = torch.empty(num_tokens * num_kv_heads, group, head_dim, dtype=q.dtype, device=device)
+    out[index] = (acc / total).to(q.dtype)
+    return out.view(num_tokens, num_heads, head_dim)
 
 
-def _gather_keys(k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, reqs: torch.Tensor,
+def _gather_keys(k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, reqs: list[int],
                  longest: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of requests `reqs`, float32 [R, Hkv, L, D] with L = `longest` rounded up to
     whole tiles; past a request's end any of its slots (its tiles there are masked)."""
     length = -(-longest // KV_TILE) * KV_TILE
-    starts = meta.kv_indptr[:-1].long()[reqs]
-    ends = meta.kv_indptr[1:].long()[reqs]
-    index = (starts[:, None] + torch.arange(length, device=reqs.device)[None, :]).minimum(ends[:, None] - 1)
-    slots = meta.kv_indices[index]
+    index = torch.tensor(reqs, device=meta.kv_indptr.device)
+    starts, ends = meta.kv_indptr[:-1].long()[index], meta.kv_indptr[1:].long()[index]
+    offsets = torch.arange(length, device=index.device)
+    slots = meta.kv_indices[(starts[:, None] + offsets[None, :]).minimum(ends[:, None] - 1)]
     return (k_pool[slots].float().permute(0, 2, 1, 3).contiguous(),
             v_pool[slots].float().permute(0, 2, 1, 3).contiguous())
-
-
-def _fold_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """P problems: q [P, group, D] at positions q_pos [P] against keys/values [P, L, D] (L a
-    multiple of KV_TILE), tile by tile -> [P, group, D] float32."""
-    num, group, head_dim = q.shape
-    best = torch.full((num, group, 1), float("-inf"), device=q.device)
-    total = torch.zeros(num, group, 1, device=q.device)
-    acc = torch.zeros(num, group, head_dim, device=q.device)
-    for t in range(keys.shape[1] // KV_TILE):
-        tile = slice(t * KV_TILE, (t + 1) * KV_TILE)
-        scores = torch.bmm(q, keys[:, tile].transpose(1, 2)) / math.sqrt(head_dim)
-        kv_pos = torch.arange(t * KV_TILE, (t + 1) * KV_TILE, device=q.device)
-        scores = scores.masked_fill(kv_pos[None, None, :] > q_pos[:, None, None], float("-inf"))
-        best, total, acc = fold_key_tile(best, total, acc, scores, lambda weights: torch.bmm(weights, values[:, tile]))
-    return acc / total
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
