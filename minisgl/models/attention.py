@@ -182,6 +182,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 Q_TILE, KV_TILE = 64, 256  # the fixed shapes of invariant_attention
+CPU_KV_TILE = 64  # the key tile of batch_invariant_attention (short prompts pad less)
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -243,8 +244,8 @@ def batch_invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     batched matmuls per layer, where a Python loop per request would hold the GIL the host needs.
 
     Every (query, kv head) pair is one matmul problem of the same shape: the kv head's `group`
-    query heads against a tile of KV_TILE keys aligned to absolute positions (tile t holds
-    positions t*KV_TILE ...), folded in order by an online softmax; a tile past a query's
+    query heads against a tile of CPU_KV_TILE keys aligned to absolute positions (tile t holds
+    positions t*CPU_KV_TILE ...), folded in order by an online softmax; a tile past a query's
     position is an exact no-op for it (weights 0, rescale 1). Only how the problems are batched
     differs: the one-token requests (decode rows) in one batched matmul, each longer chunk in one
     per kv head, its queries sharing one copy of the keys; the softmax folds them all at once.
@@ -277,15 +278,15 @@ def batch_invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     best = torch.full((num, group, 1), float("-inf"), device=device)
     total = torch.zeros(num, group, 1, device=device)
     acc = torch.zeros(num, group, head_dim, device=device)
-    for t in range(max(keys.shape[1] for _, _, keys, _ in sets) // KV_TILE):
-        tile = slice(t * KV_TILE, (t + 1) * KV_TILE)
+    for t in range(max(keys.shape[1] for _, _, keys, _ in sets) // CPU_KV_TILE):
+        tile = slice(t * CPU_KV_TILE, (t + 1) * CPU_KV_TILE)
         live = [(first, n, keys[:, tile].expand(n, -1, -1), values[:, tile].expand(n, -1, -1))
-                for first, n, keys, values in sets if keys.shape[1] > t * KV_TILE]
-        scores = torch.full((num, group, KV_TILE), float("-inf"), device=device)  # a set without this tile: masked
+                for first, n, keys, values in sets if keys.shape[1] > t * CPU_KV_TILE]
+        scores = torch.full((num, group, CPU_KV_TILE), float("-inf"), device=device)  # a set without this tile: masked
         for first, n, keys, _ in live:
             torch.bmm(queries[first:first + n], keys.transpose(1, 2), out=scores[first:first + n])
         scores = scores / math.sqrt(head_dim)
-        kv_pos = torch.arange(t * KV_TILE, (t + 1) * KV_TILE, device=device)
+        kv_pos = torch.arange(t * CPU_KV_TILE, (t + 1) * CPU_KV_TILE, device=device)
         scores = scores.masked_fill(kv_pos[None, None, :] > q_pos[:, None, None], float("-inf"))
 
         def weigh_values(weights: torch.Tensor) -> torch.Tensor:
@@ -304,7 +305,7 @@ def _gather_keys(k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMeta
                  longest: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of requests `reqs`, float32 [R, Hkv, L, D] with L = `longest` rounded up to
     whole tiles; past a request's end any of its slots (its tiles there are masked)."""
-    length = -(-longest // KV_TILE) * KV_TILE
+    length = -(-longest // CPU_KV_TILE) * CPU_KV_TILE
     index = torch.tensor(reqs, device=meta.kv_indptr.device)
     starts, ends = meta.kv_indptr[:-1].long()[index], meta.kv_indptr[1:].long()[index]
     offsets = torch.arange(length, device=index.device)
