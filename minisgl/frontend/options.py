@@ -118,7 +118,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reserve: promise prompt + max_new_tokens per request; optimistic: estimate what running "
                    "requests still need (new-token ratio) and retract when a decode step runs short")
     p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant kernels: a request's tokens do not depend on its batch")
+                   help="batch-invariant kernels on CUDA (the CPU always runs them): a request's tokens do not "
+                   "depend on its batch")
 
 
 def disabled_names(args: argparse.Namespace) -> list[str]:
