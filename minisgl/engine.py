@@ -120,9 +120,7 @@ class Engine:
         self.mechanisms = config.mechanisms
         self.model = load_model(config.model_path, config.dtype, device)[0]
         self.model.kernels = decoder_kernels(device, config.dtype)  # fused GPU kernels, or the torch reference
-        # Batch-invariant kernels: a request's numbers then do not depend on which other requests
-        # share its batches, nor on its chunking (models/decoder.py Linear, models/attention.py).
-        # Always on the CPU; on CUDA only with `deterministic` (they cost too much there).
+        # Batch-invariant kernels (models/decoder.py Linear, models/attention.py): always on the CPU.
         self.invariant = config.deterministic or device.type == "cpu"
         if self.invariant:
             set_fixed_rows(self.model, DETERMINISTIC_ROWS if device.type == "cuda" else CPU_INVARIANT_ROWS)

@@ -61,6 +61,7 @@ def test_a_prefix_decoded_once_is_the_same_prefilled_or_cached(qwen3):
     assert from_cache == prefilled == bits(first)[4:]
 
 
+@pytest.mark.full  # 20 s: the retraction workload twice
 def test_retraction_keeps_the_logprob_bits():
     """Optimistic admission retracts requests and prefills their outputs again: the same bits
     as reserve admission, which never retracts."""

@@ -165,7 +165,7 @@ print("main returns")
 """
 
 
-@pytest.mark.parametrize("loop", ["overlap", "normal"])
+@pytest.mark.parametrize("loop", ["overlap", pytest.param("normal", marks=pytest.mark.full)])
 def test_a_daemon_thread_inside_generate_at_exit_ends_quietly(qwen3, loop):
     script = DAEMON_SCRIPT.replace("LLM(sys.argv[1])", f"LLM(sys.argv[1], loop={loop!r})")
     done = subprocess.run([sys.executable, "-c", script, qwen3], capture_output=True, text=True, timeout=120)

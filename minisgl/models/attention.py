@@ -271,7 +271,9 @@ def batch_invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
             for h in range(num_kv_heads):  # one kv head's keys, shared by the chunk's queries (no copy)
                 sets.append((len(order), q_len, keys[0, h][None], values[0, h][None]))
                 order += range(q_starts[b] * num_kv_heads + h, q_starts[b + 1] * num_kv_heads, num_kv_heads)
-    index = torch.tensor(order, device=device)
+    # Clamped (here and in _gather_keys): the host's lengths and the device's metadata disagree
+    # only with a staging protection switched off, whose symptom is wrong tokens, not an IndexError.
+    index = torch.tensor(order, device=device).clamp(max=num_tokens * num_kv_heads - 1)
     queries = q.float().view(num_tokens * num_kv_heads, group, head_dim)[index]  # [P, group, D]
     q_pos = meta.positions[index // num_kv_heads]
     num = len(order)
@@ -306,10 +308,11 @@ def _gather_keys(k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMeta
     """Keys and values of requests `reqs`, float32 [R, Hkv, L, D] with L = `longest` rounded up to
     whole tiles; past a request's end any of its slots (its tiles there are masked)."""
     length = -(-longest // CPU_KV_TILE) * CPU_KV_TILE
-    index = torch.tensor(reqs, device=meta.kv_indptr.device)
+    index = torch.tensor(reqs, device=meta.kv_indptr.device).clamp(max=meta.kv_indptr.numel() - 2)
     starts, ends = meta.kv_indptr[:-1].long()[index], meta.kv_indptr[1:].long()[index]
     offsets = torch.arange(length, device=index.device)
-    slots = meta.kv_indices[(starts[:, None] + offsets[None, :]).minimum(ends[:, None] - 1)]
+    positions = (starts[:, None] + offsets[None, :]).minimum(ends[:, None] - 1)
+    slots = meta.kv_indices[positions.clamp(0, meta.kv_indices.numel() - 1)]
     return (k_pool[slots].float().permute(0, 2, 1, 3).contiguous(),
             v_pool[slots].float().permute(0, 2, 1, 3).contiguous())
 
