@@ -17,19 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import load_exercise_tool, tiered
+from .conftest import tiered
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "lessons" / "exercises" / "make_exercise.py"
 WRONG_LIMIT_S = 60  # a wrong solution must be reported within a minute, a hang included
 
 
-tool = load_exercise_tool("make_exercise")
-runner = load_exercise_tool("runner")
+from minisgl.course import make_exercise as tool
+from minisgl.course import runner
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "minisgl.course.make_exercise", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -51,12 +50,12 @@ def test_markers_are_well_formed_and_cover_every_exercise():
     numbers = {n for ns in files.values() for n in ns}
     assert numbers == set(tool.EXERCISES), (numbers, sorted(tool.EXERCISES))
     # the files the lessons may mark: the core the lessons read
-    assert set(map(str, files)) <= {"scheduler.py", "planning.py", "commit_results.py", "release.py", "batch.py",
-                                    "future_map.py", "staging.py", "engine.py"}
+    assert set(map(str, files)) <= {"scheduler.py", "kv_ledger.py", "rows.py", "batch.py", "future_map.py",
+                                    "staging.py", "engine.py", "features/grammar.py"}
 
 
 def test_each_title_names_the_files_that_hold_its_regions():
-    """`make exercises` tells a learner where to look: "(release.py, 2 places)" must be where the regions are."""
+    """`make exercises` tells a learner where to look: "(rows.py, 2 places)" must be where the regions are."""
     holders = {n: set() for n in tool.EXERCISES}
     for rel, numbers in tool.marked_files().items():
         for n in numbers:
@@ -117,7 +116,7 @@ def test_skeleton_fails_cleanly_with_not_implemented(tmp_path, number):
         left = [r for r in tool.regions(skeleton.splitlines()) if r.number == number]
         assert not left, f"{rel}: exercise {number} regions left in the skeleton"
         expected = sum(r.number == number for r in tool.regions((tool.PACKAGE / rel).read_text().splitlines()))
-        raises = re.findall(rf"NotImplementedError\((['\"])exercise {number}: (.+?) \(make hint-{number} for hints\)\1\)",
+        raises = re.findall(rf"NotImplementedError\((['\"])exercise {number}: (.+?) \(hints: python -m minisgl course hint {number}\)\1\)",
                             skeleton)  # repr() quotes a name holding an apostrophe with double quotes
         assert len(raises) == expected and {name for _, name in raises} <= names  # one raise per region, naming the part only
     report = runner.run_checks(tmp_path, number, stop_at_first_failure=True)
@@ -157,7 +156,7 @@ def test_every_exercise_keeps_at_least_four_wrong_solutions():
 # the full tier all of them.
 FAST_WRONG = {1: "live-view-like-normal-loop", 2: "key-by-position", 3: "deep-copied-requests", 4: "no-lookahead",
               5: "not-reported", 6: "one-batch-too-early", 7: "inverted-query", 8: "reversed-stream-wait",
-              9: "no-skip", 10: "live-running-batch"}
+              9: "no-skip", 10: "grammar-rows-only"}
 
 
 @pytest.mark.parametrize("wrong", tiered([(w,) for w in tool.WRONG],

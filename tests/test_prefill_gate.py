@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams, demo_model_path
-from minisgl.admission import GATE_DRAIN_FRACTION, PrefillGate
-from minisgl.config import DEFAULTS
+from minisgl.features.prefill_gate import GATE_DRAIN_FRACTION, PrefillGate
+from minisgl.settings import SETTING
 from minisgl.demo.tasks import demo_prompts
 from minisgl.demo.workloads import early_stop_workload
 from minisgl.request import Req
@@ -53,7 +53,15 @@ def test_gate_opens_for_a_small_queue_nothing_running_a_continuing_chunk_or_a_dr
     assert is_open(queue, free_rows=1, running=int(GATE_DRAIN_FRACTION * 100))  # decode would no longer be full
     assert not is_open(queue, free_rows=1, running=int(GATE_DRAIN_FRACTION * 100) + 1)
     assert not is_open(queue, running=98)  # 8 free rows in the table, but 2 left under max_running_requests
-    assert is_open(queue, free_rows=0, target=0)  # off: _admit alone decides
+
+
+def test_a_gate_of_zero_is_not_plugged_in():
+    """min_prefill_tokens=0 (the CPU's default): the seam stays empty and _admit alone decides."""
+    for target in (0, 64):
+        llm = LLM(demo_model_path(), min_prefill_tokens=target)
+        gate = llm.scheduler.features.prefill_gate
+        assert (gate is None) == (target == 0) and (gate is None or gate.target == target)
+        llm.close()
 
 
 def test_gate_takes_requests_in_queue_order():
@@ -140,10 +148,11 @@ def test_gate_with_optimistic_admission_and_retraction():
 
 
 def test_min_prefill_tokens_default_and_checks(qwen3):
+    gate, chunk = SETTING["min_prefill_tokens"], SETTING["chunk_size"]
     with LLM(qwen3, device="cpu", chunk_size=64) as llm:
-        assert llm.config.min_prefill_tokens == DEFAULTS.min_prefill_tokens(torch.device("cpu")) == 0
+        assert llm.config.min_prefill_tokens == gate.default_for(torch.device("cpu")) == 0
     # The CUDA default must be reachable: no prefill batch holds more than a chunk.
-    assert 0 < DEFAULTS.min_prefill_tokens(torch.device("cuda")) <= DEFAULTS.chunk_size_cuda
+    assert 0 < gate.default_for(torch.device("cuda")) <= chunk.default_for(torch.device("cuda"))
     with pytest.raises(ValueError, match="min_prefill_tokens must be at most chunk_size"):
         LLM(qwen3, device="cpu", chunk_size=64, min_prefill_tokens=65)
     with pytest.raises(ValueError, match="min_prefill_tokens"):

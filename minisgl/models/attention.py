@@ -91,15 +91,8 @@ class AttentionBackend(Protocol):
 
     def plan(self, meta: AttentionMetadata, parity: int = 0) -> None: ...
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer_id: int,
-        meta: AttentionMetadata,
-        kv: KVCache,
-    ) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor: ...
 
 
 class TorchAttentionBackend:
@@ -339,3 +332,18 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     out = torch.einsum("bhk,bkhd->bhd", scores.softmax(dim=-1), v)
     return out.to(q.dtype)
+
+
+def paged_metadata(qo_lens: list[int], kv_lens: list[int], prefill: bool, inp, table: torch.Tensor) -> AttentionMetadata:
+    """Gather every request's KV slots from its row of the request table (`table`), on the device.
+    `inp`: the batch's staged inputs on the device (staging.DeviceInputs)."""
+    kv_ids = torch.arange(sum(kv_lens), device=table.device)  # the host lists: no device-to-host sync
+    # Request of every KV entry, then its position inside that request. Clamped, so that metadata
+    # overwritten under our feet ("staging_double_buffer" off) reads wrong slots, as a GPU kernel
+    # would, instead of raising.
+    req_of_kv = torch.searchsorted(inp.kv_indptr[1:], kv_ids, right=True).clamp(max=len(qo_lens) - 1)
+    pos_in_req = (kv_ids - inp.kv_indptr[req_of_kv]).clamp(0, table.shape[1] - 1)
+    return AttentionMetadata(positions=inp.positions, out_slots=inp.out_slots,
+                             qo_indptr=inp.qo_indptr.to(torch.int32), kv_indptr=inp.kv_indptr.to(torch.int32),
+                             kv_indices=table[inp.rows[req_of_kv], pos_in_req], qo_lens=qo_lens, kv_lens=kv_lens,
+                             prefill=prefill)

@@ -10,7 +10,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.batch import InFlight
-from minisgl.grammar import Grammar
+from minisgl.features.grammar import Grammar
 from minisgl.tracer import HOST_LANE, SpanName
 
 PROMPTS = ["hello there", "the lazy dog jumps over the fox and runs far away", "count 1 to 9:", "abc def",
@@ -19,7 +19,7 @@ CYCLE = Grammar({0: {5: 1, 6: 1, 7: 1}, 1: {10: 2, 11: 2, 12: 2}, 2: {20: 0, 21:
 MIXED = (0, 3, 4)  # the prompts with a grammar in the mixed workload: greedy, seeded, greedy
 
 STATE_RULE = ("each row's mask comes from its request's grammar state NOW, when every earlier batch is committed "
-              "(build it inside _sample_if_delayed, from the batch's own requests): a mask built at planning is one "
+              "(build it inside DelayedSampling.launch, from the batch's own requests): a mask built at planning is one "
               "token behind in the overlap loop, and the outputs break their grammar")
 ROW_RULE = ("the mask has one entry per row of the batch, in the batch's order, each from that row's own request; a "
             "request without a grammar is unconstrained (its entry is None: build_mask does that) and samples what it "
@@ -94,20 +94,16 @@ def test_sampling_before_the_previous_batch_is_committed_is_refused(qwen3):
         llm.add_request(prompt, sp)
     scheduler = llm.scheduler
     launched = []
-    for _ in range(2):
+    for _ in range(2):  # batch 0 samples at its launch (nothing earlier); batch 1's sampling waits
         planned = scheduler.schedule()
         launched.append(InFlight(planned.view.snapshot(), scheduler.launch(planned)))
-        if len(launched) == 1:
-            scheduler._sample_if_delayed(launched[0])  # nothing earlier: batch 0 may sample
     refused = False
     try:
-        scheduler._sample_if_delayed(launched[1])  # batch 0 is still in flight: its tokens are not in the states
+        scheduler.features.grammar.launch(launched[1])  # batch 0 is in flight: its tokens are not in the states
     except (AssertionError, RuntimeError):
         refused = True
     finally:
-        scheduler.commit(launched[0])
-        if launched[1].result.delayed is not None:
-            scheduler._sample_if_delayed(launched[1])
+        scheduler.commit(launched[0])  # launches batch 1's delayed sampling
         scheduler.commit(launched[1])
         llm.close()
     assert refused, ("refuse to sample a batch before every earlier batch is committed (assert it: the last batch "
@@ -128,3 +124,32 @@ def test_switched_off_the_masks_are_built_at_planning(qwen3):
     assert outs == reference, (
         "keep the switch: with grammar_delayed_sample off the masks are built at planning (ForwardBatch.mask), "
         "which in the normal loop is right, nothing being in flight: the outputs must still follow the grammar")
+
+
+FINISHED_RULE = ("the mask has one entry per row of the batch, also for a request that finished while the batch was "
+                 "in flight (its row is still in the batch: its result is dropped at the commit); leaving such a row "
+                 "out shifts the mask of every row after it onto the wrong request")
+
+
+def test_a_request_that_finished_meanwhile_keeps_its_row_in_the_delayed_masks(qwen3, monkeypatch):
+    """Half the requests stop on a stop token (the third of every cycle) while their next step is
+    in flight: the delayed sampling of that step still has their rows."""
+    import minisgl.features.grammar as grammar_module
+
+    rows_and_masks = []
+    launch_sample = grammar_module.launch_sample
+
+    def spy(engine, result, mask):
+        rows_and_masks.append((int(result.next_tokens.shape[0]), len(mask.allowed)))
+        return launch_sample(engine, result, mask)
+
+    monkeypatch.setattr(grammar_module, "launch_sample", spy)
+    sp = [SamplingParams(max_new_tokens=12, ignore_eos=True, grammar=CYCLE, temperature=0.0 if i % 2 else 0.8, seed=i,
+                         stop_token_ids=(20, 21, 22) if i % 2 == 0 else ()) for i in range(len(PROMPTS))]
+    llm, outs = generate(qwen3, "overlap", sp, rule=FINISHED_RULE)
+    overshoot = llm.stats.overshoot_tokens
+    llm.close()
+    assert overshoot > 0, "the workload must finish requests while their next step is in flight"
+    short = [(rows, masks) for rows, masks in rows_and_masks if rows != masks]
+    assert rows_and_masks and not short, f"{FINISHED_RULE} (rows and mask entries of such batches: {short[:3]})"
+    assert not broken(outs), f"outputs {broken(outs)} break their grammar: {FINISHED_RULE}"
