@@ -97,8 +97,8 @@ SETTINGS: tuple[Setting, ...] = (
             kind=str, choices=get_args(AttentionBackendChoice)),
     Setting("host_delay_ms", 0.0, "emulated extra scheduler (host) work per loop iteration (the lab's knob)",
             kind=float, high=MAX_DELAY_MS),
-    Setting("deterministic", False, "batch-invariant kernels: a request's tokens do not depend on its batch",
-            kind=bool),
+    Setting("deterministic", False, "batch-invariant kernels on CUDA (the CPU always runs them): a request's "
+            "tokens do not depend on its batch", kind=bool),
     Setting("admission", "reserve", "reserve: promise prompt + max_new_tokens per request; optimistic: estimate "
             "what running requests still need (new-token ratio) and retract when a decode step runs short",
             kind=str, choices=get_args(Admission)),
