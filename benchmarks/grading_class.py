@@ -28,7 +28,7 @@ from pathlib import Path
 from minisgl.course import ROOT
 from minisgl.course.grade import put_regions, written_regions
 from minisgl.course.student_edition import write_student_edition
-from minisgl.course.wrong_solutions import WRONG
+from minisgl.course.make_exercise import WRONG
 
 OUTSIDE_LINE = "        req.released = True\n"  # a line of KVLedger.release (kv_ledger.py), outside its regions
 

@@ -17,7 +17,7 @@ import pytest
 
 from minisgl.course import ROOT, grade, judge, region_policy, submission
 from minisgl.course import student_edition as edition
-from minisgl.course.wrong_solutions import WRONG
+from minisgl.course.make_exercise import WRONG
 
 IMPORT_LINE = "import copy\n"
 

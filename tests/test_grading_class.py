@@ -33,7 +33,7 @@ import pytest
 
 from minisgl.course import ROOT, grade, judge
 from minisgl.course import student_edition as edition
-from minisgl.course.wrong_solutions import WRONG
+from minisgl.course.make_exercise import WRONG
 
 pytestmark = pytest.mark.full
 GRADED = ["2", "3"]
@@ -193,16 +193,15 @@ def _grading_process(proc: Path, folder: str) -> bool:
         return False
 
 
-def test_a_report_forged_past_the_region_check_is_caught_by_the_judge(tmp_path, monkeypatch):
+def test_a_report_forged_past_the_region_check_is_caught_by_the_judge(tmp_path):
     """With the region check off, the forger's code runs and rewrites pytest's reports: the judge's
     canary (a test that must fail) comes back passed, and the check earns nothing. The forker's
     child, moved to a session of its own, does not outlive its check."""
     base = edition.write_student_edition(tmp_path / "edition")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    j = judge.Judge(base, scratch, REFERENCE, LIMIT_S, "forged-test")
+    j = judge.Judge(base, scratch, REFERENCE, LIMIT_S, "forged-test", vet=lambda code: [])
     j.learn_expected(3)
-    monkeypatch.setattr(judge, "region_problems", lambda code: [])
     verdict = j.check(3, {"snapshot": textwrap.dedent(HOSTILE_EX3["forger"])})
     assert verdict.status == "forged" and verdict.mark == 0.0, verdict
     forker = ("import os\nif 'FORKED' not in os.environ:\n    os.environ['FORKED'] = '1'\n"

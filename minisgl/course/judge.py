@@ -39,6 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from minisgl.course.catalog import EXERCISES
 from minisgl.course.make_exercise import CONFTEST, PYTEST_INI, Wrong, marked_files, replace_regions
@@ -233,8 +234,10 @@ class Judge:
     private folder (removed by the caller), `fill` the code put between the other exercises'
     markers, `limit_s` the teacher's limit per check."""
 
-    def __init__(self, edition: Path, scratch: Path, fill: dict[int, dict[str, str]], limit_s: float, token: str):
+    def __init__(self, edition: Path, scratch: Path, fill: dict[int, dict[str, str]], limit_s: float, token: str,
+                 vet: Callable[[str], list[str]] = region_problems):
         self.edition, self.scratch, self.fill, self.limit_s, self.token = edition, scratch, fill, limit_s, token
+        self.vet = vet  # region code -> why it may not run (tests switch it off to reach the judge's own checks)
         self.exercise_tests = edition / "lessons" / "exercises" / "tests"
         self.texts = TestTexts([edition / "tests", self.exercise_tests])
         self.expected: dict[int, dict[str, str]] = {}  # exercise -> test -> its outcome on the reference
@@ -395,7 +398,7 @@ class Judge:
     def check(self, number: int, bodies: dict[str, str]) -> CheckVerdict:
         """The verdict on `bodies` between exercise `number`'s markers."""
         expected = self.expected[number]
-        problems = [p for code in bodies.values() for p in region_problems(code)]
+        problems = [p for code in bodies.values() for p in self.vet(code)]
         if problems:
             rule = "; ".join(dict.fromkeys(problems))[:300]
             return CheckVerdict(number, "refused", tuple(TestVerdict(t, False, rule) for t in expected), 0.0,

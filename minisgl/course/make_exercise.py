@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import os
 import re
 import shutil
@@ -49,14 +50,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minisgl.course import EXERCISE_TESTS, PACKAGE, ROOT, WORK
-from minisgl.course.catalog import EXERCISES
+from minisgl.course.catalog import EXERCISES, Wrong
 from minisgl.frontend.options import OneLineParser
 
-try:
-    from minisgl.course.wrong_solutions import WRONG, Wrong
-    STUDENT_EDITION = False
-except ModuleNotFoundError:  # the student edition (student_edition.py) ships no known-wrong solutions, and
-    WRONG, STUDENT_EDITION = [], True  # its learner writes every region in minisgl/ itself
+# The known-wrong solutions are course content (lessons/exercises/), loaded by path; the student
+# edition ships none, and its learner writes every region in minisgl/ itself.
+WRONG_SOLUTIONS = EXERCISE_TESTS.parent / "wrong_solutions.py"
+STUDENT_EDITION = not WRONG_SOLUTIONS.exists()
+
+
+def _known_wrong() -> list[Wrong]:
+    if STUDENT_EDITION:
+        return []
+    spec = importlib.util.spec_from_file_location("minisgl_course_wrong_solutions", WRONG_SOLUTIONS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.WRONG
+
+
+WRONG = _known_wrong()
 
 START = re.compile(r"^(?P<indent>[ \t]*)# >>> exercise (?P<n>\d+): (?P<name>.+?)\s*$")
 END = re.compile(r"^[ \t]*# <<< exercise (?P<n>\d+)\s*$")

@@ -28,7 +28,7 @@ from minisgl.course.make_exercise import ROOT, marked_files, replace_regions
 # copies of the reference), and the tools and tests that need the reference to work.
 TEACHER_ONLY = frozenset({
     "lessons/TEACHER.md",
-    "minisgl/course/wrong_solutions.py",
+    "lessons/exercises/wrong_solutions.py",
     "minisgl/course/student_edition.py",
     "minisgl/course/grade.py",
     "minisgl/course/judge.py",

@@ -10,16 +10,7 @@ shows a teacher what a learner with that mistake sees.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-
-@dataclass(frozen=True)
-class Wrong:
-    exercise: int
-    name: str
-    story: str  # the mistake, in one line
-    expect: str  # a phrase the first failure (or the hang report) must contain
-    regions: dict[str, str] = field(default_factory=dict)  # region name -> code put there (any indent)
+from minisgl.course.catalog import Wrong
 
 
 OVERLAP_LOOP = """
