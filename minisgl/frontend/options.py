@@ -133,17 +133,19 @@ def model_dir(args: argparse.Namespace) -> Path:
     return demo_model_path()
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The LLM keyword arguments the engine flags give."""
+    return dict(device=args.device, dtype=args.dtype, loop=args.loop, disable=disabled_names(args),
+                device_delay_ms=args.device_delay_ms, host_delay_ms=args.host_delay_ms,
+                max_running_requests=args.max_running_requests, chunk_size=args.chunk_size, kv_tokens=args.kv_tokens,
+                deterministic=getattr(args, "deterministic", False), admission=getattr(args, "admission", "reserve"),
+                min_prefill_tokens=getattr(args, "min_prefill_tokens", None))
+
+
 def build_llm(args: argparse.Namespace, **overrides):
     from .llm import LLM
 
-    kwargs = dict(device=args.device, dtype=args.dtype, loop=args.loop, disable=disabled_names(args),
-                  device_delay_ms=args.device_delay_ms, host_delay_ms=args.host_delay_ms, max_running_requests=args.max_running_requests,
-                  chunk_size=args.chunk_size, kv_tokens=args.kv_tokens,
-                  deterministic=getattr(args, "deterministic", False),
-                  admission=getattr(args, "admission", "reserve"),
-                  min_prefill_tokens=getattr(args, "min_prefill_tokens", None))
-    kwargs.update(overrides)
-    return LLM(model_dir(args), **kwargs)
+    return LLM(model_dir(args), **{**engine_kwargs(args), **overrides})
 
 
 def check_output_file(path: str | None, option: str) -> None:
