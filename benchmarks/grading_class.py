@@ -31,7 +31,7 @@ from make_exercise import ROOT  # noqa: E402
 from student_edition import write_student_edition  # noqa: E402
 from wrong_solutions import WRONG  # noqa: E402
 
-OUTSIDE_LINE = "        req.released = True\n"  # a line of Scheduler._release (release.py), outside its regions
+OUTSIDE_LINE = "        req.released = True\n"  # a line of KVLedger.release (kv_ledger.py), outside its regions
 
 
 def as_patch(base: Path, tree: Path, patch: Path) -> None:

@@ -12,9 +12,8 @@ from common import (console, demo_pairs, figure, header, lesson_main, notice, pa
 
 from minisgl import SamplingParams
 from minisgl.engine import Engine
-from minisgl.grammar import Grammar, build_mask
-from minisgl.logprobs import logprob_rows
-from minisgl.scheduler import Scheduler
+from minisgl.features.grammar import DelayedSampling, Grammar, build_mask
+from minisgl.features.logprobs import plan_logprobs
 
 SPACE, DIGITS, EOS = 223, range(18, 28), 1  # the demo tokenizer's " ", "0".."9" and EOS
 DIGITS_THEN_STOP = Grammar.sequence_of([[SPACE], DIGITS], repeat_last=True, end=[EOS])
@@ -84,7 +83,7 @@ def logprobs(prompts, delay_ms: float) -> None:
 def main() -> None:
     args = parse_args(__doc__, delay_ms=10.0)
     header(11, "constrained decoding: delayed sampling, its cost, and logprobs",
-           [Scheduler._sample_if_delayed, Engine.launch_sample, build_mask, logprob_rows,
+           [DelayedSampling.launch, Engine.launch_sample, build_mask, plan_logprobs,
             "lessons/readings §16, §17 (000 「Overlap Scheduler 的执行时间线」)"])
     pairs = demo_pairs(6 if args.quick else 12)
     prompts = [p for p, _ in pairs]

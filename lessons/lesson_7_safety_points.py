@@ -10,6 +10,7 @@ from common import (BAD, OK, console, demo_pairs, differing, figure, header, les
                     per_run, run, section)
 
 from minisgl import SamplingParams
+from minisgl.rows import RowTracker
 from minisgl.scheduler import Scheduler
 from minisgl.staging import StagingRing
 
@@ -30,15 +31,15 @@ def commit_point_and_staging(pairs, delay_ms: float) -> None:
     per_run(f"{len(prompts)} requests, max_new_tokens 2..6; wrong = outputs that differ from the normal loop's",
             runs, {
                 "wrong": lambda r: f"{differing(r.tokens, ref.tokens)}/{len(prompts)}",
-                "staging waits": lambda r: str(r.llm.scheduler.staging.waits),
-                "unread rewrites": lambda r: str(r.llm.scheduler.staging.unread_overwrites),
+                "staging waits": lambda r: str(r.llm.scheduler.batches.staging.waits),
+                "unread rewrites": lambda r: str(r.llm.scheduler.batches.staging.unread_overwrites),
                 "first text": lambda r: repr(r.outs[0].text),
             })
     console.print("  staging waits: the host waited for the device to read a buffer; unread rewrites: it "
                   "rewrote one the device had not read yet")
     for r in runs:
         figure(f"wrong outputs ({r.label})", differing(r.tokens, ref.tokens), "{:d}")
-        figure(f"unread overwrites ({r.label})", r.llm.scheduler.staging.unread_overwrites, "{:d}")
+        figure(f"unread overwrites ({r.label})", r.llm.scheduler.batches.staging.unread_overwrites, "{:d}")
 
 
 def row_reuse(delay_ms: float) -> None:
@@ -67,7 +68,7 @@ def row_reuse(delay_ms: float) -> None:
 def main() -> None:
     args = parse_args(__doc__, delay_ms=2.0)
     header(7, "safety points: release only after the last device use",
-           [Scheduler._release, Scheduler._free_row, Scheduler._free_deferred_rows, Scheduler._commit_results,
+           [Scheduler._release, RowTracker.free, RowTracker.free_deferred, Scheduler._commit_results,
             StagingRing.acquire,
             "lessons/readings §9, §7, §4 (000 「缓存 checkpoint 与资源回收的安全点」, 「延迟提交：何时才能修改请求真值」)"])
     commit_point_and_staging(demo_pairs(8 if args.quick else 16), args.delay_ms)

@@ -10,7 +10,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "MECHANISMS", "demo_model_p
 
 # Imported on first use: `python -m minisgl` runs this file before the command line can catch a
 # Ctrl-C, and importing torch and transformers takes seconds (a Ctrl-C then was a traceback).
-_LAZY = {"LLM": ".frontend.llm", "SamplingParams": ".request", "RequestOutput": ".request", "MECHANISMS": ".mechanisms"}
+_LAZY = {"LLM": ".frontend.llm", "SamplingParams": ".sampling_params", "RequestOutput": ".sampling_params", "MECHANISMS": ".mechanisms"}
 
 
 def __getattr__(name: str):

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
-from .admission import Admission
 from .checks import MAX_DELAY_MS, MAX_RUNNING_REQUESTS, MAX_TOKENS, check_bool, check_int, check_real
 from .mechanisms import Mechanisms
 
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 Loop = Literal["normal", "overlap"]
+Admission = Literal["reserve", "optimistic"]  # optimistic: features/retraction.py
 AttentionBackendChoice = Literal["auto", "torch", "flashinfer"]
 AttentionBackendName = Literal["torch", "flashinfer"]  # what "auto" resolves to
 

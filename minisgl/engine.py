@@ -29,7 +29,8 @@ import gc
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,10 +40,8 @@ from .config import EngineConfig
 from .gpu.flashinfer_backend import FlashInferBackend
 from .gpu.fused_ops import decoder_kernels
 from .future_map import FutureMap
-from .grammar import TokenMask
 from .kv_pool import KVPool, ReqToTokenPool
-from .logprobs import LogprobsHost
-from .models.sampler import apply_token_mask, sample
+from .models.sampler import sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
 from .models.decoder import DETERMINISTIC_ROWS, load_model, set_fixed_rows
@@ -59,13 +58,11 @@ class ForwardBatch:
     kv_lens: list[int]  # positions per request after this batch (prefix + new)
     staging: StagingBuffer  # device-bound metadata, written by the scheduler
     all_greedy: bool
-    # Sampling after the forward only once the host has built the masks (a grammar in the batch:
-    # Engine.launch_sample); otherwise sampling runs right after the forward, with `mask`.
+    # The feature seams (seams.py), all unset in a plain batch. A grammar in the batch: sampling
+    # waits for the host's masks (Engine.launch_sample), or `mask` was built at planning.
     delay_sample: bool = False
-    mask: TokenMask | None = None  # built at planning (no grammar, or grammar_delayed_sample off)
-    logprob_rows: list[int] = field(default_factory=list)  # rows returning logprobs (logprobs.py)
-    logprob_indices: list[int] = field(default_factory=list)  # the output index each of those rows samples
-    logprob_k: int = 0  # the largest top-k those rows asked for
+    mask: Any = None  # features/grammar.py TokenMask
+    logprobs: Any = None  # features/logprobs.py LogprobsPlan: rows and output indices fixed at planning
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +88,7 @@ class ForwardResult:
     next_tokens: torch.Tensor  # [B] on the device
     next_tokens_host: torch.Tensor  # [B] on the host, valid after copy_done
     copy_done: Event  # after the last device work of the batch (its sampling's copy to the host)
-    logprobs: LogprobsHost | None = None  # valid after copy_done; rows fixed at planning
+    logprobs: Any = None  # features/logprobs.py LogprobsHost, valid after copy_done
     delayed: DelayedSample | None = None  # set until the delayed sampling is launched
 
 
@@ -164,8 +161,7 @@ class Engine:
         next_tokens = torch.empty(B, dtype=torch.int64, device=self.device)
         pinned = self.device.type == "cuda" and self.mechanisms.on("pinned_copy")
         next_tokens_host = torch.empty(B, dtype=torch.int64, pin_memory=pinned)
-        # The rows come from the batch, fixed at planning: the launch snapshot (logprobs.py).
-        logprobs = LogprobsHost.empty(batch.logprob_rows, batch.logprob_indices, batch.logprob_k, pinned) if batch.logprob_rows else None
+        logprobs = batch.logprobs.allocate(pinned) if batch.logprobs is not None else None
         held: list[tuple[torch.Tensor, DeviceInputs]] = []  # a delayed sampling's logits (launch_sample)
         inputs: list[DeviceInputs] = []
         span: list[object] = []
@@ -201,7 +197,7 @@ class Engine:
         return ForwardResult(batch.batch_id, next_tokens, next_tokens_host, copy_done, logprobs,
                              DelayedSample(batch, held) if batch.delay_sample else None)
 
-    def launch_sample(self, result: ForwardResult, mask: TokenMask) -> None:
+    def launch_sample(self, result: ForwardResult, mask: Any) -> None:
         """Queue the delayed sampling of a launched forward, with masks the host built after the
         forward was launched (SGLang's launch_batch_sample_if_needed). Returns without waiting.
 
@@ -285,7 +281,7 @@ class Engine:
         return self._cycles_per_s
 
     def _forward_and_sample(self, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
-                            next_tokens_host: torch.Tensor, logprobs: LogprobsHost | None,
+                            next_tokens_host: torch.Tensor, logprobs: Any,
                             held: list[tuple[torch.Tensor, DeviceInputs]]) -> None:
         """Runs on the engine stream (device side): the forward, then its sampling, unless the
         batch delays it: then the logits wait in `held` for launch_sample."""
@@ -306,12 +302,12 @@ class Engine:
         else:
             self._sample(batch, inp, logits, batch.mask, next_tokens, next_tokens_host, logprobs)
 
-    def _sample(self, batch: ForwardBatch, inp: DeviceInputs, logits: torch.Tensor, mask: TokenMask | None,
-                next_tokens: torch.Tensor, next_tokens_host: torch.Tensor, logprobs: LogprobsHost | None) -> None:
+    def _sample(self, batch: ForwardBatch, inp: DeviceInputs, logits: torch.Tensor, mask: Any,
+                next_tokens: torch.Tensor, next_tokens_host: torch.Tensor, logprobs: Any) -> None:
         """Runs on the engine stream: mask, sample, publish, copy the tokens (and logprobs) to the host."""
         masked = logits
         if mask is not None and mask.constrains:
-            masked = apply_token_mask(logits, *(self._to_device(ids) for ids in mask.index_lists()))
+            masked = mask.apply(logits, self._to_device)
         tokens = sample(masked, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.sample_steps,
                         batch.all_greedy)
         self.future_map.publish(inp.rows, tokens)  # materialized: batch n+1 may now read it

@@ -24,6 +24,7 @@ from .batch import RunningBatch
 from .kv_pool import KVPool, ReqToTokenPool
 from .radix_cache import RadixCache
 from .request import Req
+from .rows import RowTracker
 
 
 class Owners(Protocol):
@@ -37,7 +38,7 @@ class Owners(Protocol):
     prefilling: list[Req]
     running: RunningBatch
     releasing: list[Req]
-    deferred_rows: list[int]
+    rows: RowTracker
 
 
 class InvariantError(AssertionError):
@@ -91,7 +92,7 @@ def check_invariants(sched: Owners) -> None:
 
     rows: Counter[int] = Counter(sched.req_to_token.free_rows())
     rows.update(req.row for req in live.values())
-    rows.update(sched.deferred_rows)
+    rows.update(sched.rows.deferred_rows)
     wrong_rows = {row: n for row in range(sched.req_to_token.max_running_requests) if (n := rows[row]) != 1}
     if wrong_rows:
         raise InvariantError(f"request rows not owned exactly once (row: owners): {dict(list(wrong_rows.items())[:8])}")

@@ -1,26 +1,21 @@
 """The scheduler: continuous batching, and the two event loops side by side.
 
-Read `normal_loop` and `overlap_loop` first (right below `step`, near the top of the class):
-they share every other method and differ only in *when* a batch's results are committed.
-Batch numbers everywhere in minisgl: n is the batch being launched, n-1 the one being committed.
+Read `normal_loop` and `overlap_loop` first: they share every other method and differ only in
+*when* a batch's results are committed. Batch n is the one being launched, n-1 the one being
+committed.
 
-- normal_loop  (lessons/readings §2, SGLang's event_loop_normal): schedule batch n, launch
-  it, wait for it, commit it. The device idles while the host commits and schedules: the bubble.
-- overlap_loop (lessons/readings §3 and §11, mini-SGLang's overlap_loop):
-  schedule batch n and launch it while batch n-1 still runs, then commit n-1. The host work
-  hides behind device work; results are committed one step late.
+- normal_loop  (lessons/readings §2, SGLang's event_loop_normal): schedule batch n, launch it,
+  wait for it, commit it. The device idles while the host commits and schedules: the bubble.
+- overlap_loop (lessons/readings §3 and §11, mini-SGLang's overlap_loop): schedule and launch
+  batch n while batch n-1 still runs, then commit n-1. Results are committed one step late.
 
-The one-step lag must never change a token, leak a slot or corrupt a cache entry. Every
-place that protects that is marked `self.on("<mechanism>")` with what breaks without it.
+The one-step lag must never change a token, leak a slot or corrupt a cache entry. Every place
+that protects that is marked `self.on("<mechanism>")` with what breaks without it.
 
-One iteration is schedule(), launch() and commit(), all here. Their details live beside this
-file, as parts of this class (mixins: Scheduler inherits their methods, the state they use is
-set in __init__ below):
-- planning.py        what schedule() calls: chunked prefill, admission, decode steps, retraction,
-                     the staging write (`_plan`);
-- commit_results.py  what commit() calls: batch n-1's tokens become outputs, stale results dropped;
-- release.py         the safe point: a request's KV checkpointed into the radix cache, its tail
-                     and row given back (the row deferred while a batch in flight uses it), aborts.
+The scheduler owns the request queues. Its parts own the rest: `kv_ledger` (kv_ledger.py) every
+KV slot's accounting and the radix cache, `rows` (rows.py) the request rows and which batches in
+flight still use them, `batches` (planning.py) the staging buffers and batch numbers. Features
+plug in through `features` (seams.py); with none plugged in, a step runs only this core.
 """
 
 from __future__ import annotations
@@ -29,64 +24,52 @@ import os
 import time
 from collections import deque
 
-from .admission import NewTokenRatio, PrefillGate
-from .batch import InFlight, Planned, RunningBatch, SchedulerStats
-from .commit_results import CommitResultsMixin
+from .batch import BatchView, InFlight, Planned, RunningBatch, SchedulerStats
 from .config import EngineConfig
 from .engine import Engine, ForwardResult
-from .grammar import build_mask
+from .future_map import placeholder
 from .interrupts import atomic_step
 from .invariants import check_invariants
-from .planning import PlanningMixin
-from .radix_cache import RadixCache
-from .release import ReleaseMixin
+from .kv_ledger import KVLedger
+from .planning import BatchBuilder
 from .request import Req
-from .staging import StagingRing
+from .rows import RowTracker
+from .seams import Features
+from .staging import TokenColumns
 from .streams import make_host_stream
 from .tracer import SpanName
 
 
-class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
+class Scheduler:
     def __init__(self, config: EngineConfig, engine: Engine) -> None:
-        # One config for both: the KV pool and request table below were sized from engine.config.
         assert engine.config is config, "the scheduler and its engine must share one EngineConfig"
         self.config = config
         self.engine = engine
         self.device = config.device
         self.mechanisms = config.mechanisms
-        # Mutable, unlike the config: the lab turns this knob between runs on one engine.
-        self.host_delay_s = config.host_delay_ms / 1000.0
+        self.host_delay_s = config.host_delay_ms / 1000.0  # mutable: the lab turns it between runs
         self.stream = make_host_stream("scheduler", self.device)
+        self.tracer = engine.tracer
+        self.stats = SchedulerStats()
+        self.features = Features()  # the front end plugs features in (features.plug_in)
 
-        # The engine owns this memory (it allocated it and frees it); the scheduler decides
-        # which request holds which KV slot and which row.
-        self.kv_pool = engine.kv_pool
+        # The engine owns the memory; the parts decide which request holds which slot and row.
+        self.kv_ledger = KVLedger(engine.kv_pool, self.mechanisms)
+        self.kv_pool, self.cache = self.kv_ledger.kv_pool, self.kv_ledger.cache
         self.req_to_token = engine.req_to_token
-        self.cache = RadixCache(self.kv_pool.free)
-        max_running_requests = config.max_running_requests
-        self.staging = StagingRing(max(config.chunk_size, max_running_requests), max_running_requests, self.device,
-                                   self.mechanisms)
+        self.rows = RowTracker(engine.req_to_token, self.mechanisms)
+        self.batches = BatchBuilder(config)
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt not fully launched (chunked prefill)
         self.running = RunningBatch()
-        self.releasing: list[Req] = []  # aborted: no longer scheduled, released when their batches commit
+        self.releasing: list[Req] = []  # aborted: released when their last batch commits
         self.finished: list[Req] = []  # finished, not yet collected by the caller
         self.last: InFlight | None = None  # overlap loop: batch n-1, committed during the next step
-        self.stats = SchedulerStats()
-        self.tracer = engine.tracer
+        self.unsampled: InFlight | None = None  # launched, its sampling waits for n-1's commit (grammar)
         self.error: BaseException | None = None  # set when an exception escaped a step
         self.check_each_step = os.environ.get("MINISGL_CHECK_INVARIANTS") == "1"
-
-        self._next_batch_id = 0
-        self._device_done_id = -1  # every batch up to this id has passed copy_done
-        self._row_last_launch = [-1] * max_running_requests
-        self._row_owner: list[Req | None] = [None] * max_running_requests
-        self.deferred_rows: list[int] = []  # rows of released requests that a batch in flight still uses
-        self._reserved = 0  # KV slots promised to admitted requests but not yet allocated
         self._aborts_pending = False  # abort() since the last scan: only then are the queues scanned
-        self.new_token_ratio = NewTokenRatio()  # admission="optimistic": the share of decode slots charged
-        self.prefill_gate = PrefillGate(config.min_prefill_tokens, max_running_requests)
 
     def on(self, mechanism: str) -> bool:
         return self.mechanisms.on(mechanism)
@@ -98,7 +81,7 @@ class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
         Atomic (interrupts.py): Ctrl-C lands after the step, any other error stops the scheduler."""
         self.tracer.iteration += 1
         with atomic_step(self):
-            match self.config.loop:  # a Loop: resolve_config refused anything else
+            match self.config.loop:
                 case "normal":
                     self.normal_loop()
                 case "overlap":
@@ -113,7 +96,6 @@ class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
         planned = self.schedule()
         if planned is not None:
             inflight = InFlight(planned.view, self.launch(planned))
-            self._sample_if_delayed(inflight)
             self.commit(inflight)  # the device idles until the next launch
 
     def overlap_loop(self, last: InFlight | None) -> InFlight | None:
@@ -129,28 +111,24 @@ class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
         inflight = None
         if planned is not None:
             result = self.launch(planned)
-            # The queue keeps a snapshot: the live running batch will be filtered and merged by
-            # the next schedule() before this result is committed. Holding the live batch would
-            # zip batch n's tokens with batch n+1's requests (lessons/readings §5, "batch.copy()").
+            # The queue keeps a snapshot: the next schedule() filters and merges the live running
+            # batch before this result is committed; the live batch would zip batch n's tokens
+            # with batch n+1's requests (lessons/readings §5, "batch.copy()").
             inflight = InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
         if last is not None:
             self.commit(last)  # batch n-1's results, while batch n runs on the device
         # <<< exercise 1
-        self._sample_if_delayed(inflight)  # a grammar in batch n: its masks need n-1's tokens, committed just now
         return inflight
 
     def _must_commit_first(self, last: InFlight | None, planned: Planned | None) -> bool:
         """The sync boundaries: whether batch n-1 (`last`) must be committed before batch n.
 
-        overlap_loop asks twice per call: before schedule() (`planned` None) and after it. When
-        the answer is True, the loop commits `last` at once with commit(last, early=True), and
-        then has no batch in flight. Never True without a batch in flight. It is True
-
+        overlap_loop asks before schedule() (`planned` None) and after it; True means commit
+        `last` at once (early=True). Never True without a batch in flight. It is True
         - before planning, when the FutureMap is off: batch n's input ids must then be committed
           host tokens, so the bubble is back (lesson 4; lessons/readings §6);
         - after planning, when n-1 and n are both prefills and prefill_sync is on: commit the
-          first so its first tokens are out one batch sooner (lesson 8; lessons/readings §3;
-          SGLang's default differs: §14).
+          first so its first tokens are out one batch sooner (lesson 8; lessons/readings §3, §14).
         """
         if last is None:
             return False
@@ -159,15 +137,8 @@ class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
         return planned.forward.is_prefill and last.view.is_prefill and self.on("prefill_sync")
 
     # ------------------------------------------------------------------ requests in and out
-    def check_fits(self, req: Req) -> None:
-        """A request the KV pool could never hold is refused up front (admission would wait forever)."""
-        need = req.prompt_len + req.max_new_tokens + 1
-        if need > self.kv_pool.total:
-            raise ValueError(f"request needs {need} KV slots (prompt {req.prompt_len} + max_new_tokens "
-                             f"{req.max_new_tokens} + 1), the KV pool has {self.kv_pool.total}; raise kv_tokens")
-
     def add(self, req: Req) -> None:
-        self.check_fits(req)
+        self.kv_ledger.check_fits(req)
         self.waiting.append(req)
 
     def has_work(self) -> bool:  # `finished`: a step ended by Ctrl-C has not handed them out yet
@@ -177,45 +148,164 @@ class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
     def abort(self, req: Req) -> None:
         req.abort_requested = self._aborts_pending = True  # acted on at the start of the next schedule
 
-    # ------------------------------------------------------------------ scheduling (planning)
+    # ------------------------------------------------------------------ schedule
     def schedule(self) -> Planned | None:
         """Plan batch n from committed state plus what is in flight. Prefill first."""
         with self.tracer.host(SpanName.SCHEDULE):
-            self._handle_aborts()
+            if self._aborts_pending:
+                self._handle_aborts()
+            self._release_committed_aborts()
             self.running.reqs[:] = [r for r in self.running.reqs if not r.finished]  # filter_batch
             planned = self._schedule_prefill() or self._schedule_decode()
-            if self.host_delay_s:  # emulated scheduler work, the lab's knob for C: a sleep after the
-                time.sleep(self.host_delay_s)  # planning, so planning and device never queue for the GIL
+            if self.host_delay_s:  # emulated scheduler work (the lab's knob for C), after planning,
+                time.sleep(self.host_delay_s)  # so that planning and device never queue for the GIL
             return planned
+
+    def _handle_aborts(self) -> None:
+        """An aborted request stops being scheduled at once. Its resources go back at the commit
+        of its last batch in flight, which may still write its slots and row (lessons/readings
+        §9). Scanned only after an abort(): a scan every step would grow with the waiting queue."""
+        for req in [r for r in self.waiting if r.abort_requested]:
+            self.waiting.remove(req)
+            req.finish_reason = "abort"
+            self.finished.append(req)
+        for queue in (self.prefilling, self.running.reqs):
+            for req in [r for r in queue if r.abort_requested and not r.finished]:
+                req.finish_reason = "abort"  # its queued results are dropped at commit (skip_finished)
+                queue.remove(req)
+                self.releasing.append(req)
+        self._aborts_pending = False
+
+    def _schedule_prefill(self) -> Planned | None:
+        budget = self.config.chunk_size
+        chunks: list[tuple[Req, int]] = []
+        for req in self.prefilling:  # continue chunked prompts first
+            n = min(budget, req.prefill_len - req.launched_len)
+            if n > 0:
+                chunks.append((req, n))
+                budget -= n
+        gate = self.features.prefill_gate
+        gate_open = gate is None or gate.is_open(self.waiting, running=len(self.running.reqs),
+                                                 prefilling=len(self.prefilling),
+                                                 free_rows=self.req_to_token.free_count, kv_headroom=self._kv_headroom)
+        while gate_open and self.waiting and budget > 0 and self._admit(self.waiting[0]):
+            req = self.waiting.popleft()
+            self.prefilling.append(req)
+            n = min(budget, req.prefill_len - req.launched_len)
+            chunks.append((req, n))
+            budget -= n
+        if not chunks:
+            return None
+        tokens = TokenColumns()
+        reqs, qo_lens, kv_lens, samples = [r for r, _ in chunks], [n for _, n in chunks], [], []
+        for req, n in chunks:
+            start = req.launched_len
+            tokens.add(req.row, req.prefill_ids(start, n), start, self.kv_ledger.allocate(req, n))
+            req.launched_len += n
+            sampled = req.prefill_launched  # the last chunk samples the next output token
+            req.inflight_samples += sampled
+            if sampled:  # decode from the next step on, its first token relayed by the FutureMap
+                self.prefilling.remove(req)
+                self.running.reqs.append(req)
+            kv_lens.append(req.launched_len)
+            samples.append(sampled)
+        self.stats.prefill_batches += 1
+        self.stats.prefill_tokens += sum(qo_lens)
+        forward = self.batches.build(reqs, tokens, qo_lens, kv_lens, True, self.features)
+        return Planned(forward, BatchView(forward.batch_id, True, reqs, [r.row for r in reqs],
+                                          [r.row_generation for r in reqs], samples, qo_lens))
+
+    def _schedule_decode(self) -> Planned | None:
+        # >>> exercise 4: length lookahead
+        if self.on("length_lookahead"):
+            # Leave out requests whose launched samples already reach max_new_tokens: their last
+            # token is in flight, another step would be wasted overshoot (lessons/readings §8).
+            self.running.reqs[:] = [r for r in self.running.reqs if not r.will_finish_by_length()]
+        # <<< exercise 4
+        admission = self.features.admission
+        if not self.running.reqs or (admission is not None and not admission.retract_for_decode(self)):
+            return None
+        reqs = self.running.reqs
+        self.stats.overshoot_steps += sum(r.will_finish_by_length() for r in reqs)
+        tokens = TokenColumns()
+        release_when_planned = not self.on("commit_point_cache")
+        for req in reqs:  # a few list operations per request: this loop is the decode step's host cost
+            tokens.add(req.row, [self._decode_input(req)], req.launched_len, self.kv_ledger.allocate(req, 1))
+            req.launched_len += 1
+            req.inflight_samples += 1
+            if release_when_planned and req.will_finish_by_length():
+                # WRONG on purpose: hand the prefix to the cache and free the slots when the final
+                # step is only planned; later requests in this batch get slots it still reads and
+                # writes (lessons/readings §9: release only after the last device use).
+                self._release(req)
+        self.stats.decode_batches += 1
+        self.stats.decode_rows += len(reqs)
+        forward = self.batches.build(reqs, tokens, [1] * len(reqs), [r.launched_len for r in reqs], False,
+                                     self.features)
+        self.running.batch_id = forward.batch_id
+        return Planned(forward, self.running)
+
+    def _decode_input(self, req: Req) -> int:
+        """The input id of req's next decode step: a committed token, or a FutureMap placeholder."""
+        if req.launched_len < req.committed_len:
+            return req.token_at(req.launched_len)
+        assert self.on("future_map"), "without the FutureMap the input token must be committed"
+        return placeholder(req.row)  # batch n gathers what batch n-1 published in the FutureMap
+
+    def _admit(self, req: Req) -> bool:
+        """Admit if the KV pool can promise the request all it may still need (KVLedger.promise,
+        less a cached prefix); else it waits. A request that could never fit was refused by add()."""
+        if self.req_to_token.free_count == 0 or \
+                len(self.running.reqs) + len(self.prefilling) >= self.config.max_running_requests:
+            return False
+        # Match at most prefill_len - 1 tokens: the prefill must compute one, for its logits.
+        matched, node = self.cache.match_prefix(req.committed_ids()[:req.prefill_len - 1])
+        self.cache.lock(node)
+        need = self.kv_ledger.promise(req, len(matched))
+        if self._kv_headroom() < need:
+            self.cache.unlock(node)
+            return False
+        req.prefix_node = node
+        self.stats.cached_tokens += len(matched)
+        req.cached_len = req.launched_len = req.kv_committed_len = len(matched)
+        req.slot_ids = matched.tolist()
+        self.kv_ledger.reserve(req, need)
+        req.released = False  # a retracted request was released once already
+        self.rows.assign(req)
+        if req.cached_len:
+            row = req.row
+            # Keep-alive: the device copy of the prefix slots is made inside the queued work, on
+            # the scheduler stream that reads it; made here, the caching allocator could reuse its
+            # memory before the copy ran (lessons/readings §4).
+            self.stream.launch(lambda: self.req_to_token.table[row, :len(matched)].copy_(
+                matched.to(self.device, non_blocking=True)))
+        return True
+
+    def _kv_headroom(self) -> int:
+        admission = self.features.admission
+        if admission is None:
+            return self.kv_ledger.headroom()
+        return self.kv_ledger.headroom(admission.charged(self.running.reqs + self.prefilling))
 
     # ------------------------------------------------------------------ launch and commit
     def launch(self, planned: Planned) -> ForwardResult:
         forward = planned.forward
         with self.tracer.host(SpanName.LAUNCH, forward.batch_id):
             result = self.engine.launch(forward, after=self.stream)
-        for row in planned.view.rows:
-            self._row_last_launch[row] = forward.batch_id
+        self.rows.launched(planned.view.rows, forward.batch_id)
         self.stats.batches += 1
         self.stats.events.append((SpanName.LAUNCH, forward.batch_id))
+        if result.delayed is not None:  # the grammar seam: sample once batch n-1 is committed
+            self.unsampled = InFlight(planned.view.snapshot(), result)
+            self._sample_if_ready()
         return result
 
-    def _sample_if_delayed(self, inflight: InFlight | None) -> None:
-        """A grammar batch's sampling, delayed until every earlier batch is committed: build its
-        masks from the grammar states now and launch it (SGLang's launch_batch_sample_if_needed;
-        lessons/readings §16). A batch without a grammar sampled inside its forward: nothing to do."""
-        if inflight is None or inflight.result.delayed is None:
-            return
-        # >>> exercise 10: launch the delayed sampling
-        result = inflight.result
-        # The mask needs each request's latest token: every earlier batch must be committed, so
-        # that the states are not one token behind (what grammar_delayed_sample off shows).
-        assert self._device_done_id == result.batch_id - 1, "delayed sampling before the previous batch's commit"
-        with self.tracer.host(SpanName.SAMPLE, result.batch_id):
-            reqs = inflight.view.reqs  # the batch's own rows, in its order: one mask entry per row
-            self.engine.launch_sample(result, build_mask([r.params.grammar for r in reqs],
-                                                         [r.grammar_state for r in reqs]))
-        self.stats.delayed_samples += 1
-        # <<< exercise 10
+    def _sample_if_ready(self) -> None:
+        # The delayed sampling must be queued after n-1's commit (its masks need n-1's tokens)
+        # and before batch n+1's forward, which reads n's tokens from the FutureMap.
+        if self.unsampled is not None and self.rows.done_id == self.unsampled.result.batch_id - 1:
+            unsampled, self.unsampled = self.unsampled, None
+            self.features.grammar.launch(unsampled)
 
     def commit(self, inflight: InFlight, early: bool = False) -> None:
         """The commit point: outputs and token finishes change only here (an abort: _handle_aborts).
@@ -230,6 +320,68 @@ class Scheduler(PlanningMixin, CommitResultsMixin, ReleaseMixin):
             # <<< exercise 8
         with self.tracer.host(SpanName.COMMIT, result.batch_id):
             self._commit_results(view, result)
+        self._sample_if_ready()
+
+    def _commit_results(self, view: BatchView | RunningBatch, result: ForwardResult) -> None:
+        """Batch n-1's tokens become outputs, row by row of the view fixed at launch; what the
+        one-step lag made stale is dropped. A finished request is released right here."""
+        self.rows.committed(result.batch_id)
+        self.stats.events.append((SpanName.COMMIT, result.batch_id))
+        tokens = result.next_tokens_host.tolist()
+        logprobs = {} if result.logprobs is None else \
+            self.features.logprobs.by_row(view, result, tokens, self.on("logprob_snapshot"))
+        for i, (req, row, generation, sampled, qo_len, token) in enumerate(zip(
+                view.reqs, view.rows, view.generations, view.samples, view.qo_lens, tokens)):
+            # >>> exercise 9: skip a retracted request's in-flight result
+            if (req.row, req.row_generation) != (row, generation) and self.on("retract_skip_inflight"):
+                # Retracted after this batch launched: its re-prefill samples this step again, so
+                # this row's token is no output (SGLang: is_retracted; readings §15).
+                self.stats.retracted_late_results += 1
+                continue
+            # <<< exercise 9
+            if self.req_to_token.generation[row] != generation:
+                # The row was recycled while this batch was in flight: a late reader (ABA), only
+                # reachable with deferred_row_free off (lessons/readings §9, row reuse).
+                if self.on("row_generation_check"):
+                    self.stats.stale_row_results += 1
+                    continue
+                # WRONG on purpose: trust the row, as a reader keyed by row alone would.
+                req = self.rows.owner[row] or req
+            # >>> exercise 4: skip_finished
+            if req.finished and self.on("skip_finished"):
+                # Overshoot: the request finished (EOS at batch n-1, or aborted) while this batch
+                # was already in flight. Its positions are not outputs (lessons/readings §8).
+                self.stats.overshoot_tokens += qo_len
+                continue
+            # <<< exercise 4
+            req.kv_committed_len += qo_len
+            if not sampled:
+                continue
+            req.inflight_samples -= 1
+            finished_before = req.finished  # only possible with skip_finished off
+            req.commit_token(token, logprobs.get(i))
+            # >>> exercise 5: the commit point
+            if req.finished:
+                if finished_before or not req.released:
+                    self._release(req)  # a second finish is a double free, and _release says so
+                self.finished.append(req)
+            # <<< exercise 5
+        self._release_committed_aborts()
+        self.rows.free_deferred()
+
+    # ------------------------------------------------------------------ release
+    def _release(self, req: Req) -> None:
+        """Give back what a finished, aborted or retracted request holds, at the safe point:
+        its KV (checkpointed into the radix cache, the tail freed), then its row."""
+        self.kv_ledger.release(req)
+        self.rows.free(req.row)
+
+    def _release_committed_aborts(self) -> None:
+        for req in [r for r in self.releasing if not self.rows.in_flight(r.row)]:
+            self.releasing.remove(req)
+            if not req.released:  # commit_point_cache off may have released it at planning
+                self._release(req)
+            self.finished.append(req)
 
     def close(self) -> None:
         """Commit the batch in flight, unless an error stopped the scheduler (LLM.close() then

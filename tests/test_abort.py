@@ -103,11 +103,11 @@ def test_abort_releases_at_the_commit_point_with_exact_accounting(qwen3, stage):
         while len(req.output_ids) < 2:
             llm.step()
     sched = llm.scheduler
-    assert sched._row_last_launch[req.row] > sched._device_done_id  # a batch of it is in flight
+    assert sched.rows.in_flight(req.row)  # a batch of it is in flight
     released_after_its_batch = []
     release = sched._release
     sched._release = lambda r: (r is req and released_after_its_batch.append(
-        sched._row_last_launch[r.row] <= sched._device_done_id), release(r))
+        not sched.rows.in_flight(r.row)), release(r))
     llm.abort(gone)
     llm.step()  # the abort takes effect at schedule(): out of the batches at once ...
     assert req not in sched.running.reqs and req not in sched.prefilling

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.request import FLOAT32_TINY
+from minisgl.sampling_params import FLOAT32_TINY
 
 from .conftest import GREEDY, assert_one_line_exit_2, assert_pool_whole, drain, no_thread_left_behind
 

@@ -51,12 +51,12 @@ def test_markers_are_well_formed_and_cover_every_exercise():
     numbers = {n for ns in files.values() for n in ns}
     assert numbers == set(tool.EXERCISES), (numbers, sorted(tool.EXERCISES))
     # the files the lessons may mark: the core the lessons read
-    assert set(map(str, files)) <= {"scheduler.py", "planning.py", "commit_results.py", "release.py", "batch.py",
-                                    "future_map.py", "staging.py", "engine.py"}
+    assert set(map(str, files)) <= {"scheduler.py", "kv_ledger.py", "rows.py", "batch.py", "future_map.py",
+                                    "staging.py", "engine.py", "features/grammar.py"}
 
 
 def test_each_title_names_the_files_that_hold_its_regions():
-    """`make exercises` tells a learner where to look: "(release.py, 2 places)" must be where the regions are."""
+    """`make exercises` tells a learner where to look: "(rows.py, 2 places)" must be where the regions are."""
     holders = {n: set() for n in tool.EXERCISES}
     for rel, numbers in tool.marked_files().items():
         for n in numbers:
@@ -157,7 +157,7 @@ def test_every_exercise_keeps_at_least_four_wrong_solutions():
 # the full tier all of them.
 FAST_WRONG = {1: "live-view-like-normal-loop", 2: "key-by-position", 3: "deep-copied-requests", 4: "no-lookahead",
               5: "not-reported", 6: "one-batch-too-early", 7: "inverted-query", 8: "reversed-stream-wait",
-              9: "no-skip", 10: "live-running-batch"}
+              9: "no-skip", 10: "grammar-rows-only"}
 
 
 @pytest.mark.parametrize("wrong", tiered([(w,) for w in tool.WRONG],

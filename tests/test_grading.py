@@ -23,7 +23,7 @@ GRADED = [3, 5]  # one exercise the outside edit leaves alone, one it costs (eac
 
 grade = load_exercise_tool("grade")
 edition = sys.modules["student_edition"]
-RELEASE_FLAG = "        req.released = True\n"  # a line of _release (release.py), outside its regions
+RELEASE_FLAG = "        req.released = True\n"  # a line of KVLedger.release (kv_ledger.py), outside its regions
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def submissions(tmp_path_factory) -> Path:
     grade.put_regions(base, grade.written_regions(ROOT), subs / "reference")
     shutil.copytree(base, subs / "empty", ignore=shutil.ignore_patterns(".git"))
     outside = grade.put_regions(base, grade.written_regions(ROOT), root / "outside")
-    release = outside / "minisgl" / "release.py"
+    release = outside / "minisgl" / "kv_ledger.py"
     assert release.read_text().count(RELEASE_FLAG) == 1
     release.write_text(release.read_text().replace(RELEASE_FLAG, RELEASE_FLAG + "        req.cached_len = 0\n"))
     # this one is handed in as a patch against the student edition
@@ -57,7 +57,7 @@ def test_reference_full_marks_empty_zero_outside_edit_flagged(submissions, tmp_p
         assert all(f"exercise {n}:" in rule and "NotImplementedError" in rule for rule in empty["failed_rules"])
     flagged, untouched = rows["outside", 5], rows["outside", 3]
     assert flagged["flagged"] and flagged["score"] == 0.0, flagged
-    assert flagged["failed_rules"] == ["edited outside the exercise regions: minisgl/release.py line "
+    assert flagged["failed_rules"] == ["edited outside the exercise regions: minisgl/kv_ledger.py line "
                                        f"{edited_line(submissions)} changed"], flagged
     assert not untouched["flagged"] and untouched["score"] == 1.0, untouched
     with open(tmp_path / "grades.csv", newline="") as f:
@@ -67,8 +67,8 @@ def test_reference_full_marks_empty_zero_outside_edit_flagged(submissions, tmp_p
 
 
 def edited_line(submissions: Path) -> int:
-    """The line of the student edition's release.py after which the outside edit was added."""
-    lines = (submissions / "empty" / "minisgl" / "release.py").read_text().splitlines(keepends=True)
+    """The line of the student edition's kv_ledger.py after which the outside edit was added."""
+    lines = (submissions / "empty" / "minisgl" / "kv_ledger.py").read_text().splitlines(keepends=True)
     return lines.index(RELEASE_FLAG) + 2
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.grammar import Grammar
+from minisgl.features.grammar import Grammar
 from minisgl.tracer import SpanName
 
 from .conftest import assert_pool_whole

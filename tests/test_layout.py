@@ -4,8 +4,9 @@ Every import counts: at module level, inside functions (imported on first use) a
 `if TYPE_CHECKING:`, because each is a dependency a reader has to follow.
 
 - no import circle anywhere in minisgl/;
-- the lesson core (the modules at the top of minisgl/) imports nothing from `observe/` or
-  `frontend/`: it stands on its own, and the front end and the tools are built on it;
+- the lesson core (the modules at the top of minisgl/) imports nothing from `observe/`,
+  `frontend/` or `features/`: it stands on its own; the features plug into its seams
+  (seams.py), and the front end and the tools are built on it;
 - `models/` is plain torch: nothing in it imports `gpu/`.
 """
 
@@ -83,11 +84,12 @@ def test_no_import_circle():
     assert find_cycle() is None, f"import circle: {' -> '.join(find_cycle() or [])}"
 
 
-def test_core_imports_neither_observe_nor_frontend():
+def test_the_core_imports_no_feature_front_end_or_tool():
     core = [name for name, path in MODULES.items() if path.parent == PACKAGE and path.name != "__main__.py"
             and name != "minisgl"]
-    assert "minisgl.scheduler" in core and "minisgl.engine" in core
-    wrong = {name: sorted(t for t in GRAPH[name] if t.startswith(("minisgl.observe", "minisgl.frontend")))
+    assert "minisgl.scheduler" in core and "minisgl.engine" in core and "minisgl.features.grammar" in MODULES
+    wrong = {name: sorted(t for t in GRAPH[name] if t.startswith(("minisgl.observe", "minisgl.frontend",
+                                                                     "minisgl.features")))
              for name in core}
     assert not {k: v for k, v in wrong.items() if v}
 

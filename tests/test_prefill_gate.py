@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams, demo_model_path
-from minisgl.admission import GATE_DRAIN_FRACTION, PrefillGate
+from minisgl.features.prefill_gate import GATE_DRAIN_FRACTION, PrefillGate
 from minisgl.config import DEFAULTS
 from minisgl.demo.tasks import demo_prompts
 from minisgl.demo.workloads import early_stop_workload
@@ -53,7 +53,15 @@ def test_gate_opens_for_a_small_queue_nothing_running_a_continuing_chunk_or_a_dr
     assert is_open(queue, free_rows=1, running=int(GATE_DRAIN_FRACTION * 100))  # decode would no longer be full
     assert not is_open(queue, free_rows=1, running=int(GATE_DRAIN_FRACTION * 100) + 1)
     assert not is_open(queue, running=98)  # 8 free rows in the table, but 2 left under max_running_requests
-    assert is_open(queue, free_rows=0, target=0)  # off: _admit alone decides
+
+
+def test_a_gate_of_zero_is_not_plugged_in():
+    """min_prefill_tokens=0 (the CPU's default): the seam stays empty and _admit alone decides."""
+    for target in (0, 64):
+        llm = LLM(demo_model_path(), min_prefill_tokens=target)
+        gate = llm.scheduler.features.prefill_gate
+        assert (gate is None) == (target == 0) and (gate is None or gate.target == target)
+        llm.close()
 
 
 def test_gate_takes_requests_in_queue_order():

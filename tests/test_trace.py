@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from minisgl import LLM, SamplingParams
-from minisgl.request import RequestOutput
+from minisgl.sampling_params import RequestOutput
 from minisgl.observe.timeline import render_timeline
 from minisgl.observe.trace import merge_intervals, pipeline_metrics, request_metrics, to_chrome_trace, write_chrome_trace
 from minisgl.tracer import HOST_LANE, Span, SpanName

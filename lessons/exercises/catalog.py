@@ -78,7 +78,7 @@ EXERCISES = {e.number: e for e in (
         "properties rows, generations, samples and qo_lens (each already builds a new list).",
     )),
     Exercise(4, "overshoot: skip late results, look ahead by length, release by allocated length "
-                "(planning.py, commit_results.py, release.py)", 6, (
+                "(scheduler.py, kv_ledger.py)", 6, (
         "tests/test_ex4_overshoot.py",
         "tests/test_mechanisms.py::test_length_lookahead_off_wastes_overshoot_steps",
         "tests/test_mechanisms.py::test_skip_finished_off_leaks_token_after_stop_and_double_frees",
@@ -99,7 +99,7 @@ EXERCISES = {e.number: e for e in (
         "the next request. Release: the end of the freed tail is allocated_len with the switch on, else the "
         "written length; free the request's slot ids between the written length and that end.",
     )),
-    Exercise(5, "the radix-cache checkpoint at the safe point: the commit (commit_results.py, release.py)", 7, (
+    Exercise(5, "the radix-cache checkpoint at the safe point: the commit (scheduler.py, kv_ledger.py)", 7, (
         "tests/test_ex5_checkpoint.py",
         "tests/test_engine.py::test_radix_cache_hits_give_same_tokens[overlap]",
         "tests/test_engine.py::test_prompt_sharing_prefix_reads_cached_kv",
@@ -120,7 +120,7 @@ EXERCISES = {e.number: e for e in (
         "returns how many leading positions the tree already held: free your slots from cached_len up to "
         "that count; unlock the prefix node locked at admission.",
     )),
-    Exercise(6, "reuse a request row only after its last in-flight batch (release.py, 2 places)", 7, (
+    Exercise(6, "reuse a request row only after its last in-flight batch (rows.py, 2 places)", 7, (
         "tests/test_ex6_rows.py",
         "tests/test_abort.py::test_abort_while_final_token_in_flight",
         "tests/test_overlap.py::test_overlap_equals_normal[3.0-1]",
@@ -132,9 +132,9 @@ EXERCISES = {e.number: e for e in (
         "copy_done (the scheduler records the last batch launched per row and the last batch "
         "committed); otherwise park it. At every commit, free the parked rows whose last batch has "
         "now passed copy_done, and keep the others. With deferred_row_free off, free at once.",
-        "_free_row: with the switch on and the row's last launched batch id beyond the last batch that passed "
-        "copy_done (_row_last_launch, _device_done_id), park the row in deferred_rows; otherwise free it in "
-        "req_to_token. _free_deferred_rows: build a new list of the rows still beyond that id, free every "
+        "RowTracker.free: with the switch on and the row still in flight (in_flight: its last launched batch "
+        "id, last_launch, beyond the last batch committed, done_id), park the row in deferred_rows; otherwise "
+        "free it in req_to_token. free_deferred: build a new list of the rows still in flight, free every "
         "other one, and store the new list (never remove from the list you are looping over).",
     )),
     Exercise(7, "the staging buffers' write-after-read wait (staging.py)", 7, (
@@ -172,7 +172,7 @@ EXERCISES = {e.number: e for e in (
         "Engine.launch: the engine stream's wait_stream, given `after` (a device-side wait). Scheduler.commit: "
         "the synchronize of the batch result's copy_done event (the host waits for that event only).",
     )),
-    Exercise(9, "skip the in-flight result of a retracted request (commit_results.py)", 10, (
+    Exercise(9, "skip the in-flight result of a retracted request (scheduler.py)", 10, (
         "tests/test_ex9_retraction.py",
         "tests/test_retraction.py::test_optimistic_retracts_and_gives_the_reserve_outputs[overlap]",
         "tests/test_retraction.py::test_retract_skip_inflight_off_appends_a_late_token",
@@ -190,7 +190,7 @@ EXERCISES = {e.number: e for e in (
         "(row, generation) and the switch is on, add one to stats.retracted_late_results and continue.",
     )),
     Exercise(10, "delayed sampling for constrained decoding: masks from the committed grammar states "
-                 "(planning.py, scheduler.py)", 11, (
+                 "(grammar.py in features/, 2 places)", 11, (
         "tests/test_ex10_delayed_sampling.py",
         "tests/test_grammar_logprobs.py::test_every_output_follows_its_grammar_in_both_loops",
         "tests/test_grammar_logprobs.py::test_grammar_delayed_sample_off_masks_one_token_behind",
@@ -209,9 +209,9 @@ EXERCISES = {e.number: e for e in (
         "its state now (a request without a grammar has none: its row is unconstrained), and hand it to the "
         "engine with the launched result. Do that host work inside the tracer's SAMPLE span and count it "
         "in stats.delayed_samples.",
-        "In _plan: set delay_sample from the switch; when it is off, set mask to build_mask of the requests' "
-        "grammars and their grammar_state. In _sample_if_delayed: take the result from the InFlight; assert "
-        "that _device_done_id equals the result's batch id minus one; inside a host span of the tracer named "
+        "In DelayedSampling.plan: set delay_sample from the switch; when it is off, set mask to build_mask of the "
+        "requests' grammars and their grammar_state. In DelayedSampling.launch: take the result from the InFlight; "
+        "assert that rows.done_id equals the result's batch id minus one; inside a host span of the tracer named "
         "SpanName.SAMPLE with that batch id, call the engine's launch_sample with the result and build_mask of "
         "the grammars and states of the view's requests; then add one to the delayed_samples statistic.",
     )),

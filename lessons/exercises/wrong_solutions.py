@@ -221,7 +221,7 @@ if req.finished and not finished_before:
 """}),
 ]
 FREE_ROW = """
-if self.on("deferred_row_free") and self._row_last_launch[row] {cmp} self._device_done_id{shift}:
+if self.on("deferred_row_free") and self.last_launch[row] {cmp} self.done_id{shift}:
     self.deferred_rows.append(row)
 else:
     self.req_to_token.free(row)
@@ -229,7 +229,7 @@ else:
 FREE_DEFERRED = """
 still = []
 for row in self.deferred_rows:
-    if self._row_last_launch[row] {cmp} self._device_done_id{shift}:
+    if self.last_launch[row] {cmp} self.done_id{shift}:
         still.append(row)
     else:
         self.req_to_token.free(row)
@@ -261,12 +261,12 @@ self.deferred_rows = []
     Wrong(6, "remove-while-iterating", "removes freed rows from the list it is looping over, skipping the next one",
           "also when several rows become free at the same commit", {"free deferred rows": """
 for row in self.deferred_rows:
-    if self._row_last_launch[row] <= self._device_done_id:
+    if self.last_launch[row] <= self.done_id:
         self.deferred_rows.remove(row)
         self.req_to_token.free(row)
 """}),
     Wrong(6, "ignores-switch", "defers even with deferred_row_free off", "keep the switch", {"deferred row free": """
-if self._row_last_launch[row] > self._device_done_id:
+if self.last_launch[row] > self.done_id:
     self.deferred_rows.append(row)
 else:
     self.req_to_token.free(row)
@@ -404,12 +404,12 @@ if buf.consumed is not None and not buf.consumed.query():
 """}),
     Wrong(6, "frees-one-parked-row-per-commit", "frees at most the first parked row at each commit",
           "also when several rows become free at the same commit", {"free deferred rows": """
-if self.deferred_rows and self._row_last_launch[self.deferred_rows[0]] <= self._device_done_id:
+if self.deferred_rows and self.last_launch[self.deferred_rows[0]] <= self.done_id:
     self.req_to_token.free(self.deferred_rows.pop(0))
 """}),
     Wrong(6, "switch-inverted", "parks the row only when deferred_row_free is OFF", "may be reused only after every batch",
           {"deferred row free": """
-if not self.on("deferred_row_free") and self._row_last_launch[row] > self._device_done_id:
+if not self.on("deferred_row_free") and self.last_launch[row] > self.done_id:
     self.deferred_rows.append(row)
 else:
     self.req_to_token.free(row)
@@ -472,7 +472,7 @@ with self.tracer.host(SpanName.SAMPLE, result.batch_id):
     self.engine.launch_sample(result, {mask})
 self.stats.delayed_samples += 1
 """
-COMMITTED = 'assert self._device_done_id == result.batch_id - 1, "sampling before the previous commit"'
+COMMITTED = 'assert self.rows.done_id == result.batch_id - 1, "sampling before the previous commit"'
 MASK_NOW = "build_mask([r.params.grammar for r in reqs], [r.grammar_state for r in reqs])"
 DELAY_AT_PLANNING = """
 delay_sample = self.on("grammar_delayed_sample")
@@ -494,8 +494,6 @@ WRONG += [
 delay_sample = self.on("grammar_delayed_sample")
 mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs])
 """)),
-    Wrong(10, "live-running-batch", "builds the masks from the live running batch instead of the sampled batch",
-          "from the batch's own requests", delayed_sample(reqs="self.running.reqs")),
     Wrong(10, "grammar-rows-only", "builds mask entries only for the requests that have a grammar",
           "one entry per row of the batch", delayed_sample(reqs="[r for r in inflight.view.reqs if r.params.grammar]")),
     Wrong(10, "every-request-has-a-grammar", "asks every request's grammar for its allowed tokens, also a "

@@ -5,7 +5,7 @@ admission runs more requests at once and has to retract some (lesson 10, the ret
 
 from __future__ import annotations
 
-from ..request import SamplingParams
+from ..sampling_params import SamplingParams
 from .tasks import demo_prompts
 
 

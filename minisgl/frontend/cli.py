@@ -15,7 +15,7 @@ import warnings
 from typing import Sequence
 
 from ..checks import MAX_TOKENS
-from ..request import FLOAT32_MAX, TOP_K_MAX
+from ..sampling_params import FLOAT32_MAX, TOP_K_MAX
 from .options import (DELAY_MS, MAX_CLI_REQUESTS, MAX_DEMO_PROMPTS, SEED, Number, NumberList, OneLineParser,
                       add_engine_args, build_llm, count, disabled_names)
 
@@ -24,7 +24,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ..request import SamplingParams
+    from ..sampling_params import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)

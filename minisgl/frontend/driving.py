@@ -12,7 +12,8 @@ from typing import Callable
 
 from ..invariants import memory_report
 from ..kv_pool import KVAccountingError
-from ..request import Req, RequestOutput
+from ..request import Req
+from ..sampling_params import RequestOutput
 from .guard import Call
 
 

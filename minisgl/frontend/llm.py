@@ -17,7 +17,9 @@ from ..engine import Engine
 from ..interrupts import Deferral
 from ..invariants import check_invariants, memory_report
 from ..mechanisms import Mechanisms
-from ..request import Req, RequestOutput, SamplingParams, TokenLogprob
+from ..request import Req
+from ..sampling_params import RequestOutput, SamplingParams, TokenLogprob
+from ..features import plug_in
 from ..scheduler import Scheduler
 from .driving import DrivingMixin
 from .guard import Call, CallGuard, hands_back
@@ -88,6 +90,7 @@ class LLM(DrivingMixin):
         check_tokenizer_fits(self.tokenizer, self.engine.model.vocab_size, self.model_path)
         self.eos_ids = eos_ids(self.engine.model.config, self.tokenizer, self.model_path)
         self.scheduler = Scheduler(self.config, self.engine)
+        self.scheduler.features = plug_in(self.scheduler)
 
     @property
     def max_seq_len(self) -> int:
@@ -247,7 +250,7 @@ class LLM(DrivingMixin):
         # max_new_tokens is cut at the model's window (finish "length"), never at the pool's
         # size: a request the pool is too small for is refused by check_fits() instead.
         req = Req(rid, ids, params, self.eos_ids, model_window, seed)
-        self.scheduler.check_fits(req)
+        self.scheduler.kv_ledger.check_fits(req)
         return req
 
     def _queue(self, req: Req, call: Call | None) -> None:

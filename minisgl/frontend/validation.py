@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..checks import is_int
-from ..request import SamplingParams
+from ..sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..frontend.options import check_output_file
-from ..request import SamplingParams
+from ..sampling_params import SamplingParams
 from .breakdown import ModelCost, breakdown, measure_ceilings
 from .trace import ideal_ratio, pipeline_metrics, realised_share, request_metrics
 

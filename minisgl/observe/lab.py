@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..frontend.options import DELAY_MS, MAX_CLI_REQUESTS, Number, NumberList, build_llm, check_output_file, count
-from ..request import SamplingParams
+from ..sampling_params import SamplingParams
 from .bench import Workload, console, default_model
 from .lab_report import report
 from .trace import (forwards_after_launch, host_work_by_launch, ideal_ratio, pipeline_metrics, realised_share,

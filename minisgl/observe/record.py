@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.table import Table
 
 from ..frontend.options import check_output_file
-from ..request import SamplingParams
+from ..sampling_params import SamplingParams
 from .bench import Workload, console, default_model, measure, print_results, small_workload
 from .trace import pipeline_metrics, write_chrome_trace
 

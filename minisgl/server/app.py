@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..request import SamplingParams
+from ..sampling_params import SamplingParams
 from .chat import render_chat
 from .engine_client import EngineClient, EngineUnavailable, Overloaded
 from .generation import Generation, GenerationFailed

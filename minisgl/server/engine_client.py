@@ -15,7 +15,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from ..request import SamplingParams
+from ..sampling_params import SamplingParams
 from .messages import AbortRequest, EngineInfo, GenerateRequest, Shutdown, StepOutput, TokenDelta
 from .metrics import Metrics
 from .scheduler_process import SchedulerArgs, run_scheduler

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from ..request import SamplingParams, TokenLogprob
+from ..sampling_params import SamplingParams, TokenLogprob
 from .detokenizer import IncrementalDetokenizer, StopStrings
 from .engine_client import EngineClient
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..request import SamplingParams, TokenLogprob
+from ..sampling_params import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import math
 import time
 import uuid
 
-from ..request import TokenLogprob
+from ..sampling_params import TokenLogprob
 from .generation import Choice, Piece
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives no chance (JSON has no -inf)

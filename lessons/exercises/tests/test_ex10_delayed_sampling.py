@@ -10,7 +10,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.batch import InFlight
-from minisgl.grammar import Grammar
+from minisgl.features.grammar import Grammar
 from minisgl.tracer import HOST_LANE, SpanName
 
 PROMPTS = ["hello there", "the lazy dog jumps over the fox and runs far away", "count 1 to 9:", "abc def",
@@ -19,7 +19,7 @@ CYCLE = Grammar({0: {5: 1, 6: 1, 7: 1}, 1: {10: 2, 11: 2, 12: 2}, 2: {20: 0, 21:
 MIXED = (0, 3, 4)  # the prompts with a grammar in the mixed workload: greedy, seeded, greedy
 
 STATE_RULE = ("each row's mask comes from its request's grammar state NOW, when every earlier batch is committed "
-              "(build it inside _sample_if_delayed, from the batch's own requests): a mask built at planning is one "
+              "(build it inside DelayedSampling.launch, from the batch's own requests): a mask built at planning is one "
               "token behind in the overlap loop, and the outputs break their grammar")
 ROW_RULE = ("the mask has one entry per row of the batch, in the batch's order, each from that row's own request; a "
             "request without a grammar is unconstrained (its entry is None: build_mask does that) and samples what it "
@@ -94,20 +94,16 @@ def test_sampling_before_the_previous_batch_is_committed_is_refused(qwen3):
         llm.add_request(prompt, sp)
     scheduler = llm.scheduler
     launched = []
-    for _ in range(2):
+    for _ in range(2):  # batch 0 samples at its launch (nothing earlier); batch 1's sampling waits
         planned = scheduler.schedule()
         launched.append(InFlight(planned.view.snapshot(), scheduler.launch(planned)))
-        if len(launched) == 1:
-            scheduler._sample_if_delayed(launched[0])  # nothing earlier: batch 0 may sample
     refused = False
     try:
-        scheduler._sample_if_delayed(launched[1])  # batch 0 is still in flight: its tokens are not in the states
+        scheduler.features.grammar.launch(launched[1])  # batch 0 is in flight: its tokens are not in the states
     except (AssertionError, RuntimeError):
         refused = True
     finally:
-        scheduler.commit(launched[0])
-        if launched[1].result.delayed is not None:
-            scheduler._sample_if_delayed(launched[1])
+        scheduler.commit(launched[0])  # launches batch 1's delayed sampling
         scheduler.commit(launched[1])
         llm.close()
     assert refused, ("refuse to sample a batch before every earlier batch is committed (assert it: the last batch "

@@ -2,7 +2,8 @@
 batch before batch n is committed (readings §5, lesson 5). Each assertion names its rule."""
 
 from minisgl.batch import BatchView, RunningBatch
-from minisgl.request import Req, SamplingParams
+from minisgl.request import Req
+from minisgl.sampling_params import SamplingParams
 
 
 def make_req(rid: int, row: int, generation: int) -> Req:

@@ -8,23 +8,35 @@ token is committed, never earlier: the host learns a token only at its batch's c
 That is the overlap trap (lessons/readings §16): the mask for batch n+1's sample depends on
 batch n's token, which the overlap loop commits only after launching batch n+1. So with a
 grammar in the batch the scheduler launches n+1's forward, commits n (advancing the states),
-and only then builds n+1's masks and launches its sampling (`Scheduler._sample_if_delayed`,
-SGLang's `delay_sample_func`). The switch `grammar_delayed_sample` off builds the masks at
-planning, from a state one token behind.
+and only then builds n+1's masks and launches its sampling (`DelayedSampling.launch`, SGLang's
+`delay_sample_func`). The switch `grammar_delayed_sample` off builds the masks at planning,
+from a state one token behind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
-from .checks import INT64_MAX, check_int, is_int
+import torch
 
-REJECTED = -1  # the state of a request whose output already broke its grammar: no longer constrained
+from ..checks import INT64_MAX, check_int, is_int
+from ..models.sampler import apply_token_mask
+from ..request import Req
+from ..constraint import REJECTED, Constraint
+from ..tracer import SpanName
+
+if TYPE_CHECKING:
+    from ..batch import InFlight
+    from ..engine import Engine
+    from ..rows import RowTracker
+    from ..batch import SchedulerStats
+    from ..mechanisms import Mechanisms
+    from ..tracer import Tracer
 
 
 @dataclass(frozen=True)
-class Grammar:
+class Grammar(Constraint):
     """A finite-state constraint: `transitions[state]` maps each allowed next token to the next state.
 
     Built from a mapping {state: {token: next_state}}; stored as sorted tuples, so that the
@@ -55,6 +67,9 @@ class Grammar:
         frozen = tuple(sorted((s, tuple(sorted(edges.items()))) for s, edges in table.items()))
         object.__setattr__(self, "transitions", frozen)
         object.__setattr__(self, "_edges", {s: dict(edges) for s, edges in frozen})
+
+    def initial_state(self) -> int:
+        return self.start
 
     def validate(self, vocab: int) -> None:
         """Every token id must be in [0, vocab): a mask cannot allow a token the model lacks."""
@@ -117,6 +132,10 @@ class TokenMask:
     def constrains(self) -> bool:
         return any(a is not None for a in self.allowed)
 
+    def apply(self, logits: torch.Tensor, to_device: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+        """Runs on the engine stream: every token a constrained row may not sample gets -inf."""
+        return apply_token_mask(logits, *(to_device(ids) for ids in self.index_lists()))
+
     def index_lists(self) -> tuple[list[int], list[int], list[int]]:
         """(rows constrained, row of each allowed entry, token of each allowed entry): the three
         index lists the device scatters into a [B, vocab] mask."""
@@ -129,3 +148,45 @@ class TokenMask:
 def build_mask(grammars: Sequence[Grammar | None], states: Sequence[int]) -> TokenMask:
     """The mask for one batch's sample, from each request's grammar and the state it is in now."""
     return TokenMask(tuple(g.allowed(s) if g is not None else None for g, s in zip(grammars, states)))
+
+
+class DelayedSampling:
+    """The grammar seam: a batch with a grammar samples only after every earlier batch is committed.
+
+    The scheduler calls `plan` while planning such a batch, and `launch` once the batch before it
+    is committed (right after the launch in normal_loop, after the commit of n-1 in overlap_loop)."""
+
+    def __init__(self, engine: Engine, rows: RowTracker, tracer: Tracer, stats: SchedulerStats,
+                 mechanisms: Mechanisms) -> None:
+        self.engine, self.rows, self.tracer, self.stats, self.mechanisms = engine, rows, tracer, stats, mechanisms
+
+    def on(self, mechanism: str) -> bool:
+        return self.mechanisms.on(mechanism)
+
+    def plan(self, reqs: Sequence[Req]) -> tuple[bool, TokenMask | None]:
+        """(delay the sampling?, the mask if it is built now) for a batch with a grammar."""
+        params = [r.params for r in reqs]
+        mask = None
+        # >>> exercise 10: delay the sampling
+        delay_sample = self.on("grammar_delayed_sample")
+        if not delay_sample:
+            # WRONG on purpose: masks from the states at planning, which in the overlap loop
+            # lack the token batch n-1 is still sampling (one token behind).
+            mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs])
+        # <<< exercise 10
+        return delay_sample, mask
+
+    def launch(self, inflight: InFlight) -> None:
+        """Build the batch's masks from the grammar states now and launch its sampling (SGLang's
+        launch_batch_sample_if_needed; lessons/readings §16)."""
+        # >>> exercise 10: launch the delayed sampling
+        result = inflight.result
+        # The mask needs each request's latest token: every earlier batch must be committed, so
+        # that the states are not one token behind (what grammar_delayed_sample off shows).
+        assert self.rows.done_id == result.batch_id - 1, "delayed sampling before the previous batch's commit"
+        with self.tracer.host(SpanName.SAMPLE, result.batch_id):
+            reqs = inflight.view.reqs  # the batch's own rows, in its order: one mask entry per row
+            self.engine.launch_sample(result, build_mask([r.params.grammar for r in reqs],
+                                                         [r.grammar_state for r in reqs]))
+        self.stats.delayed_samples += 1
+        # <<< exercise 10
