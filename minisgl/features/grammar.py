@@ -145,9 +145,15 @@ class TokenMask:
         return constrained, rows, tokens
 
 
-def build_mask(grammars: Sequence[Grammar | None], states: Sequence[int]) -> TokenMask:
-    """The mask for one batch's sample, from each request's grammar and the state it is in now."""
-    return TokenMask(tuple(g.allowed(s) if g is not None else None for g, s in zip(grammars, states)))
+def build_mask(grammars: Sequence[Constraint | None], states: Sequence) -> TokenMask:
+    """The mask for one batch's sample, from each request's grammar and the state it is in now.
+    Rows with an xgrammar grammar (features/xgrammar_backend.py) add its token bitmask."""
+    fsm = TokenMask(tuple(g.allowed(s) if isinstance(g, Grammar) else None for g, s in zip(grammars, states)))
+    if all(g is None or isinstance(g, Grammar) for g in grammars):
+        return fsm
+    from .xgrammar_backend import bitmask_mask  # only a batch with such a grammar needs xgrammar
+
+    return bitmask_mask(fsm, grammars, states)
 
 
 class DelayedSampling:

@@ -170,7 +170,7 @@ async def respond(state: ServerState, request: Request, prompts: list[list[int]]
                    for ids in prompts for choice in range(options.n)]
     prompt_tokens = sum(map(len, prompts))
     try:
-        gen = Generation(state.client, state.tokenizer, generations, options.stop)
+        gen = Generation(state.client, state.tokenizer, generations, options.stop, options.grammar)
     except Overloaded as exc:
         raise APIError(str(exc), status=503, type="service_unavailable") from None
     except EngineUnavailable as exc:

@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from ..sampling_params import SamplingParams
-from .messages import AbortRequest, EngineInfo, GenerateRequest, Shutdown, StepOutput, TokenDelta
+from .messages import AbortRequest, EngineInfo, GenerateRequest, GrammarSpec, Shutdown, StepOutput, TokenDelta
 from .metrics import Metrics
 from .scheduler_process import SchedulerArgs, run_scheduler
 
@@ -102,7 +102,7 @@ class EngineClient:
         return self.process.exitcode
 
     # ---------------------------------------------------------------- requests
-    def submit(self, generations: list[tuple[list[int], SamplingParams]]) -> Submission:
+    def submit(self, generations: list[tuple[list[int], SamplingParams]], grammar: GrammarSpec | None) -> Submission:
         if self.failure is not None or self.closing:
             raise EngineUnavailable(self.failure or "the server is shutting down")
         if len(self._submissions) + len(generations) > self.max_inflight:
@@ -114,7 +114,7 @@ class EngineClient:
             self._submissions[rid] = sub
             self._timing[rid] = Timing(now)
             sub.open.add(rid)
-            self._send(GenerateRequest(rid, prompt_ids, params))
+            self._send(GenerateRequest(rid, prompt_ids, params, grammar))
             self.metrics.prompt_tokens.inc(len(prompt_ids))
         return sub
 

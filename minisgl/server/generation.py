@@ -12,6 +12,7 @@ from typing import AsyncIterator
 from ..sampling_params import SamplingParams, TokenLogprob
 from .detokenizer import IncrementalDetokenizer, StopStrings
 from .engine_client import EngineClient
+from .messages import GrammarSpec
 
 
 class GenerationFailed(RuntimeError):
@@ -42,9 +43,9 @@ class Choice:
 
 class Generation:
     def __init__(self, client: EngineClient, tokenizer, generations: list[tuple[list[int], SamplingParams]],
-                 stop: tuple[str, ...]) -> None:
+                 stop: tuple[str, ...], grammar: GrammarSpec | None) -> None:
         self.client = client
-        self.sub = client.submit(generations)
+        self.sub = client.submit(generations, grammar)
         self.choices = {rid: Choice(i, IncrementalDetokenizer(tokenizer), StopStrings(stop))
                         for i, rid in enumerate(self.sub.rids)}
 

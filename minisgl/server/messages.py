@@ -8,12 +8,22 @@ from ..sampling_params import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A constrained output, compiled in the scheduler process (xgrammar's compiled grammars do
+    not cross processes): `kind` json_schema (text: the schema as JSON), json_object, regex or ebnf."""
+
+    kind: str
+    text: str = ""
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """HTTP -> scheduler: start one generation (one choice of one prompt)."""
 
     rid: int  # the HTTP process's id; the scheduler maps it to the LLM's own
     prompt_ids: list[int]
     params: SamplingParams
+    grammar: GrammarSpec | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checks import INT64_MAX, INT64_MIN, is_int
+from .messages import GrammarSpec
 
 MAX_N = 64  # choices per request
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (completions: 5; the larger one for both)
@@ -32,14 +33,6 @@ class APIError(Exception):
 
 
 @dataclass(frozen=True)
-class Grammar:
-    """A constrained output: `kind` json_schema (text: the schema as JSON), json_object, regex or ebnf."""
-
-    kind: str
-    text: str = ""
-
-
-@dataclass(frozen=True)
 class Options:
     """The generation options both endpoints share."""
 
@@ -55,7 +48,7 @@ class Options:
     ignore_eos: bool
     stream: bool
     include_usage: bool
-    grammar: Grammar | None
+    grammar: GrammarSpec | None
 
 
 @dataclass(frozen=True)
@@ -160,7 +153,7 @@ def _options(body: dict, max_tokens: int | None, logprobs: int | None) -> Option
                    grammar=_grammar(body))
 
 
-def _grammar(body: dict) -> Grammar | None:
+def _grammar(body: dict) -> GrammarSpec | None:
     found = []
     fmt = body.get("response_format")
     if fmt is not None:
@@ -171,9 +164,9 @@ def _grammar(body: dict) -> Grammar | None:
             if not isinstance(schema, dict):
                 raise APIError("response_format.json_schema.schema must be a JSON schema object",
                                "response_format.json_schema")
-            found.append(Grammar("json_schema", json.dumps(schema)))
+            found.append(GrammarSpec("json_schema", json.dumps(schema)))
         elif kind == "json_object":
-            found.append(Grammar("json_object"))
+            found.append(GrammarSpec("json_object"))
         elif kind != "text":
             raise APIError("response_format.type must be text, json_object or json_schema", "response_format")
     for kind in ("regex", "ebnf"):  # SGLang's extras
@@ -181,10 +174,18 @@ def _grammar(body: dict) -> Grammar | None:
         if text is not None:
             if not isinstance(text, str) or not text:
                 raise APIError(f"{kind} must be a non-empty string", kind)
-            found.append(Grammar(kind, text))
+            found.append(GrammarSpec(kind, text))
     if len(found) > 1:
         raise APIError("at most one of response_format (json), regex and ebnf", "response_format")
-    return found[0] if found else None
+    if not found:
+        return None
+    from ..features.xgrammar_backend import check_grammar
+
+    try:
+        check_grammar(found[0].kind, found[0].text)
+    except ValueError as exc:
+        raise APIError(str(exc), "response_format" if found[0].kind.startswith("json") else found[0].kind) from None
+    return found[0]
 
 
 def _top_k(body: dict) -> int:

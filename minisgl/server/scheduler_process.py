@@ -9,12 +9,13 @@ no request is queued or running.
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 
+from ..constraint import Constraint
 from ..invariants import memory_report
-from .messages import AbortRequest, EngineInfo, GenerateRequest, Load, Shutdown, StepOutput, TokenDelta
+from .messages import AbortRequest, EngineInfo, GenerateRequest, GrammarSpec, Load, Shutdown, StepOutput, TokenDelta
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class SchedulerLoop:
         self.outputs = outputs
         self.tracked = Tracked()
         self.shutdown: Shutdown | None = None
+        self.compiler = None  # features/xgrammar_backend.py GrammarCompiler, once a request has a grammar
 
     def run(self) -> None:
         llm = self.llm
@@ -111,7 +113,10 @@ class SchedulerLoop:
                     refused.append(TokenDelta(msg.rid, [], error="the server is shutting down"))
                     continue
                 try:
-                    self.tracked.add(msg.rid, self.llm.add_request(msg.prompt_ids, msg.params))
+                    params = msg.params
+                    if msg.grammar is not None:
+                        params = replace(params, grammar=self.compile(msg.grammar))
+                    self.tracked.add(msg.rid, self.llm.add_request(msg.prompt_ids, params))
                 except (ValueError, TypeError) as exc:  # e.g. check_fits: more than the KV pool holds
                     refused.append(TokenDelta(msg.rid, [], error=str(exc)))
             elif isinstance(msg, AbortRequest):
@@ -123,6 +128,15 @@ class SchedulerLoop:
                 if not msg.drain:
                     for llm_rid in self.tracked.http_rid:
                         self.llm.abort(llm_rid)
+
+    def compile(self, spec: GrammarSpec) -> Constraint:
+        """An xgrammar grammar for this model (the compiler, and xgrammar, load on first use)."""
+        if self.compiler is None:
+            from ..features.xgrammar_backend import GrammarCompiler
+
+            llm = self.llm
+            self.compiler = GrammarCompiler(llm.tokenizer, llm.engine.model.vocab_size, llm.eos_ids)
+        return self.compiler.compile(spec.kind, spec.text)
 
     def new_tokens(self, finished) -> list[TokenDelta]:
         tracked = self.tracked
