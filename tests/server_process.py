@@ -2,60 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Iterator
-
 import http.client
 import json
+from contextlib import contextmanager
+from typing import Iterator
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 180.0  # a loaded 2-core machine: two interpreters import torch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from minisgl.server import launcher
 
 
 @contextmanager
 def running_server(*flags: str) -> Iterator[str]:
-    """Start the server, wait until /health answers, yield its base URL; Ctrl-C it afterwards."""
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "minisgl", "serve", "--port", str(port), *flags], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stdout.read()}")
-            try:
-                if request(url, "GET", "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.2)
+    """A real server process (minisgl/server/launcher.py); yields its base URL."""
+    with launcher.running_server(*flags) as (url, _):
         yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def request(url: str, method: str, path: str, body: bytes | None = None,
