@@ -147,13 +147,12 @@ class TokenMask:
 
 def build_mask(grammars: Sequence[Constraint | None], states: Sequence) -> TokenMask:
     """The mask for one batch's sample, from each request's grammar and the state it is in now.
-    Rows with an xgrammar grammar (features/xgrammar_backend.py) add its token bitmask."""
+    Rows with a grammar of another backend (features/xgrammar_backend.py) add that backend's mask."""
     fsm = TokenMask(tuple(g.allowed(s) if isinstance(g, Grammar) else None for g, s in zip(grammars, states)))
-    if all(g is None or isinstance(g, Grammar) for g in grammars):
+    other = next((g for g in grammars if g is not None and not isinstance(g, Grammar)), None)
+    if other is None:
         return fsm
-    from .xgrammar_backend import bitmask_mask  # only a batch with such a grammar needs xgrammar
-
-    return bitmask_mask(fsm, grammars, states)
+    return type(other).batch_mask(fsm, grammars, states)  # the other backend adds its rows to the FSM's
 
 
 class DelayedSampling:

@@ -90,6 +90,18 @@ class XGrammar(Constraint):
         if self.vocab_size != vocab:
             raise ValueError(f"the grammar was compiled for a vocabulary of {self.vocab_size}, the model has {vocab}")
 
+    @staticmethod
+    def batch_mask(fsm: TokenMask, grammars: Sequence[Constraint | None], states: Sequence[Any]) -> BitmaskMask:
+        """The batch's mask (features/grammar.py build_mask): the FSM rows', plus a bitmask row
+        filled from each xgrammar request's matcher, on the host."""
+        rows = tuple(i for i, g in enumerate(grammars) if isinstance(g, XGrammar) and states[i] is not REJECTED
+                     and not states[i].is_terminated())
+        vocab = next(g.vocab_size for g in grammars if isinstance(g, XGrammar))
+        bitmask = xgr.allocate_token_bitmask(len(grammars), vocab)  # all ones: nothing masked
+        for i in rows:
+            states[i].fill_next_token_bitmask(bitmask, i)
+        return BitmaskMask(fsm, bitmask, rows)
+
 
 @dataclass(frozen=True)
 class BitmaskMask:
@@ -111,13 +123,3 @@ class BitmaskMask:
                                         indices=list(self.rows))
         return masked
 
-
-def bitmask_mask(fsm: TokenMask, grammars: Sequence[Constraint | None], states: Sequence[Any]) -> BitmaskMask:
-    """Fill the bitmask rows of the xgrammar requests from their matchers (on the host)."""
-    rows = tuple(i for i, g in enumerate(grammars) if isinstance(g, XGrammar) and states[i] is not REJECTED
-                 and not states[i].is_terminated())
-    vocab = next(g.vocab_size for g in grammars if isinstance(g, XGrammar))
-    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab)  # all ones: nothing masked
-    for i in rows:
-        states[i].fill_next_token_bitmask(bitmask, i)
-    return BitmaskMask(fsm, bitmask, rows)
