@@ -21,6 +21,7 @@ from .metrics import Metrics
 from .scheduler_process import SchedulerArgs, run_scheduler
 
 STARTUP_POLL_S = 0.2
+DRAIN_POLL_S = 0.05
 
 
 class EngineUnavailable(RuntimeError):
@@ -87,11 +88,31 @@ class EngineClient:
         self._receiver = asyncio.create_task(self._receive_loop())
         return info
 
-    async def stop(self, drain: bool) -> int | None:
-        """Ask the scheduler process to drain (or abort) what is in flight and exit; its exit code."""
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no new request; wait until every generation in flight is finished (True), or
+        until the timeout (False)."""
+        self.closing = True
+        deadline = time.monotonic() + timeout_s
+        while self._submissions and time.monotonic() < deadline and self.failure is None:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return not self._submissions
+
+    def abort_all(self) -> None:
+        """Every generation in flight ends with finish_reason "abort" (its client is told), and
+        the scheduler process exits once they are out."""
         self.closing = True
         if self.process.is_alive():
-            await self._requests.send_pyobj(Shutdown(drain))
+            self._send(Shutdown(drain=False))
+
+    async def stop(self, timeout_s: float) -> int | None:
+        """The scheduler process checks its pools, frees the engine and exits; its exit code.
+        Killed if it does not within the timeout (a hung device)."""
+        self.closing = True
+        if self.process.is_alive():
+            self._send(Shutdown(drain=True))
+            await asyncio.to_thread(self.process.join, timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
             await asyncio.to_thread(self.process.join)
         if self._receiver is not None:
             self._receiver.cancel()
@@ -139,7 +160,8 @@ class EngineClient:
     def _send(self, msg: object) -> None:
         # Not awaited: a PUSH socket queues the message at once (the HWM is far above what a
         # server has in flight), and an abort must go out even from a cancelled request's finally.
-        self._requests.send_pyobj(msg)
+        if not self._requests.closed:  # after stop(): the scheduler process is gone already
+            self._requests.send_pyobj(msg)
 
     # ---------------------------------------------------------------- tokens coming back
     async def _receive_loop(self) -> None:

@@ -8,6 +8,7 @@ no request is queued or running.
 
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import dataclass, field, replace
 
@@ -16,6 +17,9 @@ import zmq
 from ..constraint import Constraint
 from ..invariants import memory_report
 from .messages import AbortRequest, EngineInfo, GenerateRequest, GrammarSpec, Load, Shutdown, StepOutput, TokenDelta
+
+
+PARENT_CHECK_MS = 500  # while idle, how often the process checks that the HTTP process still exists
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,10 @@ class Tracked:
 
 
 def run_scheduler(args: SchedulerArgs) -> None:
-    """Process entry point. Ctrl-C goes to the HTTP process, which shuts this one down in order."""
+    """Process entry point. Ctrl-C and SIGTERM go to the HTTP process, which shuts this one down in
+    order (a signal to the whole process group must not kill the engine under its clients)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
     requests, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     requests.connect(args.requests_addr)
@@ -79,6 +85,7 @@ class SchedulerLoop:
         self.tracked = Tracked()
         self.shutdown: Shutdown | None = None
         self.compiler = None  # features/xgrammar_backend.py GrammarCompiler, once a request has a grammar
+        self.parent = os.getppid()
 
     def run(self) -> None:
         llm = self.llm
@@ -87,6 +94,8 @@ class SchedulerLoop:
             if self.shutdown is not None and not busy:
                 llm.check_invariants()  # drained: every KV slot and row is back
                 return
+            if os.getppid() != self.parent:  # the HTTP process is gone: nobody is left to answer
+                self.stop_all()
             deltas = self.receive(block=not busy)
             try:
                 finished = llm.step() if llm.has_unfinished() else []
@@ -101,7 +110,10 @@ class SchedulerLoop:
     def receive(self, block: bool) -> list[TokenDelta]:
         """Act on every message waiting (blocking for the first one when idle); the refusals."""
         refused = []
-        flags = 0 if block else zmq.NOBLOCK
+        flags = zmq.NOBLOCK
+        while block and not self.requests.poll(PARENT_CHECK_MS):
+            if os.getppid() != self.parent:
+                return refused
         while True:
             try:
                 msg = self.requests.recv_pyobj(flags)
@@ -124,10 +136,16 @@ class SchedulerLoop:
                 if llm_rid is not None:  # else it finished already: nothing to stop
                     self.llm.abort(llm_rid)
             elif isinstance(msg, Shutdown):
-                self.shutdown = msg
-                if not msg.drain:
-                    for llm_rid in self.tracked.http_rid:
-                        self.llm.abort(llm_rid)
+                if msg.drain:
+                    self.shutdown = msg
+                else:
+                    self.stop_all()
+
+    def stop_all(self) -> None:
+        """Abort every request (each finishes "abort" at the next step) and exit once they are out."""
+        self.shutdown = Shutdown(drain=False)
+        for llm_rid in self.tracked.http_rid:
+            self.llm.abort(llm_rid)
 
     def compile(self, spec: GrammarSpec) -> Constraint:
         """An xgrammar grammar for this model (the compiler, and xgrammar, load on first use)."""
