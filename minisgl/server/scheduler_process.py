@@ -86,6 +86,7 @@ class SchedulerLoop:
         self.shutdown: Shutdown | None = None
         self.compiler = None  # features/xgrammar_backend.py GrammarCompiler, once a request has a grammar
         self.parent = os.getppid()
+        self.last_load: Load | None = None
 
     def run(self) -> None:
         llm = self.llm
@@ -104,8 +105,10 @@ class SchedulerLoop:
                 self.outputs.send_pyobj(StepOutput(deltas + lost, self.load(), fatal=repr(exc)))
                 raise
             deltas += self.new_tokens(finished)
-            if deltas or finished:
-                self.outputs.send_pyobj(StepOutput(deltas, self.load()))
+            load = self.load()
+            if deltas or load != self.last_load:  # the gauges in /metrics follow every change
+                self.outputs.send_pyobj(StepOutput(deltas, load))
+                self.last_load = load
 
     def receive(self, block: bool) -> list[TokenDelta]:
         """Act on every message waiting (blocking for the first one when idle); the refusals."""
@@ -171,5 +174,6 @@ class SchedulerLoop:
     def load(self) -> Load:
         s = self.llm.scheduler
         mem = memory_report(s)
-        return Load(len(s.running.reqs) + len(s.prefilling), len(s.waiting),
+        running = sum(not r.finished for r in s.running.reqs)  # a finished one leaves at the next schedule
+        return Load(running + len(s.prefilling), len(s.waiting),
                     mem["kv_total"] - mem["kv_free"] - mem["kv_cached"], mem["kv_total"])
