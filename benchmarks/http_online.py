@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -31,7 +33,7 @@ from minisgl.frontend.options import Number, NumberList  # noqa: E402
 from minisgl.observe.bench import Workload, offline_workload  # noqa: E402
 from minisgl.observe.online import poisson_arrivals, run_online  # noqa: E402
 from minisgl.observe.trace import _percentile  # noqa: E402
-from minisgl.server.launcher import running_server  # noqa: E402
+from minisgl.server.launcher import running_server, scheduler_pid  # noqa: E402
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -63,10 +65,22 @@ def server_sums(url: str) -> dict[str, float]:
                          for s in ("sum", "count")) if line.startswith(name + "{")}
 
 
-async def http_online(url: str, workload: Workload, rate: float, label: str) -> dict:
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of a process so far (Linux /proc), or of this one."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def http_online(url: str, workload: Workload, rate: float, label: str, pids: tuple[int, int]) -> dict:
+    """The run; also the CPU seconds each process spent in it: the HTTP process, the scheduler
+    process and this benchmark's client."""
     import openai
 
     before = server_sums(url)
+    cpu_before = [cpu_s(p) for p in (*pids, None)]
     arrivals = poisson_arrivals(len(workload.prompts), rate, seed=0)
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600) as client:
         with Progress(console=console, transient=True) as progress:
@@ -79,13 +93,15 @@ async def http_online(url: str, workload: Workload, rate: float, label: str) -> 
     itl = [b - a for r in runs for a, b in zip(r["times"], r["times"][1:])]
     tokens = sum(r["tokens"] for r in runs)
     after = server_sums(url)
+    cpu = [cpu_s(p) - b for p, b in zip((*pids, None), cpu_before)]
 
     def server_mean(metric: str) -> float:
         sums, counts = (after[f"minisgl:{metric}_seconds_{s}"] - before[f"minisgl:{metric}_seconds_{s}"]
                         for s in ("sum", "count"))
         return sums / counts if counts else float("nan")
 
-    return {"server_ttft_mean_s": server_mean("time_to_first_token"),
+    return {"cpu_s": dict(zip(("http", "scheduler", "client"), cpu)),
+            "server_ttft_mean_s": server_mean("time_to_first_token"),
             "server_itl_mean_s": server_mean("inter_token_latency"),"rate": rate, "output_tokens": tokens, "wall_s": end - start, "output_tok_per_s": tokens / (end - start),
             "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
             "itl_p50_s": _percentile(itl, 50), "itl_p99_s": _percentile(itl, 99)}
@@ -118,10 +134,12 @@ def main() -> int:
                  f"pass --model DIR (make-tiny DIR --arch qwen3)")
     rows = []
     for loop in args.loops.split(","):
-        with running_server("--model", str(model), "--loop", loop, "--served-model-name", "bench") as (url, _):
+        with running_server("--model", str(model), "--loop", loop, "--served-model-name", "bench") as (url, proc):
+            pids = (proc.pid, scheduler_pid(proc))
             warm_up = Workload("warm-up", [workload.prompts[0][:8]], [SamplingParams(max_new_tokens=4)])
-            asyncio.run(http_online(url, warm_up, 1e6, "warm-up"))
-            http = [asyncio.run(http_online(url, workload, rate, f"{loop} HTTP {rate:g} req/s")) for rate in args.rate]
+            asyncio.run(http_online(url, warm_up, 1e6, "warm-up", pids))
+            http = [asyncio.run(http_online(url, workload, rate, f"{loop} HTTP {rate:g} req/s", pids))
+                    for rate in args.rate]
         local = in_process(model, loop, workload, args.rate)
         for h, l in zip(http, local):
             rows += [(loop, "HTTP", h, h["output_tok_per_s"] / l["output_tok_per_s"]), (loop, "in-process", l, None)]
@@ -136,6 +154,12 @@ def main() -> int:
         table.add_row(loop, path, f"{r['rate']:g}", f"{r['output_tok_per_s']:.0f}", "" if ratio is None else f"{ratio:.1%}",
                       *(f"{r[k] * 1000:.1f}" for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")), server)
     console.print(table)
+    for loop, path, r, _ in rows:
+        if "cpu_s" in r:
+            cpu = r["cpu_s"]
+            console.print(f"{loop} HTTP {r['rate']:g} req/s: CPU s of the scheduler process {cpu['scheduler']:.1f}, "
+                          f"the HTTP process {cpu['http']:.1f}, the benchmark's client {cpu['client']:.1f} "
+                          f"(wall {r['wall_s']:.1f} s)")
     console.print("TTFT and ITL: as the client saw them (HTTP: the official client, whose own work per request and "
                   "per chunk is in them); server: from its arrival at the server to the token's arrival in the HTTP "
                   "process (/metrics)")

@@ -26,18 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from minisgl.demo.tasks import demo_prompts  # noqa: E402
-from minisgl.server.launcher import running_server  # noqa: E402
+from minisgl.server.launcher import rss_mb, running_server, scheduler_pid  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["animal"],
           "properties": {"animal": {"enum": ["cat", "dog", "owl"]}}}
 KINDS = ("stream", "whole", "json", "drop", "bad")
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 async def post(host: str, port: int, path: str, body: dict, drop_after: int | None = None) -> tuple[int, bytes]:
@@ -101,7 +94,7 @@ async def client(host: str, port: int, prompts: list[str], deadline: float, rng:
 async def soak(url: str, proc, minutes: float, clients: int) -> dict:
     host, port = url.split("//")[1].split(":")
     prompts = [p for p, _ in demo_prompts(64, seed=31)]
-    pids = [proc.pid, int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[-1])]
+    pids = [proc.pid, scheduler_pid(proc)]
     start_rss = [rss_mb(p) for p in pids]
     peak = list(start_rss)
     counts: Counter = Counter()

@@ -19,8 +19,11 @@ from minisgl import LLM, SamplingParams
 from minisgl.demo.paths import demo_model_path
 from minisgl.demo.tasks import demo_prompts
 from minisgl.server import launcher
+from minisgl.server.launcher import rss_mb, scheduler_pid
 
 from .server_process import metric, post_json, raw_post, request
+
+pytestmark = pytest.mark.full  # minutes on the 2-core machine
 
 SETTLE_S = 120.0  # how long the pools may take to come back after the clients are gone (a loaded machine)
 
@@ -41,17 +44,6 @@ def threads(pid: int) -> int:
     return len(list(Path(f"/proc/{pid}/task").iterdir()))
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise KeyError("VmRSS")
-
-
-def scheduler_pid(proc) -> int:
-    return int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[-1])
-
-
 def settle(url: str) -> None:
     """Wait until nothing runs or waits and no KV is held by a request; fail if that never comes."""
     deadline = time.monotonic() + SETTLE_S
@@ -66,7 +58,6 @@ def body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
     return {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
 
 
-@pytest.mark.full
 def test_a_thousand_concurrent_streams(server, llm):
     url, proc = server
     prompts = [p for p, _ in demo_prompts(1000, seed=21)]
@@ -173,7 +164,6 @@ def test_malformed_and_oversized_http(server, llm):
     settle(url)
 
 
-@pytest.mark.full
 def test_a_storm_beyond_the_queue_gets_503_with_retry_after(llm):
     prompts = [p for p, _ in demo_prompts(48, seed=29)]
     expected = {p: o.text for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_new_tokens=200,

@@ -15,7 +15,9 @@ from urllib.parse import urlsplit
 import pytest
 
 from minisgl.server import launcher
+from minisgl.server.launcher import scheduler_pid
 
+pytestmark = pytest.mark.full  # a server start per case
 EXIT_WAIT_S = 120.0
 
 
@@ -47,18 +49,11 @@ def finish_reasons(events: list[str]) -> list[str]:
     return [c["finish_reason"] for e in events if e != "[DONE]" for c in json.loads(e)["choices"] if c["finish_reason"]]
 
 
-def scheduler_pid(proc) -> int:
-    return int(open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()[-1])
-
-
 @pytest.mark.parametrize("flags, signals, code, reason", [
     pytest.param((), (signal.SIGTERM,), 0, "length", id="sigterm-drains"),
-    pytest.param(("--drain-timeout", "0.5"), (signal.SIGTERM,), 3, "abort", id="drain-times-out",
-                 marks=pytest.mark.full),
-    pytest.param((), (signal.SIGTERM, signal.SIGTERM), 128 + signal.SIGTERM, "abort", id="second-sigterm",
-                 marks=pytest.mark.full),
-    pytest.param((), (signal.SIGTERM, signal.SIGINT), 128 + signal.SIGINT, "abort", id="then-ctrl-c",
-                 marks=pytest.mark.full),
+    pytest.param(("--drain-timeout", "0.5"), (signal.SIGTERM,), 3, "abort", id="drain-times-out"),
+    pytest.param((), (signal.SIGTERM, signal.SIGTERM), 128 + signal.SIGTERM, "abort", id="second-sigterm"),
+    pytest.param((), (signal.SIGTERM, signal.SIGINT), 128 + signal.SIGINT, "abort", id="then-ctrl-c"),
 ])
 def test_shutdown(flags, signals, code, reason):
     with launcher.running_server("--kv-tokens", "4096", *flags) as (url, proc):

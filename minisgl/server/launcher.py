@@ -61,3 +61,16 @@ def running_server(*flags: str, env: dict[str, str] | None = None) -> Iterator[t
                 proc.kill()
                 proc.wait()
         proc.stdout.close()
+
+
+def scheduler_pid(proc: subprocess.Popen) -> int:
+    """The server's scheduler process (its child; Linux /proc)."""
+    return int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[-1])
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(f"no VmRSS for process {pid}")
