@@ -1,4 +1,4 @@
-"""Command line: `python -m minisgl generate|bench|lab|trace|demo|make-tiny|train-demo ...`
+"""Command line: `python -m minisgl generate|bench|lab|trace|demo|serve|make-tiny|train-demo ...`
 (minisgl/__main__.py is the entry point).
 
 Exit codes, each with one line `error: ...` on stderr and no traceback:
@@ -161,6 +161,12 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the random weights are drawn (cuda for qwen3-8b: 16 GB)")
     m.set_defaults(func=cmd_make_tiny)
+
+    from ..server.cli import add_serve_args, cmd_serve
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (python -m minisgl serve --help)")
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
 
     sub.add_parser("train-demo", help="train the demo model (python -m minisgl train-demo --help)", add_help=False)
     sub.add_parser("course", help="lessons, exercises, hints, student edition, grading (python -m minisgl course --help)",

@@ -18,7 +18,7 @@ from ..interrupts import Deferral
 from ..invariants import check_invariants, memory_report
 from ..mechanisms import Mechanisms
 from ..request import Req
-from ..sampling_params import RequestOutput, SamplingParams
+from ..sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from ..features import plug_in
 from ..scheduler import Scheduler
 from .driving import DrivingMixin
@@ -199,6 +199,18 @@ class LLM(DrivingMixin):
                 call.on_failure(lambda: setattr(req, "abort_requested", before))
             elif rid not in self._results:
                 raise ValueError(f"unknown or finished request id {rid}")
+
+    def new_output(self, sent: dict[int, int]) -> dict[int, tuple[list[int], list[TokenLogprob | None]]]:
+        """Read-only, for streaming: for each queued or running request id in `sent`, the output
+        tokens committed beyond the first sent[rid] (with their logprobs, empty unless asked for),
+        where there are any. Finished requests come out of step() whole instead."""
+        with self._call():
+            new = {}
+            for rid, start in sent.items():
+                req = self._reqs.get(rid)
+                if req is not None and len(req.output_ids) > start:
+                    new[rid] = (req.output_ids[start:], req.logprobs[start:])
+            return new
 
     def has_unfinished(self) -> bool:
         """True while a request is queued or running, or a result waits to be collected."""
