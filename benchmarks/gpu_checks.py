@@ -28,7 +28,7 @@ decode-plan: FlashInfer's tensor-core decode kernel against its plain one, on on
         (820) or spread (100..1024) prompt lengths, the overlap loop's steady decode with graphs:
         host ms of the launch span (the plan and the replay), device ms per forward after its
         launch, wall ms per step. Prints the batch size from which tensor cores give the shorter
-        step at every larger size measured: the value to set.
+        step at every larger size measured.
 """
 
 from __future__ import annotations

@@ -92,6 +92,7 @@ class EngineConfig:
     enable_mixed_chunk: bool
     fused_kernels: bool
     tensor_core_decode_min_batch: int | None
+    fast_decode_plan: bool
     model_window: int
     kv_bytes_per_token: int  # K and V of one position, every layer, in `dtype`
     weight_bytes: int  # the model's weights in `dtype`

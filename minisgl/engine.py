@@ -36,7 +36,7 @@ from .kv_pool import KVPool, ReqToTokenPool
 from .models.sampler import sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
-from .models.decoder import DETERMINISTIC_ROWS, load_model, set_fixed_rows
+from .models.decoder import CPU_INVARIANT_ROWS, DETERMINISTIC_ROWS, load_model, set_fixed_rows
 from .tracer import BatchRecord, SpanName, Tracer
 
 
@@ -103,10 +103,10 @@ class Engine:
         self.mechanisms = config.mechanisms
         self.model = load_model(config.model_path, config.dtype, device)[0]
         self.model.kernels = decoder_kernels(device, config.dtype, config.fused_kernels)  # or the torch reference
-        if config.deterministic:
-            # Batch-invariant kernels: a request's tokens then do not depend on which other
-            # requests share its batches (see models/decoder.py Linear).
-            set_fixed_rows(self.model, DETERMINISTIC_ROWS)
+        # Batch-invariant kernels (models/decoder.py Linear, models/attention.py): always on the CPU.
+        self.invariant = config.deterministic or device.type == "cpu"
+        if self.invariant:
+            set_fixed_rows(self.model, DETERMINISTIC_ROWS if device.type == "cuda" else CPU_INVARIANT_ROWS)
         self.device_delay_s = config.device_delay_ms / 1000.0
         self.backend = self._make_backend()
         # Device memory, allocated in one phase from the config; the scheduler receives the KV
@@ -136,8 +136,9 @@ class Engine:
             m = self.model
             return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
                                      config.max_running_requests, deterministic=config.deterministic,
-                                     tensor_core_min_batch=config.tensor_core_decode_min_batch)
-        return TorchAttentionBackend(deterministic=config.deterministic)
+                                     tensor_core_min_batch=config.tensor_core_decode_min_batch,
+                                     fast_decode_plan=config.fast_decode_plan)
+        return TorchAttentionBackend(deterministic=self.invariant)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
         """Queue batch's forward + sampling on the engine stream; return without waiting."""

@@ -11,7 +11,6 @@ So a request carries several lengths, each a different moment, never mixed up: `
 `launched_len` (positions whose KV a launched batch writes) >= `kv_committed_len` (positions written by batches
 already committed), and `committed_len` (prompt + committed output ids) lags the device by `inflight_samples`."""
 
-
 from __future__ import annotations
 
 import time
@@ -22,7 +21,6 @@ from .sampling_params import RequestTimes, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from .radix_cache import TreeNode
-
 
 
 class Req:

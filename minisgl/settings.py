@@ -97,8 +97,8 @@ SETTINGS: tuple[Setting, ...] = (
             kind=str, choices=get_args(AttentionBackendChoice)),
     Setting("host_delay_ms", 0.0, "emulated extra scheduler (host) work per loop iteration (the lab's knob)",
             kind=float, high=MAX_DELAY_MS),
-    Setting("deterministic", False, "batch-invariant kernels: a request's tokens do not depend on its batch",
-            kind=bool),
+    Setting("deterministic", False, "batch-invariant kernels on CUDA (the CPU always runs them): a request's "
+            "tokens do not depend on its batch", kind=bool),
     Setting("admission", "reserve", "reserve: promise prompt + max_new_tokens per request; optimistic: estimate "
             "what running requests still need (new-token ratio) and retract when a decode step runs short",
             kind=str, choices=get_args(Admission)),
@@ -128,6 +128,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tensor_core_decode_min_batch", 128, "FlashInfer decodes batches of this many requests and more "
             "with its tensor-core kernel (grouped heads)", low=1, high=MAX_RUNNING_REQUESTS,
             none="never (the deterministic mode always does)"),
+    # FlashInfer's own plan() takes Python's max over the lengths, one tensor element at a time:
+    # host work per step that grows with the batch (measured: `bash benchmarks/h200.sh ab`,
+    # benchmarks/RESULTS.md). The fast plan skips it and schedules the same work.
+    Setting("fast_decode_plan", True, "plan decode attention with FlashInfer's fast_decode_plan after each "
+            "wrapper's first plan() (False: plan() every time)", kind=bool),
 )
 SETTING = {s.name: s for s in SETTINGS}
 

@@ -98,7 +98,8 @@ def test_settings_reach_the_config(qwen3, features):
     if "speculative_draft_model_path" in features:  # the target drafts for itself
         features = {**features, "speculative_draft_model_path": qwen3}
     given = dict(loop="normal", admission="optimistic", chunk_size=64, min_prefill_tokens=32, kv_tokens=300,
-                 fused_kernels=False, tensor_core_decode_min_batch=None, host_delay_ms=0.5, **features)
+                 fused_kernels=False, tensor_core_decode_min_batch=None, host_delay_ms=0.5, fast_decode_plan=False,
+                 **features)
     with LLM(qwen3, device="cpu", **given) as llm:
         got = {name: getattr(llm.config, name) for name in given}
     expected = {**given, **({"speculative_draft_model_path": Path(qwen3)} if "speculative_algorithm" in given else {})}

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from minisgl.course import check_map
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("check_map", ROOT / "lessons" / "check_map.py")
-check_map = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check_map)
 
 
 def test_every_minisgl_name_in_the_map_exists():

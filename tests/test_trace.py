@@ -341,3 +341,44 @@ def test_host_work_step_by_step_counts_the_launching_iterations():
 
     spans = hand_spans() + [S(SpanName.COMMIT, "host", 21, 21.5, 5, 3)]
     assert host_work_by_launch(spans) == pytest.approx([2.0, 1.5, 2.0, 3.0])
+
+
+def test_cuda_spans_resolve_each_pair_once_the_device_has_passed_it(monkeypatch):
+    """A CPU check of the CUDA tracer's bookkeeping (fake events): a span comes out once both of
+    its events have completed, oldest first, so only the forwards in flight keep their events;
+    resolve(wait=True) syncs and hands out the rest."""
+    import torch
+
+    from minisgl.gpu.cuda_spans import CudaSpans
+    from minisgl.tracer import SpanName
+
+    clock = {"now_ms": 0.0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool) -> None:
+            self.done, self.at_ms = False, None
+
+        def record(self) -> None:
+            clock["now_ms"] += 1.0
+            self.at_ms = clock["now_ms"]
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, other: "FakeEvent") -> float:
+            return other.at_ms - self.at_ms
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(True))
+    spans = CudaSpans()
+    starts = [spans.begin() for _ in range(3)]
+    for start in starts:
+        start.done = True
+    assert spans.end(starts[0], SpanName.FORWARD, "engine", 0, 0) == []  # its end event not passed yet
+    spans.pending[0][3].done = True
+    got = spans.end(starts[1], SpanName.FORWARD, "engine", 1, 1)
+    assert [(f[4], round((f[3] - f[2]) * 1000)) for f in got] == [(0, 3)] and len(spans.pending) == 1
+    spans.end(starts[2], SpanName.FORWARD, "engine", 2, 2)
+    assert not synced and len(spans.pending) == 2  # the device has passed neither end
+    assert [f[4] for f in spans.resolve(wait=True)] == [1, 2] and synced and not spans.pending

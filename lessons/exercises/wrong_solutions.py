@@ -10,16 +10,7 @@ shows a teacher what a learner with that mistake sees.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-
-@dataclass(frozen=True)
-class Wrong:
-    exercise: int
-    name: str
-    story: str  # the mistake, in one line
-    expect: str  # a phrase the first failure (or the hang report) must contain
-    regions: dict[str, str] = field(default_factory=dict)  # region name -> code put there (any indent)
+from minisgl.course.catalog import Wrong
 
 
 OVERLAP_LOOP = """
@@ -520,6 +511,34 @@ sched.stats.delayed_samples += 1
           {"delay the sampling": 'delay_sample = self.on("grammar_delayed_sample")'}),
 ]
 
+WRONG += [
+    # ---------------------------------------------------------------- classes a student found passing (a round of 83)
+    Wrong(1, "snapshot-always", "freezes the view of the batch in flight even with batch_snapshot off",
+          "keep the switch", {"overlap_loop": overlap_loop(view="planned.view.snapshot()")}),
+    Wrong(6, "park-every-row", "parks every released row, in flight or not: with no later commit it is never freed",
+          "must be freed at once", {"deferred row free": """
+if self.on("deferred_row_free"):
+    self.deferred_rows.append(row)
+else:
+    self.req_to_token.free(row)
+"""}),
+    Wrong(8, "wait-only-if-not-passed", "waits for copy_done only when query() says it has not passed yet: a failed "
+          "batch that is over by its commit is read as if it had worked", "where a failure of the device's work",
+          {"the host waits for copy_done": """
+if not result.copy_done.query():
+    result.copy_done.synchronize()
+"""}),
+    Wrong(9, "skip-counts-the-sample", "takes the skipped result off the request's samples in flight, which the "
+          "retraction had already reset", "leave the retracted request untouched",
+          {"skip a retracted request's in-flight result": """
+if (req.row, req.row_generation) != (row, generation) and self.on("retract_skip_inflight"):
+    req.inflight_samples -= 1
+    self.stats.retracted_late_results += 1
+    continue
+"""}),
+    Wrong(10, "masks-without-finished-rows", "builds the delayed masks without the rows whose request finished "
+          "while the batch was in flight", "also for a request that finished",
+          delayed_sample(reqs="[r for r in inflight.view.reqs if not r.finished]")),
 ACCEPT = "agree = (drafts == target[:, :-1]).long()\nreturn agree.cumprod(1).sum(1) + 1"
 RESERVE = """width = self.num_steps + 1
 reserve = 2 * width if self.on("spec_alloc_reserve") else width

@@ -142,9 +142,14 @@ class TokenMask:
         return constrained, rows, tokens
 
 
-def build_mask(grammars: Sequence[Grammar | None], states: Sequence[int]) -> TokenMask:
-    """The mask for one batch's sample, from each request's grammar and the state it is in now."""
-    return TokenMask(tuple(g.allowed(s) if g is not None else None for g, s in zip(grammars, states)))
+def build_mask(grammars: Sequence[Constraint | None], states: Sequence) -> TokenMask:
+    """The mask for one batch's sample, from each request's grammar and the state it is in now.
+    Rows with a grammar of another backend (features/xgrammar_backend.py) add that backend's mask."""
+    fsm = TokenMask(tuple(g.allowed(s) if isinstance(g, Grammar) else None for g, s in zip(grammars, states)))
+    other = next((g for g in grammars if g is not None and not isinstance(g, Grammar)), None)
+    if other is None:
+        return fsm
+    return type(other).batch_mask(fsm, grammars, states)  # the other backend adds its rows to the FSM's
 
 
 def launch_sample(engine: Engine, result: ForwardResult, mask: TokenMask) -> None:

@@ -1,4 +1,4 @@
-"""Command line: `python -m minisgl generate|bench|lab|trace|demo|make-tiny|train-demo ...`
+"""Command line: `python -m minisgl generate|bench|lab|trace|demo|serve|make-tiny|train-demo ...`
 (minisgl/__main__.py is the entry point).
 
 Exit codes, each with one line `error: ...` on stderr and no traceback:
@@ -62,7 +62,7 @@ def _demo_pairs(n: int) -> list[tuple[str, str]]:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from ..demo.tiny import make_tiny
 
-    path = make_tiny(args.out, args.arch, preset=args.preset, seed=args.seed)
+    path = make_tiny(args.out, args.arch, preset=args.preset, seed=args.seed, device=args.device)
     print(f"wrote {args.arch} ({args.preset}) checkpoint to {path}")
     return 0
 
@@ -156,9 +156,17 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-tiny", help="write a tiny random checkpoint plus a trained BPE tokenizer")
     m.add_argument("out")
     m.add_argument("--arch", default="qwen3", choices=["llama", "qwen2", "qwen3"])
-    m.add_argument("--preset", default="tiny", choices=["tiny", "small", "qwen3-0.6b"])
+    m.add_argument("--preset", default="tiny", choices=["tiny", "small", "qwen3-0.6b", "qwen3-8b"])
     m.add_argument("--seed", type=SEED, default=0)
+    m.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the random weights are drawn (cuda for qwen3-8b: 16 GB)")
     m.set_defaults(func=cmd_make_tiny)
+
+    from ..server.cli import add_serve_args, cmd_serve
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (python -m minisgl serve --help)")
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
 
     sub.add_parser("train-demo", help="train the demo model (python -m minisgl train-demo --help)", add_help=False)
     sub.add_parser("course", help="lessons, exercises, hints, student edition, grading (python -m minisgl course --help)",

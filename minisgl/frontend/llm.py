@@ -18,7 +18,7 @@ from ..interrupts import Deferral
 from ..invariants import check_invariants, memory_report
 from ..mechanisms import Mechanisms
 from ..request import Req
-from ..sampling_params import RequestOutput, SamplingParams
+from ..sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from ..features import plug_in
 from ..scheduler import Scheduler
 from .driving import DrivingMixin
@@ -40,7 +40,8 @@ class LLM(DrivingMixin):
                  admission: str = "reserve", min_prefill_tokens: int | None = None,
                  speculative_algorithm: str | None = None, speculative_num_steps: int = 3,
                  speculative_draft_model_path: str | os.PathLike | None = None, enable_mixed_chunk: bool = False,
-                 fused_kernels: bool = True, tensor_core_decode_min_batch: int | None = 128) -> None:
+                 fused_kernels: bool = True, tensor_core_decode_min_batch: int | None = 128,
+                 fast_decode_plan: bool = True) -> None:
         """The keywords are the engine's settings, in minisgl.config.SETTINGS with their ranges and help
         (a test holds this signature to that table)."""
         settings = {name: value for name, value in locals().items() if name not in ("self", "model_path")}
@@ -198,6 +199,18 @@ class LLM(DrivingMixin):
                 call.on_failure(lambda: setattr(req, "abort_requested", before))
             elif rid not in self._results:
                 raise ValueError(f"unknown or finished request id {rid}")
+
+    def new_output(self, sent: dict[int, int]) -> dict[int, tuple[list[int], list[TokenLogprob | None]]]:
+        """Read-only, for streaming: for each queued or running request id in `sent`, the output
+        tokens committed beyond the first sent[rid] (with their logprobs, empty unless asked for),
+        where there are any. Finished requests come out of step() whole instead."""
+        with self._call():
+            new = {}
+            for rid, start in sent.items():
+                req = self._reqs.get(rid)
+                if req is not None and len(req.output_ids) > start:
+                    new[rid] = (req.output_ids[start:], req.logprobs[start:])
+            return new
 
     def has_unfinished(self) -> bool:
         """True while a request is queued or running, or a result waits to be collected."""

@@ -152,12 +152,16 @@ def model_dir(args: argparse.Namespace) -> Path:
     return demo_model_path()
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The LLM keyword arguments the engine flags give (one per setting with a flag)."""
+    return {s.name: getattr(args, s.name) for s in SETTINGS if s.cli}
+
+
 def build_llm(args: argparse.Namespace, **overrides):
     """An LLM from the engine flags (add_engine_args); `overrides`: settings the command sets itself."""
     from .llm import LLM
 
-    flags = {s.name: getattr(args, s.name) for s in SETTINGS if s.cli}
-    return LLM(model_dir(args), **{**flags, **overrides})
+    return LLM(model_dir(args), **{**engine_kwargs(args), **overrides})
 
 
 def check_output_file(path: str | None, option: str) -> None:

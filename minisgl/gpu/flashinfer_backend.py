@@ -18,15 +18,17 @@ after its copy_done.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
 from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend, store_new_kv
 
 WORKSPACE_BYTES = 256 << 20
-# FlashInfer 0.6.6 has no kernels for the demo model's head_dim 32 (H200, 2026-12-02): the
-# tensor-core decode failed with "Invalid configuration", the plain decode's split-KV merge with
-# "Unsupported head_dim: 32". "auto" takes the torch backend below this (config.py).
+# FlashInfer has no kernels for head sizes as small as the demo model's 32 (its decode kernels
+# refuse them: benchmarks/history/2026-12-03.md names the errors). "auto" takes the torch
+# backend below this (config.py).
 FLASHINFER_MIN_HEAD_DIM = 64
 
 
@@ -60,7 +62,7 @@ def fill_indptr(lengths: list[int], out: np.ndarray) -> int:
 class FlashInferBackend:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, max_batch: int, deterministic: bool = False, *,
-                 tensor_core_min_batch: int | None) -> None:
+                 tensor_core_min_batch: int | None, fast_decode_plan: bool) -> None:
         import flashinfer
 
         if dtype not in (torch.float16, torch.bfloat16):
@@ -72,6 +74,8 @@ class FlashInferBackend:
         self.grouped = num_qo_heads > num_kv_heads
         self.deterministic = deterministic
         self.tensor_core_min_batch = tensor_core_min_batch
+        self.fast_decode_plan = fast_decode_plan  # the setting fast_decode_plan (_fast_plan)
+        self._planned: weakref.WeakSet = weakref.WeakSet()  # decode wrappers FlashInfer's own plan() has set up once
         self.prefill_reference = TorchAttentionBackend(deterministic=True) if deterministic else None
         self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
         # Eager decode wrappers for each kernel some batch size may run (the smallest and the
@@ -92,6 +96,7 @@ class FlashInferBackend:
         # from pageable memory: the wait above, once per prefill batch).
         self._kv_lens = [torch.zeros(max_batch, **pinned) for _ in range(2)]
         self._last_page_len = torch.ones(max_batch, **pinned)  # page size 1: never rewritten
+        self._last_page_len_device = torch.ones(max_batch, dtype=torch.int32, device=device)  # the same, for fast plans
 
     def tensor_cores_for(self, batch_size: int) -> bool:
         """Does a decode batch of this size run on tensor cores? (decode_on_tensor_cores)"""
@@ -111,15 +116,41 @@ class FlashInferBackend:
         kv_indices = meta.kv_indices.to(torch.int32)
         if meta.is_decode:
             self._active = decode_wrapper or self.decode[self.tensor_cores_for(meta.num_requests)][parity]
+            if self.fast_decode_plan and self._active in self._planned:
+                self._fast_plan(self._active, kv_indptr, kv_indices)
+                return
             self._active.plan(kv_indptr, kv_indices, last_page_len, num_qo, num_kv, head_dim, 1,
                               q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=self.deterministic,
                               seq_lens=kv_lens)
+            self._planned.add(self._active)
         elif self.prefill_reference is None:
             self._active = self.prefill[parity]
             qo_indptr = self._qo_indptr[parity][:fill_indptr(meta.qo_lens, self._qo_indptr[parity].numpy())]
             self._active.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo, num_kv,
                               head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype,
                               seq_lens=kv_lens)
+
+    def _fast_plan(self, wrapper, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+        """A decode wrapper's plan without FlashInfer's host-side Python over the lengths (its
+        plan() takes Python's `max` over them, one tensor element at a time, a value the fa2
+        kernels never read): FlashInfer's `fast_decode_plan`, after the uploads plan() makes.
+        It reuses what the wrapper's first plan() set up (kernel module, dtypes), so that one
+        goes through plan()."""
+        from flashinfer.decode import fast_decode_plan
+
+        num_qo, num_kv, head_dim = self.shape
+        n = len(kv_indptr) - 1
+        if wrapper.is_cuda_graph_enabled:
+            # The graph reads fixed buffers: copy in as plan() does (FlashInfer 0.6.6's names;
+            # last_page_len's buffer holds ones from its creation, and page size 1 keeps them).
+            wrapper._paged_kv_indptr_buf.copy_(kv_indptr, non_blocking=True)
+            wrapper._paged_kv_indices_buf[:len(kv_indices)].copy_(kv_indices, non_blocking=True)
+            indptr, indices = wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf
+        else:  # the wrapper keeps these device tensors until its next plan (same parity: batch n+2)
+            indptr, indices = kv_indptr.to(self.workspace.device, non_blocking=True), kv_indices
+        fast_decode_plan(wrapper, indptr, indices, self._last_page_len_device[:n], num_qo, num_kv, head_dim, 1,
+                         q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=self.deterministic,
+                         global_override_indptr_cpu=kv_indptr)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
                 meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
@@ -137,4 +168,5 @@ class FlashInferBackend:
     def close(self) -> None:
         """Drop the wrappers (they hold the workspace and their plans' buffers)."""
         self.prefill, self.decode, self._active = [], {}, None
+        self._planned.clear()
         self.workspace = None

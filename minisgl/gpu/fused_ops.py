@@ -1,9 +1,10 @@
 """GPU fast paths for the model's elementwise steps, from FlashInfer (the `cuda` extra).
 
-In bf16 on an H200 a decode step of a 0.6B model spends as much time in tiny elementwise
-kernels (RMSNorm's casts and reductions, rotary's chunk/cat/mul/add, SiLU-and-mul, the
-residual adds) as in attention: hundreds of 2-3 us launches per step (measured:
-benchmarks/RESULTS.md). These fused kernels do each step in one launch. `FusedKernels` computes
+Written in plain torch, each elementwise step of the decoder (RMSNorm's casts and reductions,
+rotary's chunk/cat/mul/add, SiLU-and-mul, the residual adds) is several tiny kernels, and a
+kernel costs a few microseconds however little it does: on a small model a decode step then
+spends about as long in them as in attention (benchmarks/RESULTS.md). These fused kernels do
+each step in one launch. `FusedKernels` computes
 what models/decoder.py's `TorchKernels` does, which stays the reference and the only path on
 CPU and in float32; the engine hands a model one or the other (`decoder_kernels`). One more
 comes from our own Triton kernel (qkv_epilogue.py): everything between the q/k/v projection

@@ -27,9 +27,9 @@ To rebuild the manifest (the versions are in `SOURCES`):
     unzip -q /tmp/sgl/sglang-0.5.23-*.whl 'sglang/*' -d /tmp/sgl/src
     git clone https://github.com/sgl-project/mini-sglang /tmp/mini
     git -C /tmp/mini checkout 20fcd7f3c6a1898a61139fae1c97cc7a40bd8d66
-    python lessons/upstream_map.py build --sglang /tmp/sgl/src --mini-sglang /tmp/mini/python
+    python -m minisgl.course.upstream_map build --sglang /tmp/sgl/src --mini-sglang /tmp/mini/python
 
-    python lessons/upstream_map.py check    # list names that resolve to nothing (exit 1 if any)
+    python -m minisgl.course.upstream_map check    # list names that resolve to nothing (exit 1 if any)
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "lessons" / "readings" / "upstream_names.json"
 MAP_FILES = (ROOT / "lessons" / "readings" / "README.md", ROOT / "lessons" / "readings" / "sglang_overlap_loop.md")
 
@@ -309,7 +309,7 @@ def build(parents: dict[str, Path]) -> dict:
     names = {s: collect(parents[s], SOURCES[s]["package"], SOURCES[s]["read"], prefix="python/").to_json()
              for s in SOURCES}
     return {"about": "Names defined at the pinned versions of SGLang and mini-SGLang, read with ast by "
-                     "`python lessons/upstream_map.py build` (its docstring says how).",
+                     "`python -m minisgl.course.upstream_map build` (its docstring says how).",
             "sources": SOURCES, "names": names}
 
 

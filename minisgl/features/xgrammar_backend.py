@@ -1,0 +1,125 @@
+"""A second grammar backend beside the teaching FSM: xgrammar (SGLang's default), for JSON
+schemas, any JSON, regular expressions and EBNF, behind the same delayed sampling.
+
+An `XGrammar` constraint is compiled against the model's tokenizer once; each request gets its
+own matcher (its state), advanced at commit like the FSM's state. Its mask is xgrammar's
+token bitmask (one bit per vocabulary entry), filled on the host once the state is current
+(DelayedSampling.launch) and applied to the logits on the device, in the engine's stream.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import xgrammar as xgr
+
+from ..constraint import REJECTED, Constraint
+from .grammar import TokenMask
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer and vocabulary (the model's rows, which may be more
+    than the tokenizer's ids); xgrammar caches what it compiled."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(info)
+        self.vocab_size = vocab_size
+
+    def compile(self, kind: str, text: str = "") -> XGrammar:
+        """kind: json_schema (text: the schema as JSON), json_object, regex or ebnf. A bad grammar
+        is a ValueError."""
+        try:
+            if kind == "json_schema":
+                compiled = self.compiler.compile_json_schema(text, any_whitespace=False)
+            elif kind == "json_object":  # any object, in JSON without free whitespace
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(text)
+            elif kind == "ebnf":
+                compiled = self.compiler.compile_grammar(text)
+            else:
+                raise ValueError(f"unknown grammar kind {kind!r}: json_schema, json_object, regex or ebnf")
+        except RuntimeError as exc:  # xgrammar's parse errors
+            raise ValueError(f"invalid {kind}: {_reason(exc)}") from None
+        return XGrammar(compiled, self.vocab_size)
+
+
+def check_grammar(kind: str, text: str = "") -> None:
+    """Parse a grammar without a tokenizer (cheap): a ValueError names what is wrong."""
+    try:
+        if kind == "json_schema":
+            xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "ebnf":
+            xgr.Grammar.from_ebnf(text)
+    except RuntimeError as exc:
+        raise ValueError(f"invalid {kind}: {_reason(exc)}") from None
+
+
+def _reason(exc: RuntimeError) -> str:
+    """xgrammar's message without its log prefix ("[12:00:00] /path/file.cc:123: ")."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", lines[0])
+
+
+class XGrammar(Constraint):
+    """A compiled xgrammar grammar; its states are matchers (one per request, mutated in place)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self.compiled = compiled
+        self.vocab_size = vocab_size
+
+    def initial_state(self) -> Any:
+        return xgr.GrammarMatcher(self.compiled)
+
+    def advance(self, state: Any, token: int) -> Any:
+        if state is REJECTED or not state.accept_token(token):
+            return REJECTED
+        return state
+
+    def is_final(self, state: Any) -> bool:
+        return state is not REJECTED and state.is_terminated()
+
+    def validate(self, vocab: int) -> None:
+        if self.vocab_size != vocab:
+            raise ValueError(f"the grammar was compiled for a vocabulary of {self.vocab_size}, the model has {vocab}")
+
+    @staticmethod
+    def batch_mask(fsm: TokenMask, grammars: Sequence[Constraint | None], states: Sequence[Any]) -> BitmaskMask:
+        """The batch's mask (features/grammar.py build_mask): the FSM rows', plus a bitmask row
+        filled from each xgrammar request's matcher, on the host."""
+        rows = tuple(i for i, g in enumerate(grammars) if isinstance(g, XGrammar) and states[i] is not REJECTED
+                     and not states[i].is_terminated())
+        vocab = next(g.vocab_size for g in grammars if isinstance(g, XGrammar))
+        bitmask = xgr.allocate_token_bitmask(len(grammars), vocab)  # all ones: nothing masked
+        for i in rows:
+            states[i].fill_next_token_bitmask(bitmask, i)
+        return BitmaskMask(fsm, bitmask, rows)
+
+
+@dataclass(frozen=True)
+class BitmaskMask:
+    """A batch's masks when some rows follow an xgrammar grammar: the FSM rows' TokenMask, and the
+    bitmask of every row (all ones where xgrammar does not constrain)."""
+
+    fsm: TokenMask
+    bitmask: torch.Tensor  # [B, ceil(vocab / 32)] int32, on the host
+    rows: tuple[int, ...]  # the rows xgrammar constrains
+
+    @property
+    def constrains(self) -> bool:
+        return True
+
+    def apply(self, logits: torch.Tensor, to_device: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+        """Runs on the engine stream. A copy of the logits: the raw ones still give the logprobs."""
+        masked = self.fsm.apply(logits, to_device) if self.fsm.constrains else logits.clone()
+        xgr.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device, non_blocking=True),
+                                        indices=list(self.rows))
+        return masked
+

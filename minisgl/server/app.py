@@ -1,0 +1,225 @@
+"""The HTTP routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+Every route runs on the event loop and only waits (on the engine's sockets, on the client):
+the engine runs in the scheduler process, so a slow client never slows a step."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..sampling_params import SamplingParams
+from .chat import render_chat
+from .engine_client import EngineClient, EngineUnavailable, Overloaded
+from .generation import Generation, GenerationFailed
+from .metrics import Metrics
+from .protocol import APIError, Options, check_text, parse_chat, parse_completion, parse_json
+from .responses import ChatFormat, CompletionFormat, Format
+
+MAX_BODY_BYTES = 8 << 20
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    tokenizer: object
+    model_name: str
+    metrics: Metrics
+
+    @property
+    def vocab_size(self) -> int:
+        return self.client.info.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.client.info.max_seq_len
+
+
+def error_response(error: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def build_app(state: ServerState) -> Starlette:
+    async def completions(request: Request) -> Response:
+        body = parse_json(await read_body(request))
+        req = parse_completion(body)
+        check_model(state, req.model)
+        prompts = [tokenize(state, p, "prompt") for p in req.prompts]
+        return await respond(state, request, prompts, req.options, CompletionFormat(state.model_name, state.tokenizer))
+
+    async def chat_completions(request: Request) -> Response:
+        body = parse_json(await read_body(request))
+        req = parse_chat(body)
+        check_model(state, req.model)
+        for i, m in enumerate(req.messages):
+            check_text(m["content"], f"messages[{i}].content")
+        try:
+            text = render_chat(state.tokenizer, req.messages)
+        except Exception as exc:  # noqa: BLE001 - a template's own error (jinja2) on these messages
+            raise APIError(f"the chat template cannot render these messages: {exc}", "messages") from None
+        ids = state.tokenizer.encode(text, add_special_tokens=False)
+        return await respond(state, request, [check_ids(state, ids, "messages")], req.options,
+                             ChatFormat(state.model_name, state.tokenizer))
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": 0, "owned_by": "minisgl",
+            "max_model_len": state.max_seq_len}]})
+
+    async def health(request: Request) -> Response:
+        client = state.client
+        if client.failure is not None or client.closing or not client.process.is_alive():
+            return error_response(APIError(client.failure or "the server is shutting down", status=503,
+                                           type="service_unavailable"))
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(APIError(message, status=exc.status_code, type=kind))
+
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error})
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused (413) beyond MAX_BODY_BYTES before it is all read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(f"the request body is {declared} bytes; at most {MAX_BODY_BYTES}", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(f"the model {model!r} does not exist; this server serves {state.model_name!r}", "model",
+                       code="model_not_found")
+
+
+def tokenize(state: ServerState, prompt: str | list[int], param: str) -> list[int]:
+    if isinstance(prompt, str):
+        check_text(prompt, param)
+        prompt = state.tokenizer.encode(prompt)
+    return check_ids(state, prompt, param)
+
+
+def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:
+    bad = sorted({i for i in ids if not 0 <= i < state.vocab_size})
+    if bad:
+        raise APIError(f"token ids {bad[:8]} are outside the vocabulary of {state.vocab_size}", param)
+    if not ids:
+        raise APIError("the prompt is empty", param)
+    if len(ids) >= state.max_seq_len:
+        raise APIError(f"the prompt has {len(ids)} tokens; the context holds {state.max_seq_len} (prompt plus at "
+                       f"least one new token)", param, code="context_length_exceeded")
+    return ids
+
+
+def sampling_params(state: ServerState, prompt_len: int, options: Options, choice: int) -> SamplingParams:
+    room = state.max_seq_len - prompt_len
+    if options.max_tokens is not None and options.max_tokens > room:
+        raise APIError(f"max_tokens is {options.max_tokens}, but the prompt has {prompt_len} tokens and the context "
+                       f"holds {state.max_seq_len}: at most {room}", "max_tokens", code="context_length_exceeded")
+    bad = sorted({i for i in options.stop_token_ids if i >= state.vocab_size})
+    if bad:
+        raise APIError(f"stop_token_ids {bad[:8]} are outside the vocabulary of {state.vocab_size}", "stop_token_ids")
+    try:
+        return SamplingParams(max_new_tokens=options.max_tokens or room, temperature=options.temperature,
+                              top_k=options.top_k, top_p=options.top_p,
+                              seed=None if options.seed is None else _wrap_seed(options.seed + choice),
+                              ignore_eos=options.ignore_eos, stop_token_ids=options.stop_token_ids,
+                              logprobs=options.logprobs)
+    except (TypeError, ValueError) as exc:  # what the checks above let through, the engine's own checks catch
+        raise APIError(str(exc)) from None
+
+
+def _wrap_seed(seed: int) -> int:
+    """Choice i draws with seed + i, kept in int64's range."""
+    return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+async def respond(state: ServerState, request: Request, prompts: list[list[int]], options: Options,
+                  fmt: Format) -> Response:
+    generations = [(ids, sampling_params(state, len(ids), options, choice))
+                   for ids in prompts for choice in range(options.n)]
+    prompt_tokens = sum(map(len, prompts))
+    try:
+        gen = Generation(state.client, state.tokenizer, generations, options.stop, options.grammar)
+    except Overloaded as exc:
+        raise APIError(str(exc), status=503, type="service_unavailable") from None
+    except EngineUnavailable as exc:
+        raise APIError(str(exc), status=503, type="service_unavailable") from None
+    with_logprobs = options.logprobs is not None
+    if options.stream:
+        return StreamingResponse(stream(gen, fmt, with_logprobs, prompt_tokens, options.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    collect = asyncio.ensure_future(gen.collect())
+    gone = asyncio.ensure_future(client_gone(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():  # the client went away: its generations are aborted below
+            collect.cancel()
+            return Response(status_code=499)
+        try:
+            choices = collect.result()
+        except GenerationFailed as exc:
+            raise APIError(str(exc), status=500, type="server_error") from None
+        return JSONResponse(fmt.full(choices, with_logprobs, prompt_tokens))
+    finally:
+        gone.cancel()
+        gen.close()
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is read already: only that message is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def stream(gen: Generation, fmt: Format, with_logprobs: bool, prompt_tokens: int,
+                 include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events. A client that disconnects cancels this generator (Starlette), and
+    the finally clause aborts its generations in the engine."""
+    try:
+        for chunk in fmt.first_chunks(len(gen.choices)):
+            yield sse(chunk)
+        async for piece in gen.pieces():
+            yield sse(fmt.chunk(piece, with_logprobs))
+        if include_usage:
+            yield sse(fmt.usage_chunk(prompt_tokens, gen.completion_tokens))
+    except GenerationFailed as exc:
+        yield sse(APIError(str(exc), status=500, type="server_error").body())
+    finally:
+        gen.close()
+    yield "data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+

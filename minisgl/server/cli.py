@@ -1,0 +1,88 @@
+"""`python -m minisgl serve`: the flags, and the process that runs the HTTP side.
+
+Exit codes: 0 drained (every request in flight finished), 1 the engine failed, 2 bad input, 3 the
+drain timed out and what was running was aborted, 128 + N a second signal N (130: Ctrl-C) forced
+the exit (shutdown.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from ..checks import MAX_RUNNING_REQUESTS
+from ..frontend.options import Number, add_engine_args, count, engine_kwargs, model_dir
+
+DEFAULT_MAX_INFLIGHT = 4096  # generations queued or running; more get 503 + Retry-After
+SIGNAL_POLL_S = 0.05
+FORCED_STOP_S = 0.5  # after a second signal: how long the scheduler process gets before it is killed
+SCHEDULER_EXIT_S = 60.0  # after the drain: checking the pools, freeing the engine, the interpreter's exit
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=count(65535), default=30000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: the model directory's name; 'demo' for the demo model)")
+    p.add_argument("--max-inflight", type=count(MAX_RUNNING_REQUESTS), default=DEFAULT_MAX_INFLIGHT,
+                   help="generations queued or running at most; beyond it a request gets 503 with Retry-After")
+    p.add_argument("--drain-timeout", type=Number(float, 0.0, 86400.0), default=30.0,
+                   help="on SIGTERM or Ctrl-C: seconds the requests in flight get to finish before they are aborted "
+                   "(a second signal exits at once)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    code = asyncio.run(serve(args))
+    if code > 128:  # a second signal: at once, without the interpreter's clean-up (seconds with torch loaded)
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import ServerState, build_app
+    from .engine_client import EngineClient
+    from .metrics import Metrics
+    from .shutdown import Server
+    from ..frontend.tokenizer import load_tokenizer
+
+    model = model_dir(args)
+    if not model.is_dir():
+        raise ValueError(f"model directory {str(model)!r} does not exist")
+    name = args.served_model_name or ("demo" if args.model is None else model.resolve().name)
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise ValueError(f"{model} has no tokenizer: the server needs one to turn text into tokens")
+    metrics = Metrics(name)
+    client = EngineClient(model, engine_kwargs(args), metrics, args.max_inflight)
+    info = await client.start()  # ValueError (exit 2) when the engine cannot be built
+    # uvicorn's own drain of open responses is the backstop: the drain below ends them first.
+    config = uvicorn.Config(build_app(ServerState(client, tokenizer, name, metrics)), host=args.host,
+                            port=args.port, log_level=args.log_level, lifespan="off",
+                            timeout_graceful_shutdown=args.drain_timeout + FORCED_STOP_S)
+    server = Server(config)
+    serving = asyncio.create_task(server.serve())
+    print(f"minisgl serve: {name} ({info.loop} loop, {info.device}, {info.kv_tokens} KV slots) on "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    drained = False
+    try:
+        while not (server.should_exit or serving.done()):
+            await asyncio.sleep(SIGNAL_POLL_S)
+        drain = asyncio.create_task(client.drain(args.drain_timeout))
+        while not (drain.done() or server.forced):
+            await asyncio.sleep(SIGNAL_POLL_S)
+        drained = drain.done() and drain.result()
+        if not drained:
+            drain.cancel()
+            client.abort_all()  # each stream still open ends with finish_reason "abort"
+        await serving
+    finally:
+        code = await client.stop(FORCED_STOP_S if server.forced else SCHEDULER_EXIT_S)
+    if not server.started:
+        raise ValueError(f"cannot listen on {args.host}:{args.port}")
+    return server.exit_code(drained, code)

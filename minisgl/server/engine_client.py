@@ -1,0 +1,204 @@
+"""The HTTP process's side of the engine (SGLang's TokenizerManager): it starts the scheduler
+process, submits generations, routes each step's new tokens to the HTTP request that waits
+for them, aborts the generations of requests that went away, and records the latencies."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from ..sampling_params import SamplingParams
+from .messages import AbortRequest, EngineInfo, GenerateRequest, GrammarSpec, Shutdown, StepOutput, TokenDelta
+from .metrics import Metrics
+from .scheduler_process import SchedulerArgs, run_scheduler
+
+STARTUP_POLL_S = 0.2
+DRAIN_POLL_S = 0.05
+
+
+class EngineUnavailable(RuntimeError):
+    """The scheduler process failed or is shutting down: the request cannot be served."""
+
+
+class Overloaded(RuntimeError):
+    """More generations in flight than the server takes (a 503 with Retry-After)."""
+
+
+@dataclass
+class Submission:
+    """The generations of one HTTP request (one per prompt and choice), all on one queue."""
+
+    rids: list[int]
+    queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
+    open: set[int] = field(default_factory=set)  # not finished, not aborted
+
+
+@dataclass
+class Timing:
+    """When a generation was submitted and when its last token arrived (for TTFT and ITL)."""
+
+    submitted: float
+    last_token: float | None = None
+
+
+class EngineClient:
+    def __init__(self, model: Path, engine_kwargs: dict, metrics: Metrics, max_inflight: int) -> None:
+        self.model = model
+        self.engine_kwargs = engine_kwargs
+        self.metrics = metrics
+        self.max_inflight = max_inflight
+        self.info: EngineInfo | None = None
+        self.failure: str | None = None  # the scheduler process died or the engine failed
+        self.closing = False
+        self._ids = itertools.count()
+        self._submissions: dict[int, Submission] = {}  # by rid, while the generation is open
+        self._timing: dict[int, Timing] = {}
+        self._receiver: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> EngineInfo:
+        """Start the scheduler process and wait until its engine is built; ValueError if it cannot be."""
+        self._dir = tempfile.TemporaryDirectory(prefix="minisgl-serve-")
+        self._ctx = zmq.asyncio.Context()
+        self._requests, self._outputs = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        requests_addr, outputs_addr = f"ipc://{self._dir.name}/requests", f"ipc://{self._dir.name}/outputs"
+        self._requests.bind(requests_addr)
+        self._outputs.bind(outputs_addr)
+        args = SchedulerArgs(str(self.model), self.engine_kwargs, requests_addr, outputs_addr)
+        # spawn: a fresh interpreter, so no thread or lock of this process is inherited half-held
+        self.process = multiprocessing.get_context("spawn").Process(target=run_scheduler, args=(args,),
+                                                                    name="minisgl-scheduler", daemon=True)
+        self.process.start()
+        while not await self._outputs.poll(int(STARTUP_POLL_S * 1000)):
+            if not self.process.is_alive():
+                raise ValueError(f"the scheduler process exited while starting (exit code {self.process.exitcode})")
+        info = await self._outputs.recv_pyobj()
+        if info.error is not None:
+            self.process.join()
+            raise ValueError(info.error)
+        self.info = info
+        self._receiver = asyncio.create_task(self._receive_loop())
+        return info
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no new request; wait until every generation in flight is finished (True), or
+        until the timeout (False)."""
+        self.closing = True
+        deadline = time.monotonic() + timeout_s
+        while self._submissions and time.monotonic() < deadline and self.failure is None:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return not self._submissions
+
+    def abort_all(self) -> None:
+        """Every generation in flight ends with finish_reason "abort" (its client is told), and
+        the scheduler process exits once they are out."""
+        self.closing = True
+        if self.process.is_alive():
+            self._send(Shutdown(drain=False))
+
+    async def stop(self, timeout_s: float) -> int | None:
+        """The scheduler process checks its pools, frees the engine and exits; its exit code.
+        Killed if it does not within the timeout (a hung device)."""
+        self.closing = True
+        if self.process.is_alive():
+            self._send(Shutdown(drain=True))
+            await asyncio.to_thread(self.process.join, timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            await asyncio.to_thread(self.process.join)
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self._requests.close(linger=0)
+        self._outputs.close(linger=0)
+        self._ctx.term()
+        self._dir.cleanup()
+        return self.process.exitcode
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, generations: list[tuple[list[int], SamplingParams]], grammar: GrammarSpec | None) -> Submission:
+        if self.failure is not None or self.closing:
+            raise EngineUnavailable(self.failure or "the server is shutting down")
+        if len(self._submissions) + len(generations) > self.max_inflight:
+            raise Overloaded(f"the server has {len(self._submissions)} generations in flight (at most "
+                             f"{self.max_inflight}); retry later")
+        sub = Submission([next(self._ids) for _ in generations])
+        now = time.perf_counter()
+        for rid, (prompt_ids, params) in zip(sub.rids, generations):
+            self._submissions[rid] = sub
+            self._timing[rid] = Timing(now)
+            sub.open.add(rid)
+            self._send(GenerateRequest(rid, prompt_ids, params, grammar))
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return sub
+
+    def finish(self, sub: Submission, rid: int) -> None:
+        """The generation `rid` is over for its client (finished, or a stop string matched)."""
+        if rid in sub.open:
+            sub.open.discard(rid)
+            self._submissions.pop(rid, None)
+            self._timing.pop(rid, None)
+
+    def release(self, sub: Submission) -> None:
+        """The HTTP request is over (answered, or its client went away): abort what still runs."""
+        for rid in list(sub.open):
+            self.abort(sub, rid)
+
+    def abort(self, sub: Submission, rid: int) -> None:
+        if rid in sub.open:
+            self.finish(sub, rid)
+            self._send(AbortRequest(rid))
+            self.metrics.aborted.inc()
+
+    def _send(self, msg: object) -> None:
+        # Not awaited: a PUSH socket queues the message at once (the HWM is far above what a
+        # server has in flight), and an abort must go out even from a cancelled request's finally.
+        if not self._requests.closed:  # after stop(): the scheduler process is gone already
+            self._requests.send_pyobj(msg)
+
+    # ---------------------------------------------------------------- tokens coming back
+    async def _receive_loop(self) -> None:
+        while True:
+            if not await self._outputs.poll(int(STARTUP_POLL_S * 1000)):
+                if not self.process.is_alive() and not self.closing:
+                    self._fail(f"the scheduler process exited (exit code {self.process.exitcode})")
+                    return
+                continue
+            out: StepOutput = await self._outputs.recv_pyobj()
+            now = time.perf_counter()
+            self.metrics.observe_load(out.load)
+            for delta in out.deltas:
+                self._record(delta, now)
+                sub = self._submissions.get(delta.rid)
+                if sub is not None:  # else its client is gone, or a stop string ended it
+                    sub.queue.put_nowait(delta)
+            if out.fatal is not None:
+                self._fail(f"the engine failed: {out.fatal}")
+                return
+
+    def _fail(self, reason: str) -> None:
+        """No more tokens will come: every open generation ends with an error."""
+        self.failure = reason
+        for rid, sub in list(self._submissions.items()):
+            sub.queue.put_nowait(TokenDelta(rid, [], error=reason))
+
+    def _record(self, delta: TokenDelta, now: float) -> None:
+        n = len(delta.token_ids)
+        timing = self._timing.get(delta.rid)
+        if not n or timing is None:
+            return
+        self.metrics.generation_tokens.inc(n)
+        self.metrics.rate.add(n, time.monotonic())
+        if timing.last_token is None:
+            self.metrics.ttft.observe(now - timing.submitted)
+        else:
+            for _ in range(n):  # tokens that came together share the gap
+                self.metrics.itl.observe((now - timing.last_token) / n)
+        timing.last_token = now

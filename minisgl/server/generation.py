@@ -1,0 +1,93 @@
+"""One HTTP request's generations, from submission to their last piece of text.
+
+Each choice (one per prompt and `n`) is a generation in the engine; its new tokens become
+text through its own incremental detokenizer, then pass its stop strings. A stop string
+aborts the generation in the engine at once (its tokens beyond it are never sent)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from ..sampling_params import SamplingParams, TokenLogprob
+from .detokenizer import IncrementalDetokenizer, StopStrings
+from .engine_client import EngineClient
+from .messages import GrammarSpec
+
+
+class GenerationFailed(RuntimeError):
+    """The engine refused or lost a generation: its message goes to the client."""
+
+
+@dataclass
+class Piece:
+    """New text of one choice; `finish_reason` on its last piece."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    stops: StopStrings
+    completion_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Generation:
+    def __init__(self, client: EngineClient, tokenizer, generations: list[tuple[list[int], SamplingParams]],
+                 stop: tuple[str, ...], grammar: GrammarSpec | None) -> None:
+        self.client = client
+        self.sub = client.submit(generations, grammar)
+        self.choices = {rid: Choice(i, IncrementalDetokenizer(tokenizer), StopStrings(stop))
+                        for i, rid in enumerate(self.sub.rids)}
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices.values())
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Every choice's pieces as they come, until each has finished. The caller must call
+        close() afterwards, also when it stops early (a client gone away)."""
+        sub = self.sub
+        while sub.open:
+            delta = await sub.queue.get()
+            if delta.rid not in sub.open:
+                continue  # a generation a stop string ended: the engine's last word on it
+            if delta.error is not None:
+                raise GenerationFailed(delta.error)
+            choice = self.choices[delta.rid]
+            choice.completion_tokens += len(delta.token_ids)
+            text = choice.detokenizer.add(delta.token_ids)
+            finish = delta.finish_reason
+            if finish is not None:
+                text += choice.detokenizer.flush()
+            text, stopped = choice.stops.feed(text)
+            if stopped:
+                self.client.abort(sub, delta.rid)
+                finish = "stop"
+            elif finish is not None:
+                text += choice.stops.flush()
+                self.client.finish(sub, delta.rid)
+            yield Piece(choice.index, text, delta.token_ids, delta.logprobs, finish)
+
+    async def collect(self) -> list[Choice]:
+        """Run to the end; the choices with their whole text, in order."""
+        by_index = {c.index: c for c in self.choices.values()}
+        async for piece in self.pieces():
+            choice = by_index[piece.index]
+            choice.text.append(piece.text)
+            choice.logprobs += piece.logprobs
+            choice.finish_reason = piece.finish_reason or choice.finish_reason
+        return [by_index[i] for i in sorted(by_index)]
+
+    def close(self) -> None:
+        """Abort what still runs (the client went away, or the answer is complete)."""
+        self.client.release(self.sub)

@@ -1,0 +1,98 @@
+"""OpenAI's response shapes: completions and chat, whole or as stream chunks, with logprobs."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+
+from ..sampling_params import TokenLogprob
+from .generation import Choice, Piece
+
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives no chance (JSON has no -inf)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+class Format:
+    """The fields every response of one request shares, and its usage."""
+
+    object_full = object_chunk = ""
+    prefix = ""
+
+    def __init__(self, model: str, tokenizer) -> None:
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {**self.envelope(self.object_chunk, []), "usage": self.usage(prompt_tokens, completion_tokens)}
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def first_chunks(self, n: int) -> list[dict]:
+        return []
+
+
+class CompletionFormat(Format):
+    object_full = object_chunk = "text_completion"
+    prefix = "cmpl"
+
+    def logprobs(self, entries: list[TokenLogprob | None]) -> dict:
+        entries = [e for e in entries if e is not None]
+        return {"tokens": [self.token_text(e.token_id) for e in entries],
+                "token_logprobs": [_finite(e.logprob) for e in entries],
+                "top_logprobs": [{self.token_text(t): _finite(lp) for t, lp in e.top} for e in entries]}
+
+    def chunk(self, piece: Piece, with_logprobs: bool) -> dict:
+        return self.envelope(self.object_chunk, [{
+            "index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason,
+            "logprobs": self.logprobs(piece.logprobs) if with_logprobs else None}])
+
+    def full(self, choices: list[Choice], with_logprobs: bool, prompt_tokens: int) -> dict:
+        return {**self.envelope(self.object_full, [{
+            "index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
+            "logprobs": self.logprobs(c.logprobs) if with_logprobs else None} for c in choices]),
+            "usage": self.usage(prompt_tokens, sum(c.completion_tokens for c in choices))}
+
+
+class ChatFormat(Format):
+    object_full, object_chunk = "chat.completion", "chat.completion.chunk"
+    prefix = "chatcmpl"
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    def logprobs(self, entries: list[TokenLogprob | None]) -> dict:
+        return {"content": [{**self._token(e.token_id, e.logprob), "top_logprobs": [self._token(t, lp) for t, lp in e.top]}
+                            for e in entries if e is not None]}
+
+    def first_chunks(self, n: int) -> list[dict]:
+        return [self.envelope(self.object_chunk, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]) for i in range(n)]
+
+    def chunk(self, piece: Piece, with_logprobs: bool) -> dict:
+        return self.envelope(self.object_chunk, [{
+            "index": piece.index, "delta": {"content": piece.text} if piece.text else {},
+            "finish_reason": piece.finish_reason,
+            "logprobs": self.logprobs(piece.logprobs) if with_logprobs else None}])
+
+    def full(self, choices: list[Choice], with_logprobs: bool, prompt_tokens: int) -> dict:
+        return {**self.envelope(self.object_full, [{
+            "index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+            "finish_reason": c.finish_reason,
+            "logprobs": self.logprobs(c.logprobs) if with_logprobs else None} for c in choices]),
+            "usage": self.usage(prompt_tokens, sum(c.completion_tokens for c in choices))}

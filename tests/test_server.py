@@ -1,0 +1,298 @@
+"""The HTTP server against the official `openai` client: one real server process per loop (the
+normal loop's only in the full tier), response_format / regex / ebnf through xgrammar included."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import time
+from urllib.parse import urlsplit
+
+import jsonschema
+import openai
+import pytest
+
+from minisgl import LLM, SamplingParams
+from minisgl.demo.paths import demo_model_path
+from minisgl.demo.tasks import demo_prompts
+
+from .server_process import metric, post_json, request, running_server
+
+PROMPTS = [p for p, _ in demo_prompts(8, seed=3)]
+SMALL_POOL = ("--kv-tokens", "4096")  # the tests audit the pool after every step: a small one audits fast
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("--loop", "overlap", *SMALL_POOL) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def normal_server():
+    with running_server("--loop", "normal", *SMALL_POOL) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(demo_model_path(), loop="normal") as engine:
+        yield engine
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def streamed_text(stream) -> tuple[str, str | None]:
+    text, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text.append(choice.text)
+            finish = choice.finish_reason or finish
+    return "".join(text), finish
+
+
+@pytest.mark.parametrize("loop, prompts", [("overlap", PROMPTS[:3]), pytest.param("normal", PROMPTS, marks=pytest.mark.full)])
+def test_streaming_equals_non_streaming_equals_in_process(request, llm, loop, prompts):
+    url = request.getfixturevalue("server" if loop == "overlap" else "normal_server")
+    c = client(url)
+    params = [SamplingParams(max_new_tokens=24), SamplingParams(max_new_tokens=40, ignore_eos=True)]
+    for sp in params:
+        expected = llm.generate(prompts, sp)
+        for prompt, out in zip(prompts, expected):
+            kwargs = dict(model="demo", prompt=prompt, max_tokens=sp.max_new_tokens, temperature=0,
+                          extra_body={"ignore_eos": sp.ignore_eos})
+            whole = c.completions.create(**kwargs)
+            text, finish = streamed_text(c.completions.create(stream=True, **kwargs))
+            assert whole.choices[0].text == text == out.text
+            assert whole.choices[0].finish_reason == finish == out.finish_reason
+            assert whole.usage.completion_tokens == len(out.token_ids)
+            assert whole.usage.prompt_tokens == len(out.prompt_token_ids)
+
+
+def test_chat_streams_with_usage_and_ends_in_done(server, llm):
+    c = client(server)
+    prompt = "count 12 to 19:"
+    expected = llm.generate([prompt], SamplingParams(max_new_tokens=64)).pop()
+    whole = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}], temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected.text
+    chunks = list(c.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}],
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    # the raw stream: server-sent events, the last one [DONE]
+    body = {"model": "demo", "messages": [{"role": "user", "content": prompt}], "stream": True, "temperature": 0}
+    status, raw = request(server, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert status == 200 and all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_logprobs_match_the_engine(server, llm):
+    c = client(server)
+    prompt = PROMPTS[0]
+    expected = llm.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3)).pop()
+    out = c.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0, logprobs=3,
+                               extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 12 and all(len(top) <= 3 for top in lp.top_logprobs)
+    # float32 on the CPU: alone or in a batch, the bits may differ a little (not the tokens)
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    assert "".join(lp.tokens) == expected.text
+    chat = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}], temperature=0,
+                                     max_tokens=12, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert [x.logprob for x in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob >= x.top_logprobs[1].logprob for x in content)
+
+
+def test_n_choices_with_a_seed_are_reproducible(server):
+    c = client(server)
+    kwargs = dict(model="demo", prompt="add 1", max_tokens=16, temperature=1.5, seed=7, n=4,
+                  extra_body={"ignore_eos": True})
+    first, again = c.completions.create(**kwargs), c.completions.create(**kwargs)
+    texts = [ch.text for ch in sorted(first.choices, key=lambda ch: ch.index)]
+    assert [ch.index for ch in first.choices] == [0, 1, 2, 3]
+    assert texts == [ch.text for ch in sorted(again.choices, key=lambda ch: ch.index)]
+    assert len(set(texts)) > 1  # each choice draws with its own seed
+    assert first.usage.completion_tokens == 4 * 16
+
+
+def test_stop_strings_and_stop_ids(server, llm):
+    c = client(server)
+    prompt = "count 3 to 9:"
+    full = llm.generate([prompt], SamplingParams(max_new_tokens=32)).pop()
+    assert full.text == " 3 4 5 6 7 8 9"  # the demo model knows this one
+    out = c.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0, stop=[" 6", "zzz"])
+    assert out.choices[0].text == " 3 4 5" and out.choices[0].finish_reason == "stop"
+    text, finish = streamed_text(c.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0,
+                                                      stop=" 6", stream=True))
+    assert (text, finish) == (" 3 4 5", "stop")
+    at = next(i for i, t in enumerate(full.token_ids) if i > 0 and t not in full.token_ids[:i])
+    out = c.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0,
+                               extra_body={"stop_token_ids": [full.token_ids[at]]})
+    assert out.usage.completion_tokens == at + 1 and out.choices[0].finish_reason == "stop"
+
+
+def test_a_client_that_disconnects_aborts_its_request_and_frees_its_kv(server):
+    aborted = metric(server, "minisgl:aborted_requests_total")
+    generated = metric(server, "minisgl:generation_tokens_total")
+    body = {"model": "demo", "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    conn = http.client.HTTPConnection(urlsplit(server).netloc, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(body))
+    response = conn.getresponse()
+    assert response.status == 200
+    response.fp.readline()  # the first event is there: the request is running
+    assert metric(server, "minisgl:token_usage") > 0
+    conn.sock.close()
+    conn.close()
+    start = time.monotonic()
+    while metric(server, "minisgl:token_usage") > 0 or metric(server, "minisgl:num_running_reqs") > 0:
+        time.sleep(0.01)
+    print(f"KV freed {time.monotonic() - start:.3f} s after the disconnect")
+    assert metric(server, "minisgl:aborted_requests_total") == aborted + 1
+    assert metric(server, "minisgl:generation_tokens_total") - generated < 400  # cut short, not finished
+
+
+def test_64_concurrent_streams_get_their_exact_text(server, llm):
+    prompts = [p for p, _ in demo_prompts(64, seed=11)]
+    expected = [o.text for o in llm.generate(prompts, SamplingParams(max_new_tokens=32))]
+
+    async def one(c: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await c.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    assert asyncio.run(main()) == expected
+    assert metric(server, "minisgl:token_usage") == 0
+
+
+BAD_COMPLETIONS = [
+    ({"model": "demo"}, "prompt"),
+    ({"model": "demo", "prompt": 5}, "prompt"),
+    ({"model": "demo", "prompt": ""}, "prompt"),
+    ({"model": "demo", "prompt": []}, "prompt"),
+    ({"model": "demo", "prompt": [1, -2]}, "prompt"),
+    ({"model": "demo", "prompt": [1, 2, 10**9]}, "prompt"),
+    ({"model": "demo", "prompt": [1, 2, 512]}, "prompt"),  # the demo vocabulary is 512
+    ({"model": "demo", "prompt": "x" * 5000}, "prompt"),  # beyond the window
+    ({"model": "demo", "prompt": "\ud800"}, "prompt"),
+    ({"model": "nope", "prompt": "hi"}, "model"),
+    ({"prompt": "hi"}, "model"),
+    ({"model": 3, "prompt": "hi"}, "model"),
+    ({"model": "demo", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"model": "demo", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": "demo", "prompt": "hi", "max_tokens": 10**30}, "max_tokens"),
+    ({"model": "demo", "prompt": "hi", "max_tokens": 511}, "max_tokens"),  # prompt + 511 > the window
+    ({"model": "demo", "prompt": "hi", "max_tokens": "8"}, "max_tokens"),
+    ({"model": "demo", "prompt": "hi", "max_tokens": 8.0}, "max_tokens"),
+    ({"model": "demo", "prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ({"model": "demo", "prompt": "hi", "temperature": -1}, "temperature"),
+    ({"model": "demo", "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"model": "demo", "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": "demo", "prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"model": "demo", "prompt": "hi", "n": 0}, "n"),
+    ({"model": "demo", "prompt": "hi", "n": 1000}, "n"),
+    ({"model": "demo", "prompt": "hi", "seed": 2**64}, "seed"),
+    ({"model": "demo", "prompt": "hi", "stop": 5}, "stop"),
+    ({"model": "demo", "prompt": "hi", "stop": [""]}, "stop"),
+    ({"model": "demo", "prompt": "hi", "stop": ["\udc80"]}, "stop"),
+    ({"model": "demo", "prompt": "hi", "stop_token_ids": [600]}, "stop_token_ids"),
+    ({"model": "demo", "prompt": "hi", "stop_token_ids": "1"}, "stop_token_ids"),
+    ({"model": "demo", "prompt": "hi", "logprobs": 100}, "logprobs"),
+    ({"model": "demo", "prompt": "hi", "logprobs": -1}, "logprobs"),
+    ({"model": "demo", "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"model": "demo", "prompt": "hi", "stream": 1}, "stream"),
+    ({"model": "demo", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "demo", "prompt": "hi", "echo": True}, "echo"),
+    ({"model": "demo", "prompt": "hi", "presence_penalty": 1.0}, "presence_penalty"),
+    ({"model": "demo", "prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+    ({"model": "demo", "prompt": "hi", "regex": 7}, "regex"),
+]
+BAD_CHAT = [
+    ({"model": "demo"}, "messages"),
+    ({"model": "demo", "messages": []}, "messages"),
+    ({"model": "demo", "messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
+    ({"model": "demo", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 99},
+     "top_logprobs"),
+    ({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5},
+     "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("path, cases", [("/v1/completions", BAD_COMPLETIONS), ("/v1/chat/completions", BAD_CHAT)])
+def test_bad_requests_get_400_with_an_error_body_and_the_server_keeps_serving(server, path, cases):
+    for body, param in cases:
+        status, error = post_json(server, path, body)
+        assert status == 400, (body, error)
+        assert set(error["error"]) == {"message", "type", "param", "code"} and error["error"]["param"] == param
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe{}", b"", b'{"model": "demo", "prompt": "a"' + b"]" * 3):
+        status, error = request(server, "POST", path, raw)
+        assert status == 400 and json.loads(error)["error"]["type"] == "invalid_request_error"
+    status, out = post_json(server, "/v1/completions", {"model": "demo", "prompt": "add 12 5:", "temperature": 0})
+    assert status == 200 and out["choices"][0]["text"] == " 17"
+
+
+def test_unknown_endpoints_and_methods_get_an_error_body(server):
+    for method, path, code in (("GET", "/v1/nothing", 404), ("POST", "/v2/completions", 404),
+                               ("GET", "/v1/completions", 405)):
+        status, raw = request(server, method, path)
+        assert status == code and set(json.loads(raw)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_models_health_and_metrics(server):
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["demo"]
+    assert request(server, "GET", "/health")[0] == 200
+    text = request(server, "GET", "/metrics")[1].decode()
+    for name in ("minisgl:num_running_reqs", "minisgl:num_queue_reqs", "minisgl:token_usage",
+                 "minisgl:gen_throughput", "minisgl:time_to_first_token_seconds_bucket",
+                 "minisgl:inter_token_latency_seconds_bucket"):
+        assert name in text
+    assert metric(server, "minisgl:time_to_first_token_seconds_count") > 0
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["animal", "n"],
+          "properties": {"animal": {"enum": ["cat", "dog", "owl"]}, "n": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 99}}}
+
+
+@pytest.mark.parametrize("loop", ["overlap", pytest.param("normal", marks=pytest.mark.full)])
+def test_json_schema_output_parses_and_validates(request, loop):
+    c = client(request.getfixturevalue("server" if loop == "overlap" else "normal_server"))
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    for prompt in ("add 12 5:", "count 3 to 9:"):
+        out = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}],
+                                        response_format=fmt, max_tokens=64, temperature=0)
+        jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+        stream = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}],
+                                           response_format=fmt, max_tokens=64, temperature=0, stream=True)
+        assert "".join(ch.choices[0].delta.content or "" for ch in stream) == out.choices[0].message.content
+    out = c.completions.create(model="demo", prompt="add 12 5:", max_tokens=80, temperature=0.7, seed=1,
+                               extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(out.choices[0].text), dict)
+    out = c.completions.create(model="demo", prompt="add 1", max_tokens=16, temperature=0,
+                               extra_body={"regex": "(yes|no) [0-9]{1,3}"})
+    assert re.fullmatch(r"(yes|no) [0-9]{1,3}", out.choices[0].text)
+    out = c.completions.create(model="demo", prompt="add 1", max_tokens=16, temperature=0,
+                               extra_body={"ebnf": 'root ::= "cat" | "dog dog"'})
+    assert out.choices[0].text in ("cat", "dog dog")
+
+
+def test_a_bad_grammar_is_a_400(server):
+    for body, param in ((({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}}),
+                         "response_format"),
+                        ({"regex": "(a"}, "regex"), ({"ebnf": "root ::="}, "ebnf"),
+                        ({"regex": "a", "ebnf": 'root ::= "a"'}, "response_format")):
+        status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", **body})
+        assert status == 400 and error["error"]["param"] == param, error

@@ -1,0 +1,70 @@
+"""Graceful shutdown: SIGTERM drains the requests in flight (or aborts them after --drain-timeout,
+telling their clients), the scheduler process checks its pools and exits, and the exit code says
+which; a second signal exits at once."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from urllib.parse import urlsplit
+
+import pytest
+
+from minisgl.server import launcher
+from minisgl.server.launcher import scheduler_pid
+
+pytestmark = pytest.mark.full  # a server start per case
+EXIT_WAIT_S = 120.0
+
+
+def start_stream(url: str, max_tokens: int) -> tuple[threading.Thread, list, list]:
+    """A streaming request in a thread; its events land in the first list, once it has started
+    (the first event is in) a True in the second."""
+    events: list[str] = []
+    started: list[bool] = []
+
+    def run() -> None:
+        conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=EXIT_WAIT_S)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": "demo", "prompt": "count 1 to 5:", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}))
+        response = conn.getresponse()
+        for line in response:
+            if line.startswith(b"data: "):
+                events.append(line[6:].decode().strip())
+                started.append(True)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    while not started:
+        time.sleep(0.01)
+    return thread, events, started
+
+
+def finish_reasons(events: list[str]) -> list[str]:
+    return [c["finish_reason"] for e in events if e != "[DONE]" for c in json.loads(e)["choices"] if c["finish_reason"]]
+
+
+@pytest.mark.parametrize("flags, signals, code, reason", [
+    pytest.param((), (signal.SIGTERM,), 0, "length", id="sigterm-drains"),
+    pytest.param(("--drain-timeout", "0.5"), (signal.SIGTERM,), 3, "abort", id="drain-times-out"),
+    pytest.param((), (signal.SIGTERM, signal.SIGTERM), 128 + signal.SIGTERM, "abort", id="second-sigterm"),
+    pytest.param((), (signal.SIGTERM, signal.SIGINT), 128 + signal.SIGINT, "abort", id="then-ctrl-c"),
+])
+def test_shutdown(flags, signals, code, reason):
+    with launcher.running_server("--kv-tokens", "4096", *flags) as (url, proc):
+        scheduler = scheduler_pid(proc)
+        thread, events, _ = start_stream(url, 400)
+        for sig in signals:
+            proc.send_signal(sig)
+            time.sleep(0.2)
+        assert not launcher.is_healthy(urlsplit(url).port)  # draining: no new connection is taken
+        assert proc.wait(EXIT_WAIT_S) == code, proc.stdout.read()
+        thread.join(EXIT_WAIT_S)
+        assert finish_reasons(events) == [reason] and events[-1] == "[DONE]"  # the client was told
+        with pytest.raises(ProcessLookupError):  # the scheduler process is gone (its engine freed)
+            os.kill(scheduler, 0)

@@ -1,0 +1,80 @@
+"""The xgrammar backend in process: JSON schemas, regexes and EBNF behind the delayed sampling,
+in both loops, beside the teaching FSM in one batch."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.demo.paths import demo_model_path
+from minisgl.features.grammar import Grammar
+from minisgl.features.xgrammar_backend import BitmaskMask, GrammarCompiler, check_grammar
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["animal", "ok", "n"],
+          "properties": {"animal": {"enum": ["cat", "dog", "owl"]}, "ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+PROMPTS = ["add 12 5:", "count 3 to 9:", "reverse cat dog:", "repeat fox 2:"]
+
+
+def run(loop: str) -> tuple[list, list]:
+    with LLM(demo_model_path(), loop=loop) as llm:
+        compiler = GrammarCompiler(llm.tokenizer, llm.engine.model.vocab_size, llm.eos_ids)
+        schema = compiler.compile("json_schema", json.dumps(SCHEMA))
+        digits = Grammar.sequence_of([[llm.tokenizer.convert_tokens_to_ids("Ġ")]] + [list(range(13, 23))] * 2,
+                                     end=sorted(llm.eos_ids))
+        params = [SamplingParams(max_new_tokens=80, grammar=schema),
+                  SamplingParams(max_new_tokens=80, grammar=schema, temperature=1.0, seed=5),
+                  SamplingParams(max_new_tokens=20, grammar=compiler.compile("regex", r"(yes|no) [0-9]{1,3}")),
+                  SamplingParams(max_new_tokens=20, grammar=compiler.compile("ebnf", 'root ::= "cat" | "dog dog"')),
+                  SamplingParams(max_new_tokens=80, grammar=compiler.compile("json_object"), temperature=0.7, seed=1),
+                  SamplingParams(max_new_tokens=8, grammar=digits),  # the teaching FSM in the same batch
+                  SamplingParams(max_new_tokens=8)]  # and an unconstrained row
+        outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
+        llm.check_invariants()
+        return outs, llm.stats.delayed_samples, digits
+
+
+@pytest.fixture(scope="module")
+def outputs():
+    return {loop: run(loop) for loop in ("normal", "overlap")}
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_every_output_follows_its_grammar(outputs, loop):
+    outs, delayed, digits = outputs[loop]
+    for out in outs[:2]:
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert out.finish_reason == "stop"
+    assert re.fullmatch(r"(yes|no) [0-9]{1,3}", outs[2].text)
+    assert outs[3].text in ("cat", "dog dog")
+    assert isinstance(json.loads(outs[4].text), dict)
+    assert digits.accepts_prefix(outs[5].token_ids) and len(outs[5].token_ids) >= 2
+    assert delayed > 0  # the masks waited for the previous batch's commit
+
+
+def test_both_loops_give_the_same_tokens(outputs):
+    assert [o.token_ids for o in outputs["normal"][0]] == [o.token_ids for o in outputs["overlap"][0]]
+
+
+def test_the_bitmask_goes_to_the_logits_device_and_keeps_the_raw_logits():
+    bitmask = torch.zeros(2, 1, dtype=torch.int32)  # row 1: nothing allowed but what is set below
+    bitmask[1, 0] = 1 << 3
+    from minisgl.features.grammar import TokenMask
+
+    mask = BitmaskMask(TokenMask((None, None)), bitmask, rows=(1,))
+    logits = torch.zeros(2, 32)
+    masked = mask.apply(logits, torch.tensor)
+    assert torch.equal(logits, torch.zeros(2, 32))  # the raw logits still give the logprobs
+    assert masked[0].isfinite().all() and masked[1].isfinite().nonzero().flatten().tolist() == [3]
+
+
+@pytest.mark.parametrize("kind, text", [("json_schema", '{"type": 5}'), ("json_schema", "{"),
+                                        ("regex", "(a"), ("ebnf", "root ::= ")])
+def test_a_bad_grammar_is_one_value_error(kind, text):
+    with pytest.raises(ValueError, match=f"invalid {kind}: "):
+        check_grammar(kind, text)
