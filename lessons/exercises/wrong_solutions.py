@@ -539,6 +539,8 @@ if (req.row, req.row_generation) != (row, generation) and self.on("retract_skip_
     Wrong(10, "masks-without-finished-rows", "builds the delayed masks without the rows whose request finished "
           "while the batch was in flight", "also for a request that finished",
           delayed_sample(reqs="[r for r in inflight.view.reqs if not r.finished]")),
+]
+
 ACCEPT = "agree = (drafts == target[:, :-1]).long()\nreturn agree.cumprod(1).sum(1) + 1"
 RESERVE = """width = self.num_steps + 1
 reserve = 2 * width if self.on("spec_alloc_reserve") else width
