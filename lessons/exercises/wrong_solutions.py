@@ -586,7 +586,7 @@ ADVANCE = "req.launched_len += 1\nreq.inflight_samples += 1"
 LAUNCHED = 'req.launched_len if self.on("mixed_prefix_from_launched") else req.committed_len - 1'
 
 
-def mixed_row(position: str = LAUNCHED, input_id: str = "sched._decode_input(req)", advance: str = ADVANCE):
+def mixed_row(position: str = LAUNCHED, input_id: str = "input_id", advance: str = ADVANCE):
     return {"the decode row": MIXED_ROW.format(position=position, input_id=input_id, advance=advance)}
 
 

@@ -252,11 +252,11 @@ EXERCISES = {e.number: e for e in (
         "A decode row that rides in a prefill batch is still a decode step of its request. What does a decode "
         "batch write for each request, and which of the request's lengths says where its next token goes, in "
         "both loops? (readings §18: mix_with_running, the overlap's delta; lesson 12)",
-        "Build the row as _schedule_decode does: the input from _decode_input (a placeholder while the token is "
-        "in flight), the position the launched length, one newly allocated KV slot; then advance launched_len "
+        "Build the row as _schedule_decode does: the input input_id (_decode_input's: a placeholder while the "
+        "token is in flight), the position the launched length, one newly allocated KV slot; then advance launched_len "
         "and inflight_samples by one. With mixed_prefix_from_launched off the position is committed_len - 1.",
         "The position: launched_len while mixed_prefix_from_launched is on, else committed_len - 1. Then one "
-        "tokens.add for the request's row with a one-element list of the scheduler's _decode_input for it, that "
+        "tokens.add for the request's row with a one-element list of input_id (the scheduler's _decode_input), that "
         "position and one slot from the ledger's allocate; then one more launched position and one more sample "
         "in flight.",
     )),

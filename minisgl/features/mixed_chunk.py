@@ -50,11 +50,12 @@ class MixedChunk:
         if sched.kv_ledger.available() < len(decodes):  # optimistic admission: the decode step retracts
             return
         for req in decodes:
+            input_id = sched._decode_input(req)  # a FutureMap placeholder while the token is in flight
             # >>> exercise 12: the decode row
-            # as in a decode batch: its input a FutureMap placeholder while in flight, at the launched length;
-            # with the switch off, SGLang's serial formula (WRONG under the overlap: the outputs lag one token)
+            # as in a decode batch: at the launched length; with the switch off, SGLang's serial formula
+            # (WRONG under the overlap: the committed outputs lag one token)
             position = req.launched_len if self.on("mixed_prefix_from_launched") else req.committed_len - 1
-            tokens.add(req.row, [sched._decode_input(req)], position, sched.kv_ledger.allocate(req, 1))
+            tokens.add(req.row, [input_id], position, sched.kv_ledger.allocate(req, 1))
             req.launched_len += 1
             req.inflight_samples += 1
             # <<< exercise 12
