@@ -551,7 +551,8 @@ HOST_LENGTHS = """if self.publish_ready is not None and self.mechanisms.on("spec
 return self.mirror[rows].tolist()"""
 
 
-def speculation(accept: str = ACCEPT, reserve: str = RESERVE.format(base=BASE), wait: str = HOST_LENGTHS) -> dict[str, str]:
+def speculation(accept: str = ACCEPT, reserve: str = RESERVE.format(base=BASE),
+                wait: str = HOST_LENGTHS) -> dict[str, str]:
     return {"the accept length": accept, "allocate for the most a step can accept": reserve,
             "wait for the publish before reading the mirror": wait}
 

@@ -110,8 +110,9 @@ class SpeculativeDecoding:
         sched.stats.decode_batches += 1
         sched.stats.decode_rows += len(reqs)
         forward = sched.batch_builder.build(reqs, tokens, [K + 1] * len(reqs), [n + K + 1 for n in lens], False,
-                                      sched.features)
-        step = VerifyStep(sched.engine, self.relay, self.drafter, self.relay.next_publish(), K, lens, [r.prompt_len for r in reqs],
+                                            sched.features)
+        step = VerifyStep(sched.engine, self.relay, self.drafter, self.relay.next_publish(), K, lens,
+                          [r.prompt_len for r in reqs],
                           fills, torch.empty(len(reqs), K + 2, dtype=torch.int64, pin_memory=pinned))
         forward.device_step = self.verifying[forward.batch_id] = step
         view = BatchView(forward.batch_id, False, reqs, rows, [r.row_generation for r in reqs], [True] * len(reqs),
