@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
-SUPPORTED_PYTHONS = ((3, 10), (3, 13))  # keep in step with requires-python in pyproject.toml
+SUPPORTED_PYTHONS = ((3, 10), (3, 14))  # keep in step with requires-python in pyproject.toml
 TORCH = "torch==2.13.0"  # the version the tests run with
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's CPU-only wheels: no nvidia-* packages
 PROBE_TIMEOUT_S = 3.0
@@ -83,8 +83,8 @@ def main() -> None:
     args = parser.parse_args()
     (low, high), here = SUPPORTED_PYTHONS, sys.version_info[:2]
     if not low <= here <= high:
-        sys.exit(f"install.py: Python {here[0]}.{here[1]} is not supported; "
-                 f"use {low[0]}.{low[1]} to {high[0]}.{high[1]}")
+        sys.exit(f"install.py: Python {here[0]}.{here[1]} is not supported: {TORCH} has wheels for, and the "
+                 f"tests run on, Python {low[0]}.{low[1]} to {high[0]}.{high[1]}")
     start = time.perf_counter()
     if not venv_python().exists():
         print(f"creating {VENV}")
@@ -96,6 +96,7 @@ def main() -> None:
     pip("-e", f"{ROOT}[{','.join(extras)}]")
     if args.triton and not args.cuda:
         pip("triton>=3.0")
+    (VENV / ".installed").touch()  # the Makefile's stamp: make does not install again
     seconds = time.perf_counter() - start
     print(f"installed in {seconds:.0f} s; {VENV} holds {folder_bytes(VENV) / 2**30:.2f} GiB")
     run = venv_python().relative_to(ROOT)

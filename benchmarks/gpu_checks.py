@@ -24,11 +24,11 @@ invariance: the CUDA tests' mixed workload (tests/workloads.py) in both loops wi
         position) whose logits differ bit for bit between the loops, with the two batches it
         was computed in. Names the part that is not batch-invariant.
 decode-plan: FlashInfer's tensor-core decode kernel against its plain one, on one machine
-        (flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH): for 32..256 requests of uniform
+        (the setting tensor_core_decode_min_batch): for 32..256 requests of uniform
         (820) or spread (100..1024) prompt lengths, the overlap loop's steady decode with graphs:
         host ms of the launch span (the plan and the replay), device ms per forward after its
         launch, wall ms per step. Prints the batch size from which tensor cores give the shorter
-        step at every larger size measured: the value to set.
+        step at every larger size measured.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def prefill(model: str) -> None:
             launch.append(sum(sp.duration for sp in spans if sp.name == SpanName.LAUNCH and sp.batch_id in ids))
             device.append(sum(sp.duration for sp in spans
                               if sp.lane != HOST_LANE and sp.name == SpanName.FORWARD and sp.batch_id in ids))
-            floor.append(sum(cost.prefill_floor(r.num_tokens, r.attention_pairs, r.kv_tokens, hbm, flops)
+            floor.append(sum(cost.prefill_floor(r.num_tokens, r.attention_pairs, r.attended_positions, hbm, flops)
                              for r in records))
         med = [sorted(v)[2] * 1000 for v in (launch, device, floor)]
         print(f"  {tokens:>6} {-(-tokens // 560):>8} {med[0]:>9.2f} {med[1]:>9.2f} {med[2]:>8.2f} "
@@ -283,7 +283,6 @@ def record_batches(llm: LLM) -> tuple[list[tuple[list[tuple[int, ...]], list[int
 
 def invariance(model: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from minisgl.gpu import fused_ops
     from tests.workloads import random_workload, run, with_stops
 
     def drive(loop: str, workload, **kwargs):
@@ -299,10 +298,9 @@ def invariance(model: str) -> None:
                 rows[(index[prompt], kv_len)] = (logits[r], len(prompts), r, prefill)
         return outs, rows
 
-    for label, kwargs, fused in (("flashinfer", {}, True), ("torch backend", {"attention_backend": "torch"}, True),
-                                 ("flashinfer, fused ops off", {}, False)):
-        fused_ops.ENABLED = fused
-        probe = LLM(model, device="cuda", loop="normal", chunk_size=16)
+    for label, kwargs in (("flashinfer", {}), ("torch backend", {"attention_backend": "torch"}),
+                          ("flashinfer, fused ops off", {"fused_kernels": False})):
+        probe = LLM(model, device="cuda", loop="normal", chunk_size=16, **kwargs)
         base = random_workload(0, probe.engine.model.vocab_size)
         workload = with_stops(base, [o.token_ids for o in probe.generate([a.prompt for a in base],
                                                                           [a.params for a in base])], 0)
@@ -320,20 +318,16 @@ def invariance(model: str) -> None:
             print(f"  request {k[0]} at kv_len {k[1]}: normal batch of {bn} ({'prefill' if pn else 'decode'}, "
                   f"row {rn}), overlap batch of {bo} ({'prefill' if po else 'decode'}, row {ro}); "
                   f"max |diff| {(ln - lo).abs().max().item():.3g}")
-    fused_ops.ENABLED = True
 
 
 def decode_plan(model: str, sizes: tuple[int, ...] = (32, 64, 128, 256), steps: int = 20) -> None:
     import statistics
 
-    from minisgl.gpu import flashinfer_backend
-
     spreads = {"uniform 820": (820, 820), "spread 100..1024": (100, 1024)}
     rows: dict[tuple[str, int], dict[bool, tuple[float, float, float]]] = {}
-    chosen = flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH
     for tensor_cores in (False, True):
-        flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH = 1 if tensor_cores else None
-        llm = LLM(model, device="cuda", loop="overlap", trace=True)
+        llm = LLM(model, device="cuda", loop="overlap", trace=True,
+                  tensor_core_decode_min_batch=1 if tensor_cores else None)
         for spread, (lo, hi) in spreads.items():
             for bs in sizes:
                 rng = random.Random(bs)  # both kernels decode the same lengths
@@ -348,7 +342,6 @@ def decode_plan(model: str, sizes: tuple[int, ...] = (32, 64, 128, 256), steps: 
                 while llm.has_unfinished():
                     llm.step()
         llm.close()
-    flashinfer_backend.TENSOR_CORE_DECODE_MIN_BATCH = chosen
     print("decode plan A/B, overlap loop, graphs on; ms: launch span (host) / device per forward after its launch / "
           "wall per step")
     print(f"{'lengths':>17} {'batch':>5} | {'plain: launch device step':>26} | {'tensor cores: launch device step':>33} "

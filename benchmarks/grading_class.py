@@ -25,11 +25,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lessons" / "exercises"))
-from grade import put_regions, written_regions  # noqa: E402
-from make_exercise import ROOT  # noqa: E402
-from student_edition import write_student_edition  # noqa: E402
-from wrong_solutions import WRONG  # noqa: E402
+from minisgl.course import ROOT
+from minisgl.course.grade import put_regions, written_regions
+from minisgl.course.student_edition import write_student_edition
+from minisgl.course.make_exercise import WRONG
 
 OUTSIDE_LINE = "        req.released = True\n"  # a line of KVLedger.release (kv_ledger.py), outside its regions
 

@@ -15,10 +15,17 @@
 #   bash benchmarks/h200.sh invariance     # deterministic mode: which part makes overlap != normal
 #   bash benchmarks/h200.sh eager-ab       # eager overlap vs normal, ABBA, then sync debug mode
 #   bash benchmarks/h200.sh profile        # kernel time of a whole offline run by kind (PROFILE=attention|steps|batches|gemm: others)
+#   bash benchmarks/h200.sh make8b         # the Qwen3-8B shape, random bf16 weights drawn on the GPU, in /tmp/qwen3-8b (16 GB)
+#   bash benchmarks/h200.sh 8b             # offline breakdown on the 8B shape at 256 and 1,024 requests (SIZES_8B), both loops; HF generate at 256
+#   bash benchmarks/h200.sh kernels        # kernels and device ms per decode step at 256 and 64 requests, each A/B variant (KERNEL_VARIANTS)
+#   bash benchmarks/h200.sh ab             # offline breakdown, 256 requests (N), overlap loop, each A/B variant (AB_VARIANTS)
 # Several modes in one device call: `timeout 200 bash benchmarks/h200.sh A; timeout 300 bash ... B`.
 # Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online), SCALE (scale's
 # request counts, default "256 1024 4096": on a new machine give 4096 a call of its own), GATE_RUNS
-# (gate: REQUESTS:MIN_PREFILL_TOKENS pairs, default "1024:0 1024:4096 4096:4096"; 0 is the gate off).
+# (gate: REQUESTS:MIN_PREFILL_TOKENS pairs, default "1024:0 1024:4096 4096:4096"; 0 is the gate off),
+# SCALE_LOOPS (scale: "--compare-loops --delays 0" unless given, e.g. "--loop overlap"),
+# KERNEL_VARIANTS (kernels: settings per engine, ';' between variants, '-' the defaults, default
+# "-;fast_decode_plan=false"), AB_VARIANTS (ab: bench flags per run, default "-;--no-fast-decode-plan").
 # Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -79,8 +86,31 @@ case "$what" in
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
     for n in ${SCALE:-256 1024 4096}; do
       echo "=== figure: scale, $n requests, both loops ==="
-      python3 -m minisgl bench --workload offline --num-requests "$n" --model /tmp/qwen3-0.6b --compare-loops \
-        --delays 0 --breakdown --json "$OUT/scale_$n.json" 2>&1 | tee "$OUT/bench_scale_$n.log"
+      python3 -m minisgl bench --workload offline --num-requests "$n" --model /tmp/qwen3-0.6b ${SCALE_LOOPS:---compare-loops --delays 0} \
+        --breakdown --json "$OUT/scale_$n.json" 2>&1 | tee "$OUT/bench_scale_$n.log"
+    done ;;
+  make8b)
+    [ -d /tmp/qwen3-8b ] || python3 -m minisgl make-tiny /tmp/qwen3-8b --arch qwen3 --preset qwen3-8b --device cuda ;;
+  8b)
+    [ -d /tmp/qwen3-8b ] || python3 -m minisgl make-tiny /tmp/qwen3-8b --arch qwen3 --preset qwen3-8b --device cuda
+    for n in ${SIZES_8B:-256 1024}; do
+      echo "=== figure: 8B shape, $n requests, both loops ==="
+      hf=""; [ "$n" = 256 ] && hf="--hf --hf-requests 64"
+      python3 -m minisgl bench --workload offline --num-requests "$n" --model /tmp/qwen3-8b --compare-loops --delays 0 \
+        --breakdown $hf --json "$OUT/8b_$n.json" 2>&1 | tee "$OUT/bench_8b_$n.log"
+    done ;;
+  kernels)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    python3 benchmarks/profile_decode.py /tmp/qwen3-0.6b batches 256,64 "${KERNEL_VARIANTS:--;fast_decode_plan=false}" 2>&1 | tee "$OUT/kernels.log" ;;
+  ab)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    IFS=';' read -ra variants <<< "${AB_VARIANTS:--;--no-fast-decode-plan}"
+    for v in "${variants[@]}"; do
+      echo "=== figure: A/B, ${N:-256} requests, overlap, flags: $v ==="
+      flags=""; [ "$v" != "-" ] && flags="$v"
+      name=$(echo "$v" | tr -c 'a-z0-9\n' '_')
+      python3 -m minisgl bench --workload offline --num-requests "${N:-256}" --model /tmp/qwen3-0.6b --loop overlap \
+        --breakdown $flags --json "$OUT/ab_$name.json" 2>&1 | tee "$OUT/ab_$name.log"
     done ;;
   decode-plan)
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b

@@ -12,9 +12,11 @@ attention: FlashInfer decode attention alone on batches like the offline run's t
    drawn as its contexts, at several batch sizes), with and without tensor cores, in the order
    drawn and longest first, against the measured HBM bandwidth. Timed as eager calls: at the
    small batches the launch, not the kernel, may set the time;
-batches: steady decode at 256, 192, 128, 64, 32, 8 and 1 requests (contexts like the run's
-   tail), torch.profiler over 8 steps each: kernel time per step by group, kernels per step,
-   wall per step, against the step's floor;
+batches [SIZES [VARIANTS]]: steady decode at 256, 192, 128, 64, 32, 8 and 1 requests (or
+   SIZES, "256,64"; contexts like the run's tail): wall per step, then torch.profiler over 8
+   steps each: kernel time and kernels per step by group, against the step's floor; VARIANTS
+   ("-;fast_decode_plan=false": the defaults, then that setting; ',' between a variant's
+   settings) are engines built in turn;
 gemm: the four layer GEMMs of the shape, timed inside a CUDA graph (as the engine runs them)
    from 1 to 256 rows: cuBLAS, plain and with swapped operands, against the weights-read floor. MODEL_DIR is not read.
 """
@@ -26,7 +28,7 @@ import sys
 import time
 
 import torch
-from gpu_checks import long_prompts, steady_decode  # benchmarks/ is on sys.path when run as a script
+from gpu_checks import long_prompts, steady_decode, timed_steps  # benchmarks/ is on sys.path when run as a script
 from torch.profiler import ProfilerActivity, profile
 
 from minisgl import LLM, SamplingParams
@@ -193,38 +195,52 @@ def gemms_in_graph() -> None:
                   f"{swapped * 1e6:.1f}us", flush=True)
 
 
-def profile_batch_sizes(model: str) -> None:
+BATCHES = (256, 192, 128, 64, 32, 8, 1)
+
+
+def setting_value(text: str) -> object:
+    """A setting's value as the command line writes it: true, false, none or a number."""
+    words = {"true": True, "false": False, "none": None}
+    return words[text.lower()] if text.lower() in words else int(text)
+
+
+def profile_batch_sizes(model: str, batches: tuple[int, ...] = BATCHES, variants: tuple[dict, ...] = ({},)) -> None:
     """Steady decode at several batch sizes, contexts like the offline run's tail: per step, the
-    kernel time by group, the number of kernels, the wall time, against the step's floor."""
+    wall time unprofiled (the loop's own: host and device overlapped), then under the profiler
+    the kernel time by group, the number of kernels by group, against the step's floor. Each
+    variant (engine settings, e.g. {"fast_decode_plan": False}) is its own engine, built in turn
+    on the same machine: an A/B."""
     from minisgl.observe.breakdown import ModelCost
 
     cost = ModelCost.from_config(model)
     hbm, _ = measure_ceilings(torch.device("cuda"))
-    rng = random.Random(0)
-    llm = LLM(model, device="cuda")
-    for batch in (256, 192, 128, 64, 32, 8, 1):
-        prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024) + rng.randint(0, 1024))]
-                   for _ in range(batch)]
-        steady_decode(llm, prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), warm_steps=4)
-        steps = 8
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            for _ in range(steps):
+    for settings in variants:
+        rng = random.Random(0)
+        llm = LLM(model, device="cuda", **settings)
+        label = ",".join(f"{k}={v}" for k, v in settings.items()) or "default"
+        for batch in batches:
+            prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024) + rng.randint(0, 1024))]
+                       for _ in range(batch)]
+            steady_decode(llm, prompts, SamplingParams(max_new_tokens=40, ignore_eos=True), warm_steps=4)
+            steps = 8
+            wall = timed_steps(llm, steps)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    llm.step()
+                torch.cuda.synchronize()
+            while llm.scheduler.has_work():
                 llm.step()
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - start) / steps
-        while llm.scheduler.has_work():
-            llm.step()
-        kv_tokens = sum(len(p) for p in prompts) + batch * 8  # mid-window context
-        floor = cost.decode_floor(kv_tokens, hbm)
-        groups = by_group(device_kernels(prof))
-        kernel_ms = sum(secs for secs, _ in groups.values()) * 1e3 / steps
-        launches = sum(count for _, count in groups.values()) / steps
-        parts = " ".join(f"{name.split(',')[0].split(' ')[0]} {secs * 1e3 / steps:.3f}"
-                         for name, (secs, _) in sorted(groups.items(), key=lambda kv: -kv[1][0]))
-        print(f"B={batch:3d} wall {wall * 1e3:.3f} ms/step, kernels {kernel_ms:.3f} ms ({launches:.0f}), "
-              f"floor {floor * 1e3:.3f} ms ({floor / wall:.0%} of wall) | {parts}", flush=True)
-    llm.close()
+            attended_positions = sum(len(p) for p in prompts) + batch * 16  # mid-window context
+            floor = cost.decode_floor(attended_positions, hbm)
+            groups = by_group(device_kernels(prof))
+            kernel_ms = sum(secs for secs, _ in groups.values()) * 1e3 / steps
+            launches = sum(count for _, count in groups.values()) / steps
+            parts = " | ".join(f"{name.split(',')[0].split(' ')[0]} {secs * 1e3 / steps:.3f} ms x{count / steps:.0f}"
+                               for name, (secs, count) in sorted(groups.items(), key=lambda kv: -kv[1][0]))
+            print(f"[{label}] B={batch:3d} wall {wall * 1e3:.3f} ms/step, kernels {kernel_ms:.3f} ms "
+                  f"({launches:.0f} per step), floor {floor * 1e3:.3f} ms ({floor / wall:.0%} of wall) | {parts}",
+                  flush=True)
+        llm.close()
 
 
 if __name__ == "__main__":
@@ -236,7 +252,12 @@ if __name__ == "__main__":
     elif mode == "gemm":
         gemms_in_graph()
     elif mode == "batches":
-        profile_batch_sizes(sys.argv[1])
+        # optional: sizes ("256,64") and variants, ';' between variants, ',' between a variant's
+        # settings ("-" for the defaults): "-;fast_decode_plan=false"
+        sizes = tuple(int(b) for b in sys.argv[3].split(",")) if len(sys.argv) > 3 else BATCHES
+        variants = tuple({} if v == "-" else {k: setting_value(x) for k, x in (kv.split("=") for kv in v.split(","))}
+                         for v in sys.argv[4].split(";")) if len(sys.argv) > 4 else ({},)
+        profile_batch_sizes(sys.argv[1], sizes, variants)
     else:
         attention_alone(False)
         attention_alone(True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import re
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from rich.table import Table  # noqa: E402
 import minisgl  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.batch import SchedulerStats  # noqa: E402
+from minisgl.course import missing_exercise  # noqa: E402
 from minisgl.observe.timeline import render_timeline  # noqa: E402
 from minisgl.observe.trace import pipeline_metrics, request_metrics  # noqa: E402
 
@@ -37,20 +37,6 @@ OK, BAD = "✓", "✗"
 
 
 # --------------------------------------------------------------------------- a part not written yet
-
-MISSING_PART = re.compile(r"exercise (?P<number>\d+): (?P<part>[^(]+?) \(make hint-")
-
-
-def missing_exercise(error: BaseException | None) -> re.Match | None:
-    """The skeleton's NotImplementedError("exercise N: ...") behind `error`, if any. It may come
-    wrapped: work that failed on the engine's stream is re-raised on the host as a DeviceError."""
-    while error is not None:
-        found = MISSING_PART.search(str(error))
-        if found:
-            return found
-        error = error.__cause__ or error.__context__
-    return None
-
 
 
 
@@ -284,8 +270,8 @@ def lesson_main(main) -> None:
             raise
         console.print(f"[yellow]This lesson needs exercise {missing['number']} ({escape(missing['part'])}), "
                       "which you have not written yet.[/]")
-        console.print("It runs once that exercise passes (`make exercises` lists them; `make exercise-N`, or "
-                      "`python lessons/exercises/make_exercise.py check N` without make, checks one).")
+        console.print("It runs once that exercise passes (`python -m minisgl course exercises` lists them, "
+                      "`python -m minisgl course exercise N` checks one).")
         sys.exit(0)
 
 

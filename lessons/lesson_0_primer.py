@@ -20,7 +20,7 @@ def kv_pool_and_request_table() -> None:
     req = sched.waiting[0]
     free = sched.kv_pool.free_count
     console.print(f"  request {rid}: {req.prompt_len} prompt tokens, max_new_tokens 4; "
-                  f"KV pool {free} free slots of {sched.kv_pool.total}, {sched.req_to_token.free_count} free rows")
+                  f"KV pool {free} free slots of {sched.kv_pool.kv_tokens}, {sched.req_to_token.free_count} free rows")
     taken = []
     while not llm.collect() and sched.has_work():
         llm.step()

@@ -8,7 +8,7 @@ runs more requests at once, and retracts some when a decode step runs short of s
 
 from common import figure, header, lesson_main, notice, parse_args, run, section, side_by_side, console
 
-from minisgl.features.retraction import NewTokenRatio, OptimisticAdmission, retract
+from minisgl.features.retraction import NewTokenRatio, OptimisticAdmission
 from minisgl.demo.workloads import early_stop_workload
 from minisgl.request import Req
 from minisgl.scheduler import Scheduler
@@ -33,7 +33,7 @@ def event_timeline(r, width: int = 72) -> str:
 def main() -> None:
     args = parse_args(__doc__, delay_ms=2.0)
     header(10, "optimistic admission and retraction",
-           [Scheduler._admit, OptimisticAdmission.retract_for_decode, retract, Scheduler._commit_results,
+           [Scheduler._admit, OptimisticAdmission.retract_for_decode, Scheduler._retract, Scheduler._commit_results,
             Req.reset_for_retract, NewTokenRatio.after_retract, "lessons/readings §15"])
     prompts, params = early_stop_workload(12 if args.quick else 24)
     section(f"1. {len(prompts)} requests, max_new_tokens 64, half stop on EOS after a few tokens; kv_tokens={KV_TOKENS}")

@@ -11,8 +11,7 @@ from common import (console, demo_pairs, figure, header, lesson_main, notice, pa
                     side_by_side, timeline)
 
 from minisgl import SamplingParams
-from minisgl.engine import Engine
-from minisgl.features.grammar import DelayedSampling, Grammar, build_mask
+from minisgl.features.grammar import DelayedSampling, Grammar, build_mask, launch_sample
 from minisgl.features.logprobs import plan_logprobs
 
 SPACE, DIGITS, EOS = 223, range(18, 28), 1  # the demo tokenizer's " ", "0".."9" and EOS
@@ -83,7 +82,7 @@ def logprobs(prompts, delay_ms: float) -> None:
 def main() -> None:
     args = parse_args(__doc__, delay_ms=10.0)
     header(11, "constrained decoding: delayed sampling, its cost, and logprobs",
-           [DelayedSampling.launch, Engine.launch_sample, build_mask, plan_logprobs,
+           [DelayedSampling.launch, launch_sample, build_mask, plan_logprobs,
             "lessons/readings §16, §17 (000 「Overlap Scheduler 的执行时间线」)"])
     pairs = demo_pairs(6 if args.quick else 12)
     prompts = [p for p, _ in pairs]

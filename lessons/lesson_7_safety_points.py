@@ -31,15 +31,15 @@ def commit_point_and_staging(pairs, delay_ms: float) -> None:
     per_run(f"{len(prompts)} requests, max_new_tokens 2..6; wrong = outputs that differ from the normal loop's",
             runs, {
                 "wrong": lambda r: f"{differing(r.tokens, ref.tokens)}/{len(prompts)}",
-                "staging waits": lambda r: str(r.llm.scheduler.batches.staging.waits),
-                "unread rewrites": lambda r: str(r.llm.scheduler.batches.staging.unread_overwrites),
+                "staging waits": lambda r: str(r.llm.scheduler.batch_builder.staging.waits),
+                "unread rewrites": lambda r: str(r.llm.scheduler.batch_builder.staging.unread_overwrites),
                 "first text": lambda r: repr(r.outs[0].text),
             })
     console.print("  staging waits: the host waited for the device to read a buffer; unread rewrites: it "
                   "rewrote one the device had not read yet")
     for r in runs:
         figure(f"wrong outputs ({r.label})", differing(r.tokens, ref.tokens), "{:d}")
-        figure(f"unread overwrites ({r.label})", r.llm.scheduler.batches.staging.unread_overwrites, "{:d}")
+        figure(f"unread overwrites ({r.label})", r.llm.scheduler.batch_builder.staging.unread_overwrites, "{:d}")
 
 
 def row_reuse(delay_ms: float) -> None:

@@ -89,7 +89,7 @@ def main() -> None:
     header(9, "CUDA graphs and the overlap on a GPU",
            ["minisgl/gpu/cuda_graph.py CudaGraphRunner (capture per batch size, replay)",
             "minisgl/engine.py Engine._forward_and_sample (graphs.run, non_blocking copy into pinned memory)",
-            "minisgl/streams.py CudaStream", "lessons/readings §11, §3 (001 「Overlap Scheduler 的解法」: two streams; "
+            "minisgl/gpu/cuda_stream.py CudaStream", "lessons/readings §11, §3 (001 「Overlap Scheduler 的解法」: two streams; "
             "000 「Overlap Scheduler 的执行时间线」: copy_done, and no copy stream here)"])
     console.print(f"device: {torch.cuda.get_device_name()}  (FlashInfer compiles its kernels on first use: "
                   f"the first run on a fresh machine can take a minute or more)")

@@ -4,6 +4,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from .course import missing_exercise
 from .frontend import cli
 
 
@@ -17,6 +18,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        missing = missing_exercise(exc)  # the student edition, before that exercise is written
+        if missing is None:
+            raise
+        print(f"error: this needs exercise {missing['number']} ({missing['part']}), not written yet: "
+              f"python -m minisgl course exercise {missing['number']} checks it", file=sys.stderr)
+        return 2
     return code
 
 

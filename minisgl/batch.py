@@ -1,9 +1,8 @@
 """What crosses a step boundary in the scheduler: batch views, result-queue entries, counters.
 
-The result queue pairs each launched batch with a *view* of it: which requests sat in which
-row. `RunningBatch` is the live decode batch that schedule() filters and merges in place;
-`BatchView` is a snapshot of one batch, frozen at launch (lessons/readings §5: why the
-queue must hold batch.copy(), not the batch).
+The result queue pairs each launched batch with a *view* of it: which requests sat in which row.
+`RunningBatch` is the live decode batch schedule() filters and merges in place; `BatchView` is a
+snapshot frozen at launch (lessons/readings §5: why the queue holds batch.copy(), not the batch).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The engine's configuration: one frozen `EngineConfig`, resolved and checked once.
 
-`resolve_config(...)` turns `LLM(...)`'s keyword arguments (or the CLI's flags), the defaults
-below and what the checkpoint's config.json says into final values: every size is a number,
-`"auto"` is a concrete attention backend, the device exists, the memory check has passed.
+`resolve_config(...)` turns `LLM(...)`'s keywords or the CLI's flags (the settings, settings.py),
+their defaults and what the checkpoint's config.json says into final values: every size is a
+number, `"auto"` is a concrete attention backend, the device exists, the memory check has passed.
 `Engine` and `Scheduler` take the result and never re-check or re-default anything.
 
 Each quantity has one name everywhere in minisgl:
 
+- `kv_tokens`             usable KV slots: the pool's size (the KV cache has one more, slot 0)
 - `max_running_requests`  the most requests decoding at once = the request table's rows
 - `model_window`          the checkpoint's `max_position_embeddings`
 - `max_seq_len`           the longest prompt + new tokens this engine holds
@@ -22,106 +23,76 @@ import gc
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from .checks import MAX_DELAY_MS, MAX_RUNNING_REQUESTS, MAX_TOKENS, check_bool, check_int, check_real
 from .mechanisms import Mechanisms
+from .settings import SETTING, SETTINGS, Admission, AttentionBackendName, Loop, SpeculativeAlgorithm
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-Loop = Literal["normal", "overlap"]
-Admission = Literal["reserve", "optimistic"]  # optimistic: features/retraction.py
-AttentionBackendChoice = Literal["auto", "torch", "flashinfer"]
-AttentionBackendName = Literal["torch", "flashinfer"]  # what "auto" resolves to
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
-class EngineDefaults:
-    """Every number the engine chooses on its own, with the reason for it."""
+class KVBudget:
+    """How many KV slots `kv_tokens=None` gives: what fits the device's memory once the weights are loaded."""
 
-    # The most requests decoding at once. A GPU decode step costs about the same for 1 or 256
-    # requests (it reads the weights once), so batch wide; on the CPU every request costs
-    # compute, and 64 already saturates a laptop core.
-    max_running_requests_cuda: int = 256
-    max_running_requests_cpu: int = 64
-    # Prompt tokens per prefill batch (chunked prefill): large on a GPU to fill it, small on the
-    # CPU so that a long prompt does not stall the decodes behind it for long.
-    chunk_size_cuda: int = 8192
-    chunk_size_cpu: int = 512
-    # While requests decode, admit new ones only when their prefill reaches this many tokens
-    # (admission.PrefillGate; issue 27). An eager prefill batch costs its Python-launched
-    # kernels on the host whatever its size (an iteration that launched one took 18-26 ms of
-    # host work at 4,096 requests with the Qwen3-0.6B shape), and about 2 us per token on the
-    # H200's device: below ~5k tokens the launches set its time. Admitted as running requests finish, a few at a time, batches held ~900 tokens
-    # (24% of their floor at 1,024 requests). On one H200, 4,096 requests: a 4,096-token gate
-    # gave batches of ~4,650 tokens at 37% of their floor, 7,168 gave ~6,850 tokens at 60%, and
-    # the run 26,724 against 24,949 tok/s (benchmarks/RESULTS.md). 7,168 leaves room for one more
-    # request under the 8,192-token chunk, so a batch is seldom cut. On the CPU prefill is
-    # compute-bound (a token costs the same in any batch) and the lessons count batches: 0,
-    # the gate is off, requests are admitted as soon as they fit.
-    min_prefill_tokens_cuda: int = 7168
-    min_prefill_tokens_cpu: int = 0
-    # KV pool on a GPU: this fraction of the memory free after loading the weights, minus a
-    # headroom for activations, CUDA graphs and sampling (vocab-wide float32 rows per request).
-    kv_memory_fraction: float = 0.8
-    kv_headroom_bytes: int = 4 << 30
-    # KV pool on the CPU: a fixed host-memory budget (a laptop shares it with everything else).
-    kv_host_bytes: int = 2 << 30
+    # On a GPU: this fraction of the memory free after loading the weights, minus a headroom for
+    # activations, CUDA graphs and sampling (vocab-wide float32 rows per request).
+    memory_fraction: float = 0.8
+    headroom_bytes: int = 4 << 30
+    # On the CPU: a fixed host-memory budget (a laptop shares it with everything else).
+    host_bytes: int = 2 << 30
     # Whatever the budget says, at least enough for a few demo requests, and at most what the
     # device tables index comfortably (slot ids are int32 in attention kernels).
-    kv_tokens_min: int = 1024
-    kv_tokens_max_cuda: int = 1 << 20
-    kv_tokens_max_cpu: int = 65536
-
-    def max_running_requests(self, device: torch.device) -> int:
-        return self.max_running_requests_cuda if device.type == "cuda" else self.max_running_requests_cpu
-
-    def chunk_size(self, device: torch.device) -> int:
-        return self.chunk_size_cuda if device.type == "cuda" else self.chunk_size_cpu
-
-    def min_prefill_tokens(self, device: torch.device) -> int:
-        return self.min_prefill_tokens_cuda if device.type == "cuda" else self.min_prefill_tokens_cpu
+    min_tokens: int = 1024
+    max_tokens_cuda: int = 1 << 20
+    max_tokens_cpu: int = 65536
 
     def kv_tokens(self, device: torch.device, kv_bytes_per_token: int, weight_bytes: int) -> int:
-        """KV slots that fit the memory budget of `device` once the weights are loaded,
-        clamped to [kv_tokens_min, max]."""
         if device.type == "cuda":
             free_after_weights = free_memory_bytes(device) - weight_bytes
-            budget = int(free_after_weights * self.kv_memory_fraction) - self.kv_headroom_bytes
-            cap = self.kv_tokens_max_cuda
+            budget = int(free_after_weights * self.memory_fraction) - self.headroom_bytes
+            cap = self.max_tokens_cuda
         else:
-            budget, cap = self.kv_host_bytes, self.kv_tokens_max_cpu
-        return max(self.kv_tokens_min, min(budget // kv_bytes_per_token, cap))
+            budget, cap = self.host_bytes, self.max_tokens_cpu
+        return max(self.min_tokens, min(budget // kv_bytes_per_token, cap))
 
 
-DEFAULTS = EngineDefaults()
+KV_BUDGET = KVBudget()
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an engine is built from, final and checked (build it with `resolve_config`)."""
+    """Everything an engine is built from, final and checked (build it with `resolve_config`).
+    The fields named in SETTINGS hold that setting's resolved value; the rest come from the checkpoint."""
 
     model_path: Path
     device: torch.device
     dtype: torch.dtype
     loop: Loop
-    admission: Admission  # "reserve" (promise everything) or "optimistic" (estimate, retract if short)
-    mechanisms: Mechanisms  # the switches (minisgl.MECHANISMS describes them)
+    admission: Admission
+    mechanisms: Mechanisms  # the switches, from `disable`
     attention_backend: AttentionBackendName
-    deterministic: bool  # batch-invariant kernels: a request's tokens do not depend on its batch
+    deterministic: bool
     trace: bool
-    device_delay_ms: float  # emulated extra device time per forward (teaching aid)
-    host_delay_ms: float  # emulated extra scheduler work per step (the lab's knob)
+    device_delay_ms: float
+    host_delay_ms: float
     max_running_requests: int
-    chunk_size: int  # prompt tokens per prefill batch
-    min_prefill_tokens: int  # while requests decode, admit when the prefill reaches this (0: always); <= chunk_size
-    kv_tokens: int  # usable KV slots (the pool has one more: slot 0 is reserved, see kv_pool.py)
+    chunk_size: int
+    min_prefill_tokens: int  # <= chunk_size
+    kv_tokens: int  # the pool has one more slot: slot 0 is reserved, see kv_pool.py
+    speculative_algorithm: SpeculativeAlgorithm | None
+    speculative_num_steps: int
+    speculative_draft_model_path: Path | None
+    enable_mixed_chunk: bool
+    fused_kernels: bool
+    tensor_core_decode_min_batch: int | None
+    fast_decode_plan: bool
     model_window: int
     kv_bytes_per_token: int  # K and V of one position, every layer, in `dtype`
     weight_bytes: int  # the model's weights in `dtype`
@@ -140,71 +111,59 @@ class EngineConfig:
         return min(self.model_window + 1, self.kv_tokens)
 
 
-def resolve_config(model_path: str | os.PathLike, *, device: str | torch.device | None, loop: str,
-                   disable: object, device_delay_ms: float, dtype: str | torch.dtype | None,
-                   max_running_requests: int | None, chunk_size: int | None, kv_tokens: int | None, trace: bool,
-                   attention_backend: str, host_delay_ms: float, deterministic: bool, admission: str,
-                   min_prefill_tokens: int | None) -> EngineConfig:
-    """`LLM(...)`'s arguments -> one EngineConfig; reads config.json, not the weights."""
+def resolve_config(model_path: str | os.PathLike, settings: Mapping[str, Any]) -> EngineConfig:
+    """`LLM(model_path, **settings)` -> one EngineConfig; reads config.json, not the weights.
+    A setting left out takes its default."""
     if not isinstance(model_path, (str, os.PathLike)):
         raise TypeError(f"model_path must be a path, got {type(model_path).__name__}")
-    mechanisms = Mechanisms(disable)
-    check_choice("loop", loop, get_args(Loop))
-    check_choice("admission", admission, get_args(Admission))
-    check_choice("attention_backend", attention_backend, get_args(AttentionBackendChoice))
-    device_delay_ms = check_real("device_delay_ms", device_delay_ms, 0.0, MAX_DELAY_MS)
-    host_delay_ms = check_real("host_delay_ms", host_delay_ms, 0.0, MAX_DELAY_MS)
-    check_bool("trace", trace)
-    resolved_device = resolve_device(device)
-    resolved_dtype = resolve_dtype(dtype, resolved_device)
-    max_running_requests = optional_size("max_running_requests", max_running_requests, MAX_RUNNING_REQUESTS)
-    chunk_size = optional_size("chunk_size", chunk_size, MAX_TOKENS)
-    min_prefill_tokens = optional_size("min_prefill_tokens", min_prefill_tokens, MAX_TOKENS, low=0)
-    # The smallest request: a one-token prompt, one new token, and the slot an overshoot step writes.
-    kv_tokens = optional_size("kv_tokens", kv_tokens, MAX_TOKENS, low=3)
-    check_bool("deterministic", deterministic)
+    unknown = sorted(settings.keys() - SETTING.keys())
+    if unknown:
+        raise TypeError(f"unknown setting(s) {unknown}; the settings are {', '.join(SETTING)}")
+    given = {s.name: s.check(settings.get(s.name, s.default)) for s in SETTINGS}
+    mechanisms = Mechanisms(given["disable"])
+    device = resolve_device(given["device"])
+    dtype = resolve_dtype(given["dtype"], device)
+    per_device = {s.name: s.default_for(device) for s in SETTINGS if s.per_device is not None and given[s.name] is None}
+    chunk_size = per_device.get("chunk_size", given["chunk_size"])
+    if given["min_prefill_tokens"] is None:  # the default, within the chunk size a user may have lowered
+        per_device["min_prefill_tokens"] = min(per_device["min_prefill_tokens"], chunk_size)
+    elif given["min_prefill_tokens"] > chunk_size:
+        raise ValueError(f"min_prefill_tokens must be at most chunk_size ({chunk_size}): no prefill batch holds "
+                         f"more tokens; got {given['min_prefill_tokens']}")
+    check_speculation(given["speculative_algorithm"], given["speculative_draft_model_path"])
 
     from .models.checkpoint import load_config  # transformers: imported when an engine is built
 
-    checkpoint, _ = load_config(Path(model_path), resolved_dtype)
-    backend = resolve_attention_backend(attention_backend, resolved_device, resolved_dtype, head_dim_of(checkpoint))
-    kv_bytes_per_token, weight_bytes = model_bytes(checkpoint, resolved_dtype)
-    if resolved_device.type == "cuda":
+    checkpoint, _ = load_config(Path(model_path), dtype)
+    backend = resolve_attention_backend(given["attention_backend"], device, dtype, head_dim_of(checkpoint))
+    kv_bytes_per_token, weight_bytes = model_bytes(checkpoint, dtype)
+    if device.type == "cuda":
         # An earlier engine dropped without close() may still hold device memory in reference
         # cycles: collect it, so that the free memory measured below is what this engine gets.
         gc.collect()
         torch.cuda.empty_cache()
-    chunk_size = chunk_size or DEFAULTS.chunk_size(resolved_device)
-    if min_prefill_tokens is None:  # the default, within the chunk size a user may have lowered
-        min_prefill_tokens = min(DEFAULTS.min_prefill_tokens(resolved_device), chunk_size)
-    elif min_prefill_tokens > chunk_size:
-        raise ValueError(f"min_prefill_tokens must be at most chunk_size ({chunk_size}): no prefill batch holds "
-                         f"more tokens; got {min_prefill_tokens}")
-    config = EngineConfig(
-        model_path=Path(model_path), device=resolved_device, dtype=resolved_dtype, loop=loop,  # type: ignore[arg-type]
-        admission=admission, mechanisms=mechanisms, attention_backend=backend,  # type: ignore[arg-type]
-        deterministic=deterministic, trace=trace,
-        device_delay_ms=device_delay_ms, host_delay_ms=host_delay_ms,
-        max_running_requests=max_running_requests or DEFAULTS.max_running_requests(resolved_device),
-        chunk_size=chunk_size, min_prefill_tokens=min_prefill_tokens,
-        kv_tokens=kv_tokens or DEFAULTS.kv_tokens(resolved_device, kv_bytes_per_token, weight_bytes),
-        model_window=int(checkpoint.max_position_embeddings), kv_bytes_per_token=kv_bytes_per_token,
-        weight_bytes=weight_bytes)
-    check_memory(config)
+    kv_tokens = given["kv_tokens"] or KV_BUDGET.kv_tokens(device, kv_bytes_per_token, weight_bytes)
+    resolved = {**given, **per_device, "device": device, "dtype": dtype, "disable": mechanisms,
+                "attention_backend": backend, "kv_tokens": kv_tokens}
+    config = EngineConfig(**{s.field or s.name: resolved[s.name] for s in SETTINGS}, model_path=Path(model_path),
+                          model_window=int(checkpoint.max_position_embeddings), kv_bytes_per_token=kv_bytes_per_token,
+                          weight_bytes=weight_bytes)
+    check_memory(config, free_memory_bytes(device))
     return config
 
 
 # ------------------------------------------------------------------------------ the parts
 
 
-def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def optional_size(name: str, value: object, high: int, low: int = 1) -> int | None:
-    """A size that is either left out (None: the default) or an integer in [low, high]."""
-    return None if value is None else check_int(name, value, low, high)
+def check_speculation(algorithm: str | None, draft_model_path: Path | None) -> None:
+    """A draft model only for the standalone algorithm, and one that exists."""
+    if draft_model_path is None:
+        return
+    if algorithm != "standalone":
+        raise ValueError(f"speculative_draft_model_path is read only by speculative_algorithm='standalone'; "
+                         f"got speculative_algorithm={algorithm!r}")
+    if not draft_model_path.is_dir():
+        raise ValueError(f"speculative_draft_model_path {str(draft_model_path)!r} is not a directory")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -230,7 +189,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = SETTING["dtype"].default_for(device)
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
@@ -279,10 +238,9 @@ def model_bytes(checkpoint: PretrainedConfig, dtype: torch.dtype) -> tuple[int, 
     return 2 * layers * kv_size * element_bytes, weights * element_bytes
 
 
-def check_memory(config: EngineConfig) -> None:
-    """Refuse sizes the device cannot hold before allocating them: a KV cache larger than the
-    host's memory is not an error on Linux, it is the out-of-memory killer, later."""
-    free = free_memory_bytes(config.device)
+def check_memory(config: EngineConfig, free: int | None) -> None:
+    """Refuse sizes the device cannot hold (`free` bytes; None: unknown) before allocating them: a
+    KV cache larger than the host's memory is not an error on Linux, it is the out-of-memory killer, later."""
     rows, chunk = config.max_running_requests, config.chunk_size
     # Weights, KV cache, the int64 request table, and two staging buffers of about 8 int64 columns.
     need = (config.weight_bytes + (config.kv_tokens + 1) * config.kv_bytes_per_token

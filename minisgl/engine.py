@@ -1,40 +1,32 @@
 """The engine: model forward and sampling, queued on a dedicated stream.
 
-`Engine.launch(batch)` returns at once (lessons/readings §11: mini-SGLang's `_forward()`
-inside `engine_stream_ctx`). What it returns is a *handle*: the sampled tokens on the device
-(already published into the FutureMap for the next batch), a host tensor that the
-device-to-host copy will fill, and `copy_done`, the event after that copy. Only after
-`copy_done.synchronize()` may the host read the tokens.
+`Engine.launch(batch)` returns at once (lessons/readings §11: mini-SGLang's `_forward()` inside
+`engine_stream_ctx`) with a *handle*: the sampled tokens on the device (already published into
+the FutureMap for the next batch), a host tensor the device-to-host copy will fill, and
+`copy_done`, the event after that copy. Only after `copy_done.synchronize()` may the host read
+the tokens. `Engine.close()` gives every device resource back and stops the stream's thread.
 
-`Engine.close()` gives every device resource back (graphs and their memory pool, FlashInfer
-workspaces, the KV pool, the request table, the weights) and stops the stream's thread.
+Keep-alive (lessons/readings §4): a tensor one stream creates and another reads must stay
+allocated until the reader ran. Every tensor the engine stream reads is created on that stream
+(the allocator orders reuse after it) or owned by a long-lived object (staging buffers, plans,
+CUDA-graph buffers) whose reuse the write-after-read waits and the plan parity protect.
 
-Keep-alive (article 000): a tensor that one stream creates and another stream reads must
-stay allocated until the reader has run, or the caching allocator hands its memory to the
-next allocation while the read is still queued. Here every tensor the engine stream reads
-is either created on the engine stream itself (the staging copies, the sampled tokens, the
-attention metadata: allocated under `self.stream`, so the allocator orders reuse after
-them), or owned by a long-lived object (the staging buffers, the plans, the CUDA-graph
-buffers), whose reuse the write-after-read waits and the plan parity protect.
-
-On CPU the "device" is the stream's worker thread; `device_delay_ms` adds a sleep at the
-start of every forward there (GIL released) to emulate a slower device. That is a teaching
-aid: it makes device time large and predictable, so the overlap and its race windows are
-visible and deterministic.
+On CPU the "device" is the stream's worker thread; `device_delay_ms` adds a sleep at the start
+of every forward there (GIL released): device time becomes large and predictable, so the
+overlap and its race windows are visible and deterministic.
 """
 
 from __future__ import annotations
 
-import gc
 import time
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .models.attention import AttentionBackend, AttentionMetadata, KVCache, TorchAttentionBackend
+from .models.attention import AttentionBackend, KVCache, TorchAttentionBackend, paged_metadata
+from .gpu import cuda_lifecycle
 from .gpu.cuda_graph import CudaGraphRunner
 from .config import EngineConfig
 from .gpu.flashinfer_backend import FlashInferBackend
@@ -44,7 +36,7 @@ from .kv_pool import KVPool, ReqToTokenPool
 from .models.sampler import sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
-from .models.decoder import DETERMINISTIC_ROWS, load_model, set_fixed_rows
+from .models.decoder import CPU_INVARIANT_ROWS, DETERMINISTIC_ROWS, load_model, set_fixed_rows
 from .tracer import BatchRecord, SpanName, Tracer
 
 
@@ -59,7 +51,7 @@ class ForwardBatch:
     staging: StagingBuffer  # device-bound metadata, written by the scheduler
     all_greedy: bool
     # The feature seams (seams.py), all unset in a plain batch. A grammar in the batch: sampling
-    # waits for the host's masks (Engine.launch_sample), or `mask` was built at planning.
+    # waits for the host's masks (features/grammar.py launch_sample), or `mask` was built at planning.
     delay_sample: bool = False
     mask: Any = None  # features/grammar.py TokenMask
     logprobs: Any = None  # features/logprobs.py LogprobsPlan: rows and output indices fixed at planning
@@ -76,7 +68,7 @@ class ForwardBatch:
 @dataclass
 class DelayedSample:
     """A forward whose sampling waits for the host's masks: its logits (and staged inputs) stay
-    on the device, in `held`, until Engine.launch_sample queues the sampling."""
+    on the device, in `held`, until features/grammar.py launch_sample queues it."""
 
     batch: ForwardBatch
     held: list[tuple[torch.Tensor, DeviceInputs]]  # filled by the forward, on the engine stream
@@ -92,10 +84,6 @@ class ForwardResult:
     delayed: DelayedSample | None = None  # set until the delayed sampling is launched
 
 
-# CUDA engines not yet closed (weak: a dropped engine leaves the set by itself).
-_LIVE_CUDA_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-
-
 class Engine:
     """Owns everything on the device: the weights, the KV cache, the request table, the
     FutureMap, the attention backend and its CUDA graphs, and the stream they run on."""
@@ -107,20 +95,17 @@ class Engine:
         self.hung = False
         device = config.device
         if device.type == "cuda":
-            # An earlier engine that was dropped without close() may still sit in reference
-            # cycles: collect it now, at a safe point, not during this engine's graph capture.
-            gc.collect()
-            torch.cuda.empty_cache()
+            cuda_lifecycle.before_engine_start()
         self.config = config
         self.device = device
         self.dtype = config.dtype
         self.mechanisms = config.mechanisms
         self.model = load_model(config.model_path, config.dtype, device)[0]
-        self.model.kernels = decoder_kernels(device, config.dtype)  # fused GPU kernels, or the torch reference
-        if config.deterministic:
-            # Batch-invariant kernels: a request's tokens then do not depend on which other
-            # requests share its batches (see models/decoder.py Linear).
-            set_fixed_rows(self.model, DETERMINISTIC_ROWS)
+        self.model.kernels = decoder_kernels(device, config.dtype, config.fused_kernels)  # or the torch reference
+        # Batch-invariant kernels (models/decoder.py Linear, models/attention.py): always on the CPU.
+        self.invariant = config.deterministic or device.type == "cpu"
+        if self.invariant:
+            set_fixed_rows(self.model, DETERMINISTIC_ROWS if device.type == "cuda" else CPU_INVARIANT_ROWS)
         self.device_delay_s = config.device_delay_ms / 1000.0
         self.backend = self._make_backend()
         # Device memory, allocated in one phase from the config; the scheduler receives the KV
@@ -141,7 +126,7 @@ class Engine:
         self.stream: Stream = make_device_stream("engine", device)
         self.tracer = Tracer(enabled=False)
         if device.type == "cuda":
-            _LIVE_CUDA_ENGINES.add(self)
+            cuda_lifecycle.engine_started(self)
 
     def _make_backend(self) -> AttentionBackend:
         """The attention backend the config resolved ("auto" is already torch or flashinfer)."""
@@ -149,8 +134,10 @@ class Engine:
         if config.attention_backend == "flashinfer":
             m = self.model
             return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
-                                     config.max_running_requests, deterministic=config.deterministic)
-        return TorchAttentionBackend(deterministic=config.deterministic)
+                                     config.max_running_requests, deterministic=config.deterministic,
+                                     tensor_core_min_batch=config.tensor_core_decode_min_batch,
+                                     fast_decode_plan=config.fast_decode_plan)
+        return TorchAttentionBackend(deterministic=self.invariant)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
         """Queue batch's forward + sampling on the engine stream; return without waiting."""
@@ -197,27 +184,6 @@ class Engine:
         return ForwardResult(batch.batch_id, next_tokens, next_tokens_host, copy_done, logprobs,
                              DelayedSample(batch, held) if batch.delay_sample else None)
 
-    def launch_sample(self, result: ForwardResult, mask: Any) -> None:
-        """Queue the delayed sampling of a launched forward, with masks the host built after the
-        forward was launched (SGLang's launch_batch_sample_if_needed). Returns without waiting.
-
-        Must be queued before the next batch's forward: that forward reads this batch's tokens
-        from the FutureMap, and a CUDA-graph replay rewrites the logits buffer held here."""
-        delayed = result.delayed
-        assert delayed is not None, f"batch {result.batch_id}: its sampling was not delayed, or was launched already"
-        result.delayed = None
-        iteration = self.tracer.iteration
-
-        def sample_held() -> None:
-            begin = self.tracer.device_begin(self.device)
-            logits, inp = delayed.held.pop()
-            self._sample(delayed.batch, inp, logits, mask, result.next_tokens, result.next_tokens_host,
-                         result.logprobs)
-            self.tracer.device_end(begin, SpanName.SAMPLE, self.stream.name, self.device, iteration, result.batch_id)
-
-        self.stream.launch(sample_held)
-        result.copy_done = self.stream.record_event()
-
     def close(self) -> None:
         """Give back everything this engine holds on the device, and stop the stream's thread.
 
@@ -245,40 +211,14 @@ class Engine:
         self.model = self.kv = self.future_map = self.backend = None  # type: ignore[assignment]
         self.closed = True
         if self.device.type == "cuda":
-            # Reference cycles (FlashInfer wrappers, closures) would otherwise keep tensors alive
-            # until some later collection, possibly in the middle of the next engine's graph capture.
-            gc.collect()
-        if cuda_ok:
-            torch.cuda.synchronize(self.device)
-            _LIVE_CUDA_ENGINES.discard(self)
-            if not _LIVE_CUDA_ENGINES:
-                # cuBLAS keeps a workspace per (handle, stream), 32 MiB each on an H200, in the
-                # caching allocator: our engine and capture streams left 64 MiB per engine behind
-                # (measured: benchmarks/RESULTS.md). Captured graphs hold those addresses, so they
-                # are dropped only when no other engine (whose graphs may use them) is alive.
-                torch._C._cuda_clearCublasWorkspaces()
-            torch.cuda.empty_cache()
+            cuda_lifecycle.engine_closed(self, self.device, synchronized=cuda_ok)
 
     def _emulated_delay(self) -> None:
         """Extra device time: a sleep on the CPU stream's thread, a spinning kernel on CUDA."""
         if self.device.type == "cuda":
-            torch.cuda._sleep(int(self.device_delay_s * self._cuda_cycles_per_s()))
+            cuda_lifecycle.sleep_on_device(self.device_delay_s, self.device)
         else:
             time.sleep(self.device_delay_s)  # releases the GIL, like a long kernel would
-
-    def _cuda_cycles_per_s(self) -> float:
-        """Calibrate torch.cuda._sleep once: the second of two timed sleeps, so that the
-        GPU's clock has ramped up from idle (the first one runs slow and would make every
-        emulated delay too short)."""
-        if not hasattr(self, "_cycles_per_s"):
-            for _ in range(2):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                torch.cuda._sleep(50_000_000)
-                end.record()
-                end.synchronize()
-                self._cycles_per_s = 50_000_000 / (start.elapsed_time(end) / 1000.0)
-        return self._cycles_per_s
 
     def _forward_and_sample(self, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
                             next_tokens_host: torch.Tensor, logprobs: Any,
@@ -290,7 +230,7 @@ class Engine:
         # The slots of this batch's new positions enter the request table on the device, in
         # stream order. (Prefix slots of a new request were written by the scheduler.)
         table[inp.token_rows, inp.positions] = inp.out_slots
-        meta = self._attention_metadata(batch, inp, table)
+        meta = paged_metadata(batch.qo_lens, batch.kv_lens, batch.is_prefill, inp, table)
         parity = batch.batch_id % 2  # alternate plan buffers: see flashinfer_backend.py
         if self.graphs is not None and self.graphs.can_run(meta):
             logits = self.graphs.run(input_ids, meta, parity)  # one launch for the whole decode step
@@ -300,9 +240,9 @@ class Engine:
         if batch.delay_sample:
             held.append((logits, inp))  # sampled later: launch_sample
         else:
-            self._sample(batch, inp, logits, batch.mask, next_tokens, next_tokens_host, logprobs)
+            self.sample(batch, inp, logits, batch.mask, next_tokens, next_tokens_host, logprobs)
 
-    def _sample(self, batch: ForwardBatch, inp: DeviceInputs, logits: torch.Tensor, mask: Any,
+    def sample(self, batch: ForwardBatch, inp: DeviceInputs, logits: torch.Tensor, mask: Any,
                 next_tokens: torch.Tensor, next_tokens_host: torch.Tensor, logprobs: Any) -> None:
         """Runs on the engine stream: mask, sample, publish, copy the tokens (and logprobs) to the host."""
         masked = logits
@@ -328,18 +268,3 @@ class Engine:
         if self.device.type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
-
-    def _attention_metadata(self, batch: ForwardBatch, inp: DeviceInputs, table: torch.Tensor) -> AttentionMetadata:
-        """Gather every request's KV slots from its row of the request table."""
-        total_kv = sum(batch.kv_lens)  # from the host lists: no device-to-host sync
-        kv_ids = torch.arange(total_kv, device=self.device)
-        # Request of every KV entry, then its position inside that request. Clamped, so that
-        # metadata overwritten under our feet ("staging_double_buffer" off) reads wrong slots,
-        # as a GPU kernel would, instead of raising.
-        req_of_kv = torch.searchsorted(inp.kv_indptr[1:], kv_ids, right=True).clamp(max=batch.num_reqs - 1)
-        pos_in_req = (kv_ids - inp.kv_indptr[req_of_kv]).clamp(0, table.shape[1] - 1)
-        kv_indices = table[inp.rows[req_of_kv], pos_in_req]
-        return AttentionMetadata(positions=inp.positions, out_slots=inp.out_slots,
-                                 qo_indptr=inp.qo_indptr.to(torch.int32), kv_indptr=inp.kv_indptr.to(torch.int32),
-                                 kv_indices=kv_indices, qo_lens=batch.qo_lens, kv_lens=batch.kv_lens,
-                                 prefill=batch.is_prefill)

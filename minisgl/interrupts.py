@@ -1,12 +1,9 @@
 """A scheduler step is atomic: Ctrl-C inside it is delivered when it ends.
 
-A step moves tokens, KV slots and rows between owners (launch records a batch as in flight;
-commit appends tokens, releases requests, frees rows). A KeyboardInterrupt raised halfway
-through would leave a launched batch with no record of it, or a batch half committed: its
-requests would never finish and their slots and rows would leak. So while a step runs on the
-main thread, SIGINT only sets a flag, and the KeyboardInterrupt is raised once the step has
-left the scheduler whole. A second Ctrl-C during the same step raises at once (a way out of a
-hung device); the scheduler then refuses further work rather than run on half-moved state.
+A KeyboardInterrupt halfway through a step would leave a launched batch unrecorded or a batch
+half committed: requests that never finish, slots and rows leaked. So during a step SIGINT only
+sets a flag, raised once the step left the scheduler whole. A second Ctrl-C raises at once (the
+way out of a hung device); the scheduler then refuses further work.
 """
 
 from __future__ import annotations
@@ -22,12 +19,9 @@ class _Stoppable(Protocol):
 
 
 class atomic_step:
-    """Run one step with interrupts deferred. An exception that escapes it anyway (a second
-    Ctrl-C, an error on the device) may leave state half moved: it is latched in
-    `owner.error`, and every later step refuses to run.
-
-    A class, not a generator: a generator-based context manager whose __exit__ is cut short
-    by a second Ctrl-C stays suspended, and closing it later latched a bogus GeneratorExit."""
+    """Run one step with interrupts deferred. An exception that escapes anyway (a second Ctrl-C,
+    a device error) is latched in `owner.error`, and every later step refuses to run. A class:
+    a generator's __exit__ cut short by a second Ctrl-C stays suspended (a bogus GeneratorExit)."""
 
     def __init__(self, owner: _Stoppable) -> None:
         self.owner = owner

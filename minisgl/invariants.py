@@ -47,7 +47,7 @@ class InvariantError(AssertionError):
 
 def memory_report(sched: Owners) -> dict[str, int]:
     return {
-        "kv_total": sched.kv_pool.total,
+        "kv_total": sched.kv_pool.kv_tokens,
         "kv_free": sched.kv_pool.free_count,
         "kv_cached": sched.cache.total_size,
         "rows_total": sched.req_to_token.max_running_requests,
@@ -73,7 +73,7 @@ def check_invariants(sched: Owners) -> None:
     # until the next schedule() filters it; its resources went back at its commit.)
     live = {req.rid: req for reqs in queues.values() for req in reqs if req.row >= 0 and not req.released}
 
-    held = sched.kv_pool.free_slots() + sched.cache.slots() + [KVPool.RESERVED_SLOT]
+    held = sched.kv_pool.free_slots() + radix_slots(sched.cache) + [KVPool.RESERVED_SLOT]
     for req in live.values():
         held += req.slot_ids[req.cached_len:]
     num_slots = sched.kv_pool.num_slots
@@ -96,4 +96,43 @@ def check_invariants(sched: Owners) -> None:
     wrong_rows = {row: n for row in range(sched.req_to_token.max_running_requests) if (n := rows[row]) != 1}
     if wrong_rows:
         raise InvariantError(f"request rows not owned exactly once (row: owners): {dict(list(wrong_rows.items())[:8])}")
-    sched.cache.check_invariants()
+    check_radix_cache(sched.cache)
+
+
+def radix_slots(cache: RadixCache) -> list[int]:
+    """Every KV slot the tree holds (for the ownership audit)."""
+    out: list[int] = []
+    stack = [cache.root]
+    while stack:
+        node = stack.pop()
+        out += node.slots.tolist()
+        stack.extend(node.children.values())
+    return out
+
+def check_radix_cache(cache: RadixCache) -> None:
+    """Walk the whole radix tree and assert that its bookkeeping is consistent."""
+    evictable = protected = nodes = 0
+    queued = {entry[1] for entry in cache._leaf_heap if cache._is_current(entry)}
+    stack = [cache.root]
+    while stack:
+        node = stack.pop()
+        if node is not cache.root and node.is_leaf() and node.lock_ref == 0:
+            assert node.id in queued, "an unlocked leaf is not queued for eviction"
+        for first, child in node.children.items():
+            nodes += 1
+            assert len(child) > 0, "child with empty key"
+            assert child.key[0] == first, "child stored under wrong first token"
+            assert child.parent is node, "broken parent pointer"
+            assert child.slots.dim() == 1 and len(child.slots) == len(child), \
+                "slots/key length mismatch"
+            assert child.lock_ref >= 0, "negative lock_ref"
+            assert node is cache.root or node.lock_ref >= child.lock_ref, \
+                "parent less locked than child"
+            if child.lock_ref == 0:
+                evictable += len(child)
+            else:
+                protected += len(child)
+            stack.append(child)
+    assert evictable == cache._evictable, f"evictable {cache._evictable} != {evictable}"
+    assert protected == cache._protected, f"protected {cache._protected} != {protected}"
+    assert nodes == cache._num_nodes, f"{cache._num_nodes} nodes counted, {nodes} in the tree"

@@ -3,7 +3,8 @@
 Admission promises a request every slot it may still need (`promise`). The promise is counted
 against what is available (free slots plus what the radix cache could evict) until the request
 allocates its slots, one batch at a time; a release checkpoints the committed KV into the radix
-cache and frees the rest. With these rules a running request never runs out of slots.
+cache and frees the rest. Under reserve admission a running request never runs out of slots;
+optimistic admission (features/retraction.py) charges less and retracts when a step runs short.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ class KVLedger:
     def check_fits(self, req: Req) -> None:
         """A request the pool could never hold is refused up front (admission would wait forever)."""
         need = self.promise(req)
-        if need > self.kv_pool.total:
+        if need > self.kv_pool.kv_tokens:
             raise ValueError(f"request needs {need} KV slots (prompt {req.prompt_len} + max_new_tokens "
-                             f"{req.max_new_tokens} + 1), the KV pool has {self.kv_pool.total}; raise kv_tokens")
+                             f"{req.max_new_tokens} + 1), the KV pool has {self.kv_pool.kv_tokens}; raise kv_tokens")
 
     def reserve(self, req: Req, need: int) -> None:
         req.reserved_tokens = need
@@ -54,7 +55,7 @@ class KVLedger:
     def allocate(self, req: Req, n: int) -> list[int]:
         shortfall = n - self.kv_pool.free_count
         if shortfall > 0:
-            self.cache.evict(shortfall)  # the admission promise guarantees this suffices
+            self.cache.evict(shortfall)  # the promise (or a retraction) left this much evictable
         req.slot_ids += (slots := self.kv_pool.alloc(n))
         req.reserved_tokens -= n
         self.reserved -= n

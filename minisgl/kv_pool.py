@@ -1,11 +1,7 @@
 """KV memory: a pool of token slots and the request-to-token table (request-pool rows).
 
-Ownership is exact (the ownership that lessons/readings §1 starts from): every usable slot is
-in exactly one place at any time: the free list, a request's row (private), or the radix
-cache. `memory_report()` must therefore always satisfy, once no batch is in flight,
-`kv_free + kv_cached + held_by_requests == kv_total`.
-
-Page size is 1: a slot holds the K and V of one token in every layer.
+Every usable slot is in exactly one place (lessons/readings §1): the free list, a request's
+row, or the radix cache. Page size 1: a slot holds one token's K and V in every layer.
 """
 
 from __future__ import annotations
@@ -27,24 +23,16 @@ class KVPool:
     RESERVED_SLOT = 0
 
     def __init__(self, kv_tokens: int) -> None:
-        if kv_tokens < 1:
-            raise ValueError(f"kv_tokens must be >= 1, got {kv_tokens}")
+        self.kv_tokens = kv_tokens  # at least 3: the setting's range (settings.py)
         num_slots = kv_tokens + 1
         self.num_slots = num_slots
-        # A stack: the most recently freed slot is handed out first. Reuse is therefore
-        # immediate and deterministic, which is what makes the reuse hazards of the overlap
-        # pipeline (lessons/readings §9) show up every time
-        # a safety mechanism is switched off, rather than once in a while.
+        # A stack: the most recently freed slot is handed out first, so reuse is immediate and
+        # deterministic and a switched-off safety mechanism shows its hazard every time (§9).
         self._free: list[int] = list(range(num_slots - 1, 0, -1))
-        # One byte per slot (1 = free), for double-free detection. A bytearray, not a tensor:
-        # a decode step allocates one slot per request, and a tensor call each would cost
-        # tens of microseconds of host time per request.
+        # One byte per slot (1 = free), for double-free detection; a bytearray, because a tensor
+        # call per allocated slot would cost host time on every decode step.
         self._is_free = bytearray([1]) * num_slots
         self._is_free[self.RESERVED_SLOT] = 0
-
-    @property
-    def total(self) -> int:
-        return self.num_slots - 1
 
     @property
     def free_count(self) -> int:

@@ -1,21 +1,13 @@
-"""Radix cache: reuse the KV cache of shared prompt prefixes.
+"""Radix cache: reuse the KV of shared prompt prefixes (lesson 0).
 
-Many requests start with the same tokens (a system prompt, a few-shot preamble,
-earlier turns of a chat). Their KV entries are identical, so we compute them once
-and keep them in a radix tree (a trie whose edges hold runs of tokens):
+A radix tree (a trie whose edges hold runs of tokens): each edge stores token ids (`key`) and
+the KV slot of each (`slots`). `match_prefix` finds the longest cached prefix of a prompt, so
+prefill runs only on the rest; `insert` adds a finished sequence; `lock`/`unlock` protect the
+nodes running requests use; `evict` frees the least recently used unlocked leaves.
 
-* each edge stores a run of token ids (``key``) and, position by position, the
-  KV-pool slot that holds that token's keys/values (``slots``);
-* ``match_prefix`` finds the longest cached prefix of a new prompt, so the
-  scheduler only has to run prefill on the remaining suffix;
-* ``insert`` adds a finished (or chunked) sequence so later requests can reuse it;
-* ``lock``/``unlock`` mark nodes in use by running requests, and ``evict`` frees
-  the least-recently-used unlocked leaves when the KV pool runs short.
-
-Ownership rule: every KV slot is owned by exactly one of {the pool's free list,
-a request, the tree}. Slots handed to ``insert`` beyond the already-cached prefix
-become owned by the tree; the tree gives slots back only through ``free_slots``
-(from ``evict``/``flush``). Page size is 1: one slot per token.
+Every KV slot is owned by exactly one of: the pool's free list, a request, the tree. Slots
+handed to `insert` beyond the cached prefix become the tree's; it gives slots back only through
+`free_slots` (from `evict`/`flush`). Page size 1: one slot per token.
 """
 
 from __future__ import annotations
@@ -70,9 +62,8 @@ def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class RadixCache:
-    def __init__(self, free_slots: Callable[[torch.Tensor], None], enabled: bool = True) -> None:
+    def __init__(self, free_slots: Callable[[torch.Tensor], None]) -> None:
         self.free_slots = free_slots
-        self.enabled = enabled
         self.root = TreeNode(key=(), slots=torch.empty(0, dtype=torch.int64))
         self._clock = 0
         self._evictable = 0   # tokens in nodes with lock_ref == 0
@@ -100,12 +91,9 @@ class RadixCache:
         return self._clock
 
     def _walk(self, key: Tuple[int, ...]) -> Tuple[TreeNode, int, List[torch.Tensor]]:
-        """Follow `key` down the tree, splitting an edge if the match ends inside it.
-
-        Returns (deepest matched node, number of matched tokens, matched slot runs).
-        Every node on the path gets the same fresh `last_access`, so a parent is
-        never "older" than its children.
-        """
+        """Follow `key` down the tree, splitting an edge where the match ends inside it. Returns
+        (deepest matched node, matched tokens, matched slot runs). Every node on the path gets the
+        same fresh `last_access`: a parent is never older than its children."""
         now = self._tick()
         node, pos, runs = self.root, 0, []
         node.last_access = now
@@ -123,11 +111,8 @@ class RadixCache:
         return node, pos, runs
 
     def _split(self, node: TreeNode, n: int) -> TreeNode:
-        """Cut `node`'s edge after `n` tokens; return the new upper node.
-
-        The upper half inherits lock_ref (the same locks cover both halves) and
-        last_access, so evictable/protected sizes do not change.
-        """
+        """Cut `node`'s edge after `n` tokens; return the new upper node, which inherits lock_ref
+        and last_access (the sizes do not change)."""
         assert 0 < n < len(node)
         parent = node.parent
         assert parent is not None
@@ -142,22 +127,14 @@ class RadixCache:
 
     def match_prefix(self, token_ids: Sequence[int]) -> Tuple[torch.Tensor, TreeNode]:
         """Longest cached prefix of `token_ids`: (its slots, node ending exactly there)."""
-        if not self.enabled:
-            return torch.empty(0, dtype=torch.int64), self.root
         node, _, runs = self._walk(_as_key(token_ids))
         if not runs:
             return torch.empty(0, dtype=torch.int64), node
         return torch.cat(runs), node
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
-        """Store key -> slots. Returns how many leading tokens were already cached.
-
-        For those leading positions the tree keeps its own slots; the caller still
-        owns its copies and must free the ones it did not get from match_prefix.
-        Slots after that prefix now belong to the tree.
-        """
-        if not self.enabled:
-            return 0
+        """Store key -> slots; returns how many leading tokens were cached already. There the tree
+        keeps its own slots (the caller frees its copies); the slots after become the tree's."""
         key = _as_key(token_ids)
         if len(key) != len(slots):
             raise KVAccountingError(f"{len(key)} tokens but {len(slots)} slots")
@@ -197,13 +174,10 @@ class RadixCache:
             node = node.parent
 
     # --------------------------------------------------------------- eviction
-    # The least recently used unlocked leaves go first. They are kept in a heap that insert,
-    # match and unlock update as they go, so an eviction costs a few heap operations per node
-    # it cuts. Walking the whole tree at every eviction grew with the cache: with ~850 cached
-    # requests (4,096 requests on the H200) every decode step evicts, and the walk cost about
-    # 1 ms of host work per step (issue 27). An entry is only a hint, acted on if its node is
-    # still an unlocked leaf in the tree with that last_access; older entries are skipped. An
-    # entry lost to a Ctrl-C is found again by the walk that `evict` falls back to.
+    # The least recently used unlocked leaves go first, from a heap that insert, match and unlock
+    # keep up to date: an eviction costs a few heap operations, not a walk that grows with the
+    # cache. An entry is a hint, acted on only if its node is still an unlocked leaf with that
+    # last_access; an entry lost to a Ctrl-C is found again by the walk `evict` falls back to.
     def _offer(self, node: TreeNode) -> None:
         """Queue `node` for eviction if it is an unlocked leaf (at its current age)."""
         if node is self.root or node.children or node.lock_ref:
@@ -246,10 +220,8 @@ class RadixCache:
             node = heap[0][2]
             parent = node.parent
             assert parent is not None
-            # Each node's slots go back as it is cut: cutting a batch of nodes first and freeing
-            # their slots after leaked them all when an exception (a Ctrl-C during
-            # LLM.flush_cache()) landed in between. The entry leaves the heap only after the
-            # cut: an interrupt before it leaves an entry, never a lost one.
+            # Each node's slots go back as it is cut (an interrupt between cutting and freeing a
+            # batch of nodes would leak them); its heap entry leaves only after the cut.
             self._evictable -= len(node)
             del parent.children[node.key[0]]
             self.free_slots(node.slots)
@@ -262,42 +234,3 @@ class RadixCache:
     def flush(self) -> int:
         """Evict every unlocked node."""
         return self.evict(self._evictable)
-
-    # ------------------------------------------------------------- debugging
-    def slots(self) -> List[int]:
-        """Every KV slot the tree holds (for the ownership audit)."""
-        out: List[int] = []
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            out += node.slots.tolist()
-            stack.extend(node.children.values())
-        return out
-
-    def check_invariants(self) -> None:
-        """Walk the whole tree and assert that the bookkeeping is consistent."""
-        evictable = protected = nodes = 0
-        queued = {entry[1] for entry in self._leaf_heap if self._is_current(entry)}
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            if node is not self.root and node.is_leaf() and node.lock_ref == 0:
-                assert node.id in queued, "an unlocked leaf is not queued for eviction"
-            for first, child in node.children.items():
-                nodes += 1
-                assert len(child) > 0, "child with empty key"
-                assert child.key[0] == first, "child stored under wrong first token"
-                assert child.parent is node, "broken parent pointer"
-                assert child.slots.dim() == 1 and len(child.slots) == len(child), \
-                    "slots/key length mismatch"
-                assert child.lock_ref >= 0, "negative lock_ref"
-                assert node is self.root or node.lock_ref >= child.lock_ref, \
-                    "parent less locked than child"
-                if child.lock_ref == 0:
-                    evictable += len(child)
-                else:
-                    protected += len(child)
-                stack.append(child)
-        assert evictable == self._evictable, f"evictable {self._evictable} != {evictable}"
-        assert protected == self._protected, f"protected {self._protected} != {protected}"
-        assert nodes == self._num_nodes, f"{self._num_nodes} nodes counted, {nodes} in the tree"

@@ -13,7 +13,6 @@ writes) >= `kv_committed_len` (positions written by batches already committed), 
 `committed_len` (prompt + committed output ids) lags the device by `inflight_samples`.
 """
 
-
 from __future__ import annotations
 
 import time
@@ -24,7 +23,6 @@ from .sampling_params import RequestTimes, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from .radix_cache import TreeNode
-
 
 
 class Req:
@@ -105,11 +103,9 @@ class Req:
         return ids[start:start + n]
 
     def reset_for_retract(self) -> None:
-        """Back to waiting, its resources already released: it resumes from its committed tokens.
-
-        The next prefill covers everything committed, so its sample is output index
-        len(output_ids), the step the seeded sampler would have used anyway. The sample in
-        flight now is forgotten: its result must be skipped at its commit (retract_skip_inflight)."""
+        """Back to waiting, resources released: the next prefill covers everything committed, so
+        its sample is output index len(output_ids), the seeded sampler's step anyway. The sample
+        in flight is forgotten: its result is skipped at its commit (retract_skip_inflight)."""
         self.prefill_len = self.committed_len
         self.inflight_samples = 0
         self.row = self.row_generation = -1

@@ -19,7 +19,7 @@ class RowTracker:
         self.mechanisms = mechanisms
         rows = req_to_token.max_running_requests
         self.last_launch = [-1] * rows  # the id of the newest batch that launched each row
-        self.done_id = -1  # every batch up to this id has passed copy_done and been committed
+        self.done_id = -1  # every batch up to this id has passed copy_done (set as its commit begins)
         self.owner: list[Req | None] = [None] * rows
         self.deferred_rows: list[int] = []  # freed by their request, still used by a batch in flight
 

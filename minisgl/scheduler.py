@@ -1,21 +1,18 @@
 """The scheduler: continuous batching, and the two event loops side by side.
 
 Read `normal_loop` and `overlap_loop` first: they share every other method and differ only in
-*when* a batch's results are committed. Batch n is the one being launched, n-1 the one being
-committed.
+*when* a batch is committed. Batch n is the one being launched, n-1 the one being committed.
 
 - normal_loop  (lessons/readings §2, SGLang's event_loop_normal): schedule batch n, launch it,
   wait for it, commit it. The device idles while the host commits and schedules: the bubble.
 - overlap_loop (lessons/readings §3 and §11, mini-SGLang's overlap_loop): schedule and launch
-  batch n while batch n-1 still runs, then commit n-1. Results are committed one step late.
+  batch n while batch n-1 still runs, then commit n-1: results are committed one step late.
 
-The one-step lag must never change a token, leak a slot or corrupt a cache entry. Every place
-that protects that is marked `self.on("<mechanism>")` with what breaks without it.
-
-The scheduler owns the request queues. Its parts own the rest: `kv_ledger` (kv_ledger.py) every
-KV slot's accounting and the radix cache, `rows` (rows.py) the request rows and which batches in
-flight still use them, `batches` (planning.py) the staging buffers and batch numbers. Features
-plug in through `features` (seams.py); with none plugged in, a step runs only this core.
+The lag must never change a token, leak a slot or corrupt a cache entry: every place that
+protects that is marked `self.on("<mechanism>")`. The scheduler owns the request queues; its
+parts own the rest: `kv_ledger` (kv_ledger.py) KV accounting and the radix cache, `rows`
+(rows.py) the request rows and the batches in flight that use them, `batch_builder` (planning.py)
+staging buffers and batch ids. Features plug in through `features` (seams.py).
 """
 
 from __future__ import annotations
@@ -53,12 +50,11 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.features = Features()  # the front end plugs features in (features.plug_in)
 
-        # The engine owns the memory; the parts decide which request holds which slot and row.
         self.kv_ledger = KVLedger(engine.kv_pool, self.mechanisms)
         self.kv_pool, self.cache = self.kv_ledger.kv_pool, self.kv_ledger.cache
         self.req_to_token = engine.req_to_token
         self.rows = RowTracker(engine.req_to_token, self.mechanisms)
-        self.batches = BatchBuilder(config)
+        self.batch_builder = BatchBuilder(config)
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt not fully launched (chunked prefill)
@@ -76,9 +72,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the two loops
     def step(self) -> list[Req]:
-        """One loop iteration; returns the requests that finished during it.
-
-        Atomic (interrupts.py): Ctrl-C lands after the step, any other error stops the scheduler."""
+        """One loop iteration; returns the requests that finished during it. Atomic
+        (interrupts.py): Ctrl-C lands after the step, any other error stops the scheduler."""
         self.tracer.iteration += 1
         with atomic_step(self):
             match self.config.loop:
@@ -111,9 +106,8 @@ class Scheduler:
         inflight = None
         if planned is not None:
             result = self.launch(planned)
-            # The queue keeps a snapshot: the next schedule() filters and merges the live running
-            # batch before this result is committed; the live batch would zip batch n's tokens
-            # with batch n+1's requests (lessons/readings §5, "batch.copy()").
+            # A snapshot: the next schedule() filters and merges the live running batch before this
+            # commit, which would zip batch n's tokens with n+1's requests (readings §5).
             inflight = InFlight(planned.view.snapshot() if self.on("batch_snapshot") else planned.view, result)
         if last is not None:
             self.commit(last)  # batch n-1's results, while batch n runs on the device
@@ -121,15 +115,12 @@ class Scheduler:
         return inflight
 
     def _must_commit_first(self, last: InFlight | None, planned: Planned | None) -> bool:
-        """The sync boundaries: whether batch n-1 (`last`) must be committed before batch n.
-
-        overlap_loop asks before schedule() (`planned` None) and after it; True means commit
-        `last` at once (early=True). Never True without a batch in flight. It is True
-        - before planning, when the FutureMap is off: batch n's input ids must then be committed
-          host tokens, so the bubble is back (lesson 4; lessons/readings §6);
-        - after planning, when n-1 and n are both prefills and prefill_sync is on: commit the
-          first so its first tokens are out one batch sooner (lesson 8; lessons/readings §3, §14).
-        """
+        """The sync boundaries: must batch n-1 (`last`) be committed before batch n? Asked before
+        schedule() (`planned` None) and after it. True
+        - before planning, with the FutureMap off: batch n's input ids must be committed host
+          tokens, so the bubble is back (lesson 4; lessons/readings §6);
+        - after planning, when n-1 and n are both prefills and prefill_sync is on: n-1's first
+          tokens are out one batch sooner (lesson 8; lessons/readings §3, §14)."""
         if last is None:
             return False
         if planned is None:
@@ -138,6 +129,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, req: Req) -> None:
+        if (req.params.grammar, req.params.logprobs) != (None, None) and None in (self.features.grammar,
+                                                                                 self.features.logprobs):
+            raise ValueError("grammars and logprobs need their features plugged in (minisgl.features.plug_in)")
         self.kv_ledger.check_fits(req)
         self.waiting.append(req)
 
@@ -157,14 +151,13 @@ class Scheduler:
             self._release_committed_aborts()
             self.running.reqs[:] = [r for r in self.running.reqs if not r.finished]  # filter_batch
             planned = self._schedule_prefill() or self._schedule_decode()
-            if self.host_delay_s:  # emulated scheduler work (the lab's knob for C), after planning,
-                time.sleep(self.host_delay_s)  # so that planning and device never queue for the GIL
+            if self.host_delay_s:  # emulated host work (the lab's knob for C), after planning
+                time.sleep(self.host_delay_s)
             return planned
 
     def _handle_aborts(self) -> None:
-        """An aborted request stops being scheduled at once. Its resources go back at the commit
-        of its last batch in flight, which may still write its slots and row (lessons/readings
-        §9). Scanned only after an abort(): a scan every step would grow with the waiting queue."""
+        """An aborted request stops being scheduled at once; its resources go back at the commit
+        of its last batch in flight, which may still write its slots and row (readings §9)."""
         for req in [r for r in self.waiting if r.abort_requested]:
             self.waiting.remove(req)
             req.finish_reason = "abort"
@@ -211,7 +204,7 @@ class Scheduler:
             samples.append(sampled)
         self.stats.prefill_batches += 1
         self.stats.prefill_tokens += sum(qo_lens)
-        forward = self.batches.build(reqs, tokens, qo_lens, kv_lens, True, self.features)
+        forward = self.batch_builder.build(reqs, tokens, qo_lens, kv_lens, True, self.features)
         return Planned(forward, BatchView(forward.batch_id, True, reqs, [r.row for r in reqs],
                                           [r.row_generation for r in reqs], samples, qo_lens))
 
@@ -223,7 +216,8 @@ class Scheduler:
             self.running.reqs[:] = [r for r in self.running.reqs if not r.will_finish_by_length()]
         # <<< exercise 4
         admission = self.features.admission
-        if not self.running.reqs or (admission is not None and not admission.retract_for_decode(self)):
+        if not self.running.reqs or (admission is not None and not admission.retract_for_decode(
+                self.running.reqs, self.kv_ledger.available, self._retract)):
             return None
         reqs = self.running.reqs
         self.stats.overshoot_steps += sum(r.will_finish_by_length() for r in reqs)
@@ -234,13 +228,12 @@ class Scheduler:
             req.launched_len += 1
             req.inflight_samples += 1
             if release_when_planned and req.will_finish_by_length():
-                # WRONG on purpose: hand the prefix to the cache and free the slots when the final
-                # step is only planned; later requests in this batch get slots it still reads and
-                # writes (lessons/readings §9: release only after the last device use).
+                # WRONG on purpose: released when its last step is only planned, later requests in
+                # this batch get slots it still uses (readings §9: release after the last use).
                 self._release(req)
         self.stats.decode_batches += 1
         self.stats.decode_rows += len(reqs)
-        forward = self.batches.build(reqs, tokens, [1] * len(reqs), [r.launched_len for r in reqs], False,
+        forward = self.batch_builder.build(reqs, tokens, [1] * len(reqs), [r.launched_len for r in reqs], False,
                                      self.features)
         self.running.batch_id = forward.batch_id
         return Planned(forward, self.running)
@@ -254,13 +247,13 @@ class Scheduler:
 
     def _admit(self, req: Req) -> bool:
         """Admit if the KV pool can promise the request all it may still need (KVLedger.promise,
-        less a cached prefix); else it waits. A request that could never fit was refused by add()."""
+        less a cached prefix); else it waits."""
         if self.req_to_token.free_count == 0 or \
                 len(self.running.reqs) + len(self.prefilling) >= self.config.max_running_requests:
             return False
         # Match at most prefill_len - 1 tokens: the prefill must compute one, for its logits.
         matched, node = self.cache.match_prefix(req.committed_ids()[:req.prefill_len - 1])
-        self.cache.lock(node)
+        self.cache.lock(node)  # before the headroom: its own prefix must not count as evictable
         need = self.kv_ledger.promise(req, len(matched))
         if self._kv_headroom() < need:
             self.cache.unlock(node)
@@ -274,9 +267,8 @@ class Scheduler:
         self.rows.assign(req)
         if req.cached_len:
             row = req.row
-            # Keep-alive: the device copy of the prefix slots is made inside the queued work, on
-            # the scheduler stream that reads it; made here, the caching allocator could reuse its
-            # memory before the copy ran (lessons/readings §4).
+            # Keep-alive: the device copy is made inside the queued work, on the stream that reads
+            # it; made here, the allocator could reuse its memory before the copy ran (readings §4).
             self.stream.launch(lambda: self.req_to_token.table[row, :len(matched)].copy_(
                 matched.to(self.device, non_blocking=True)))
         return True
@@ -296,6 +288,7 @@ class Scheduler:
         self.stats.batches += 1
         self.stats.events.append((SpanName.LAUNCH, forward.batch_id))
         if result.delayed is not None:  # the grammar seam: sample once batch n-1 is committed
+            assert self.unsampled is None, "a batch launched before the previous one was sampled"
             self.unsampled = InFlight(planned.view.snapshot(), result)
             self._sample_if_ready()
         return result
@@ -309,8 +302,7 @@ class Scheduler:
 
     def commit(self, inflight: InFlight, early: bool = False) -> None:
         """The commit point: outputs and token finishes change only here (an abort: _handle_aborts).
-
-        `early`: batch n-1 is committed before batch n launches, at a sync boundary."""
+        `early`: committed before batch n launches, at a sync boundary."""
         view, result = inflight.view, inflight.result
         assert result.delayed is None, f"batch {result.batch_id}: its delayed sampling was never launched"
         self.stats.early_commits += early
@@ -334,14 +326,12 @@ class Scheduler:
                 view.reqs, view.rows, view.generations, view.samples, view.qo_lens, tokens)):
             # >>> exercise 9: skip a retracted request's in-flight result
             if (req.row, req.row_generation) != (row, generation) and self.on("retract_skip_inflight"):
-                # Retracted after this batch launched: its re-prefill samples this step again, so
-                # this row's token is no output (SGLang: is_retracted; readings §15).
+                # Retracted after this batch launched: its re-prefill samples this step again.
                 self.stats.retracted_late_results += 1
                 continue
             # <<< exercise 9
             if self.req_to_token.generation[row] != generation:
-                # The row was recycled while this batch was in flight: a late reader (ABA), only
-                # reachable with deferred_row_free off (lessons/readings §9, row reuse).
+                # Recycled while this batch was in flight (ABA): only with deferred_row_free off.
                 if self.on("row_generation_check"):
                     self.stats.stale_row_results += 1
                     continue
@@ -349,8 +339,7 @@ class Scheduler:
                 req = self.rows.owner[row] or req
             # >>> exercise 4: skip_finished
             if req.finished and self.on("skip_finished"):
-                # Overshoot: the request finished (EOS at batch n-1, or aborted) while this batch
-                # was already in flight. Its positions are not outputs (lessons/readings §8).
+                # Overshoot: finished (at batch n-1, or aborted) while this batch was in flight.
                 self.stats.overshoot_tokens += qo_len
                 continue
             # <<< exercise 4
@@ -376,6 +365,15 @@ class Scheduler:
         self.kv_ledger.release(req)
         self.rows.free(req.row)
 
+    def _retract(self, req: Req) -> None:
+        """Back to waiting, KV released (optimistic admission: features/retraction.py decides whom)."""
+        self.running.reqs.remove(req)
+        self._release(req)
+        req.reset_for_retract()
+        self.waiting.appendleft(req)
+        self.stats.retractions += 1
+        self.stats.events.append((SpanName.RETRACT, self.batch_builder.next_id))
+
     def _release_committed_aborts(self) -> None:
         for req in [r for r in self.releasing if not self.rows.in_flight(r.row)]:
             self.releasing.remove(req)
@@ -384,8 +382,7 @@ class Scheduler:
             self.finished.append(req)
 
     def close(self) -> None:
-        """Commit the batch in flight, unless an error stopped the scheduler (LLM.close() then
-        stops the engine and frees its memory)."""
+        """Commit the batch in flight, unless an error stopped the scheduler."""
         if self.last is not None and self.error is None:
             last, self.last = self.last, None
             self.commit(last)

@@ -2,15 +2,15 @@
 
 A plain step (reserve admission, no grammar, no logprobs) runs only lesson-core code: at each
 seam it checks one attribute, finds nothing plugged in, and goes on. The features live in
-`minisgl/features/`; the core never imports them (tests/test_layout.py checks both).
+`minisgl/features/`; the core never imports them (tests/test_fence.py, tests/test_layout.py).
 
-| seam                    | asked in                         | plugged in for                      |
+| seam                    | asked in                         | used for                            |
 | ----------------------- | -------------------------------- | ----------------------------------- |
 | `Features.admission`    | admission, each decode step      | admission="optimistic" (retraction) |
 | `Features.prefill_gate` | admission                        | min_prefill_tokens > 0 (the GPU)    |
-| `Features.grammar`      | planning, after launch or commit | a request with a grammar            |
-| `Features.logprobs`     | planning, commit                 | a request asking for logprobs       |
-| `Constraint` (constraint.py) | a request's commit           | `SamplingParams.grammar`            |
+| `Features.grammar`      | planning, after launch or commit | a batch with a grammar              |
+| `Features.logprobs`     | planning, commit                 | a batch asking for logprobs         |
+| `constraint.Constraint` | a request's commit               | `SamplingParams.grammar`            |
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ class AdmissionPolicy(Protocol):
     def charged(self, reqs: Iterable[Req]) -> int:
         """KV slots the admitted `reqs` are counted as still needing when a new request asks."""
 
-    def retract_for_decode(self, sched: Any) -> bool:
+    def retract_for_decode(self, running: list[Req], available: Callable[[], int],
+                           retract: Callable[[Req], None]) -> bool:
         """Retract requests until the next decode step fits; False: not even one fits yet."""
 
 
@@ -57,5 +58,5 @@ class Features:
 
     admission: AdmissionPolicy | None = None  # None: reserve admission, nothing is ever retracted
     prefill_gate: PrefillGatePolicy | None = None  # None: admit whatever fits at every step
-    grammar: GrammarSeam | None = None  # None: a grammar is refused at add()
-    logprobs: LogprobsSeam | None = None  # None: logprobs are refused at add()
+    grammar: GrammarSeam | None = None  # asked only for a batch with a grammar (LLM always plugs it in)
+    logprobs: LogprobsSeam | None = None  # asked only for a batch asking for logprobs (likewise)

@@ -1,19 +1,12 @@
 """Host staging buffers for one batch's metadata, and their write-after-read protection.
 
-The scheduler writes a batch's metadata (input ids, positions, KV slots, sampling
-parameters) into host buffers; the engine stream copies them to the device when it reaches
-the batch. In the overlap loop the host is already writing batch n+1 while batch n may
-not have been copied yet. Two protections, each a switch here (lessons/readings §4 says how
-they differ from the article's stream-side WAR barrier and its keep-alive buffer):
-
-- `staging_double_buffer`: two buffers alternate, so batch n+1 never lands in batch n's;
-- `staging_war_wait`: before a buffer is rewritten, the host waits for the event recorded
-  right after the device read it (the write-after-read barrier).
-
-Either one alone keeps the tokens right in this scheduler: the wait alone by waiting, the
-second buffer alone because batch n is committed (so read) before batch n+2 is planned.
-`unread_overwrites` counts the rewrites of a buffer the device had not read yet: the hazard
-itself, whether or not it happened to change a token (lessons/readings §4).
+The scheduler writes a batch's metadata (input ids, positions, KV slots, sampling parameters)
+into host buffers; the engine stream copies them to the device when it reaches the batch. In the
+overlap loop the host writes batch n+1 while batch n may not be copied yet. Two protections, each
+a switch (lessons/readings §4): `staging_double_buffer`, two buffers alternate; `staging_war_wait`,
+before a rewrite the host waits for the event recorded after the device read the buffer. Either
+alone keeps the tokens right here (batch n is committed, so read, before n+2 is planned).
+`unread_overwrites` counts rewrites of a buffer the device had not read: the hazard itself.
 """
 
 from __future__ import annotations
@@ -103,8 +96,8 @@ class StagingBuffer:
                      if COLUMN_DTYPES[name] == dtype}
             self.blocks[dtype] = torch.zeros(sum(sizes.values()), dtype=dtype, pin_memory=pin)
             self.host.update(zip(sizes, self.blocks[dtype].split(list(sizes.values()))))
-        # numpy views of the same (pinned) memory: a Python list is written into them about 3x
-        # faster than through torch.tensor(list) (a decode step at 256 requests writes 13 columns).
+        # numpy views of the same (pinned) memory: a list is written into them faster than
+        # through torch.tensor(list), and a decode step writes every column.
         self._host_np = {f: t.numpy() for f, t in self.host.items()}
         self.consumed: Event | None = None  # recorded on the engine stream after the device copy
 

@@ -1,17 +1,11 @@
 """Streams and events: the device model of the articles, on CUDA and on a laptop CPU.
 
-A *stream* is an ordered queue of device work that the host does not wait for; an *event*
-marks a point in it. "launch returned" therefore only means "queued" (lessons/readings §3: run_batch()
-returning is not batch n finishing).
-
-- On CUDA we wrap `torch.cuda.Stream` / `torch.cuda.Event`: launching runs the Python code
-  at once, under the stream context, and the kernels it issues queue on the stream.
-- On CPU there is no such queue, so we build one: `CpuStream` is a worker thread draining
-  an ordered queue of closures. The scheduler (main thread) plays the host, the worker
-  plays the device. An event completes when the worker reaches it.
-
-Both expose the same five verbs: `launch(fn)`, `record_event()`, `wait_event(ev)`,
-`wait_stream(other)`, `synchronize()`; events expose `synchronize()` and `query()`.
+A *stream* is an ordered queue of device work the host does not wait for; an *event* marks a
+point in it: "launch returned" only means "queued" (lessons/readings §3). On CUDA,
+`gpu/cuda_stream.py` wraps `torch.cuda.Stream`; on CPU, `CpuStream` is a worker thread draining
+an ordered queue of closures (the main thread plays the host, the worker the device). Both have
+the five verbs `launch(fn)`, `record_event()`, `wait_event(ev)`, `wait_stream(other)`,
+`synchronize()`; events have `synchronize()` and `query()`.
 """
 
 from __future__ import annotations
@@ -69,20 +63,14 @@ class CpuEvent:
 class CpuStream:
     """A worker thread that runs queued closures in order: a CUDA stream, emulated.
 
-    Facts this class protects, measured on a 2-core laptop-class CPU with torch 2.13:
-    - `torch.inference_mode()` and `no_grad` are thread-local, so the worker enters
-      inference mode itself (otherwise every forward would record autograd state).
-    - torch kernels release the GIL, Python code does not. With CPython's default 5 ms
-      switch interval the host and the worker convoy: overlap measured 0.87x of the normal
-      loop, a loss. With a 50 us interval (`SWITCH_INTERVAL_S`) the same run gave 1.27x of
-      an ideal 1.55x, because the host now runs while the worker is inside a kernel.
-    - torch's intra-op thread pool would let one forward take both cores and starve the
-      host; while a CPU stream lives it is 1 thread, so host and device get a core each.
-    Both settings are process-wide: `_HostSettings` sets them for the first live stream and
-    puts the caller's values back when the last one closes.
-    - `device_delay_ms` (a sleep on this thread, GIL released) makes device time large and
-      predictable: the overlap approaches its ideal, and race windows become wide enough to
-      demonstrate and test deterministically. It is an emulation, not a model of a GPU.
+    - `inference_mode` is thread-local: the worker enters it itself.
+    - torch kernels release the GIL, Python does not: with CPython's default 5 ms switch
+      interval host and worker convoy and the overlap loses (benchmarks/RESULTS.md); a 50 us
+      interval lets the host run while the worker is inside a kernel.
+    - torch's intra-op pool would let one forward take every core: 1 thread while a stream lives.
+    Both settings are process-wide: `_HostSettings` takes them for the first live stream and
+    puts the caller's values back when the last one closes. `device_delay_ms` (a sleep here,
+    GIL released) makes device time large and predictable: an emulation, not a model of a GPU.
     """
 
     SWITCH_INTERVAL_S = 5e-5
@@ -210,44 +198,19 @@ class HostStream:
         pass
 
 
-# --------------------------------------------------------------------------- CUDA
-
-
-class CudaStream:
-    """`torch.cuda.Stream` behind the same verbs: `launch` runs fn now, its kernels queue."""
-
-    def __init__(self, name: str, device: torch.device) -> None:
-        self.name = name
-        self.error: BaseException | None = None
-        self.raw = torch.cuda.Stream(device=device)
-
-    def launch(self, fn: Callable[[], None]) -> None:
-        with torch.cuda.stream(self.raw):
-            fn()
-
-    def record_event(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(self.raw)
-        return event
-
-    def wait_event(self, event: Event) -> None:
-        self.raw.wait_event(event)  # type: ignore[arg-type]
-
-    def wait_stream(self, other: Stream) -> None:
-        self.raw.wait_stream(other.raw)  # type: ignore[attr-defined]
-
-    def synchronize(self) -> None:
-        self.raw.synchronize()
-
-    def close(self, wait: bool = True) -> None:
-        pass
-
-
 def make_device_stream(name: str, device: torch.device) -> Stream:
     """A stream the host does not wait for: a CUDA stream, or a worker thread on CPU."""
-    return CudaStream(name, device) if device.type == "cuda" else CpuStream(name)
+    if device.type == "cuda":
+        from .gpu.cuda_stream import CudaStream
+
+        return CudaStream(name, device)
+    return CpuStream(name)
 
 
 def make_host_stream(name: str, device: torch.device) -> Stream:
     """The scheduler's stream: a CUDA stream for its H2D copies, or inline host work on CPU."""
-    return CudaStream(name, device) if device.type == "cuda" else HostStream(name)
+    if device.type == "cuda":
+        from .gpu.cuda_stream import CudaStream
+
+        return CudaStream(name, device)
+    return HostStream(name)

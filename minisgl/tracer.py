@@ -3,7 +3,7 @@
 Recording is off unless asked for (`LLM(..., trace=True)`), and cheap when on: a span is
 one tuple appended to a list. Host spans are timed on the scheduler thread. Device spans
 are timed where the work really runs: on the CPU stream's worker thread, or, on CUDA, by a
-pair of CUDA events resolved after the run (so recording never syncs the device).
+pair of CUDA events each (gpu/cuda_spans.py: recording never syncs the device).
 
 Reading a finished trace (Perfetto export, G and C, the terminal timeline, the run-level
 breakdown) is the business of `minisgl/observe/`, which reads what is recorded here.
@@ -15,9 +15,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from .gpu.cuda_spans import CudaSpans
 
 
 class SpanName(StrEnum):
@@ -58,7 +61,7 @@ class BatchRecord:
     is_prefill: bool
     num_reqs: int
     num_tokens: int  # new tokens
-    kv_tokens: int  # positions attended over, all requests together
+    attended_positions: int  # positions attended over, all requests together
     attention_pairs: int  # sum over requests of new tokens x positions: prefill attention work
     padded_reqs: int  # rows actually computed: the CUDA-graph size a decode batch is padded to
 
@@ -69,8 +72,7 @@ class Tracer:
         self.spans: list[Span] = []
         self.batches: list[BatchRecord] = []  # every batch launched while enabled
         self.iteration = 0
-        self._cuda_pending: list[tuple[SpanName, str, torch.cuda.Event, torch.cuda.Event, int, int]] = []
-        self._cuda_origin: tuple[torch.cuda.Event, float] | None = None
+        self._cuda: CudaSpans | None = None  # made by the first device span on CUDA
 
     @contextmanager
     def host(self, name: SpanName, batch_id: int = -1) -> Iterator[None]:
@@ -88,11 +90,10 @@ class Tracer:
         if not self.enabled:
             return None
         if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            if self._cuda_origin is None:
-                self._cuda_origin = (event, time.perf_counter())
-            return event
+            if self._cuda is None:
+                from .gpu.cuda_spans import CudaSpans
+                self._cuda = CudaSpans()
+            return self._cuda.begin()
         return time.perf_counter()
 
     def device_end(self, token: object, name: SpanName, stream_name: str, device: torch.device, iteration: int,
@@ -100,27 +101,19 @@ class Tracer:
         if token is None:
             return
         if device.type == "cuda":
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._cuda_pending.append((name, stream_name, token, end, iteration, batch_id))  # type: ignore[arg-type]
+            done = self._cuda.end(token, name, stream_name, iteration, batch_id)  # type: ignore[union-attr, arg-type]
+            self.spans.extend(Span(*fields) for fields in done)
         else:
             self.spans.append(Span(name, stream_name, token, time.perf_counter(), iteration, batch_id))  # type: ignore[arg-type]
 
     def resolve(self) -> list[Span]:
-        """Turn pending CUDA event pairs into spans on the host clock (syncs once, at the end)."""
-        if self._cuda_pending and self._cuda_origin is not None:
-            torch.cuda.synchronize()
-            origin_event, origin_time = self._cuda_origin
-            for name, lane, start, end, iteration, batch_id in self._cuda_pending:
-                s = origin_time + origin_event.elapsed_time(start) / 1000.0
-                e = origin_time + origin_event.elapsed_time(end) / 1000.0
-                self.spans.append(Span(name, lane, s, e, iteration, batch_id))
-            self._cuda_pending.clear()
+        """All spans, sorted, the pending CUDA pairs resolved (syncs once, at the end)."""
+        if self._cuda is not None:
+            self.spans.extend(Span(*fields) for fields in self._cuda.resolve(wait=True))
         self.spans.sort(key=lambda sp: sp.start)
         return self.spans
 
     def clear(self) -> None:
         self.spans.clear()
         self.batches.clear()
-        self._cuda_pending.clear()
-        self._cuda_origin = None
+        self._cuda = None

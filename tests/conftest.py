@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
@@ -18,23 +17,6 @@ import torch
 from minisgl import SamplingParams
 from minisgl.frontend.cli import main as cli
 from minisgl.demo.tiny import make_tiny
-
-EXERCISE_TOOLS = Path(__file__).resolve().parents[1] / "lessons" / "exercises"
-
-
-def load_exercise_tool(name: str):
-    """A script of lessons/exercises/ (make_exercise, runner, grade, ...) as a module, loaded once:
-    a second copy would make the first one's functions unpicklable (multiprocessing in grade.py
-    looks them up by name in sys.modules)."""
-    path = EXERCISE_TOOLS / f"{name}.py"
-    loaded = sys.modules.get(name)
-    if loaded is not None and getattr(loaded, "__file__", None) == str(path):
-        return loaded
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)  # what the API tests ask of the shared engine
 

@@ -9,7 +9,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.sampling_params import FLOAT32_TINY
 
-from .conftest import GREEDY, assert_one_line_exit_2, assert_pool_whole, drain, no_thread_left_behind
+from .conftest import GREEDY, assert_one_line_exit_2, assert_pool_whole, drain
 
 
 @pytest.mark.parametrize("params, message", [
@@ -149,11 +149,15 @@ def test_context_check_agrees_with_kv_fit(qwen3):
     engine.close()
 
 
-def test_sizes_larger_than_free_memory_refused_before_allocating(qwen3, monkeypatch):
-    monkeypatch.setattr("minisgl.config.free_memory_bytes", lambda device: 1 << 20)  # a 1 MiB machine
-    with no_thread_left_behind():
-        with pytest.raises(ValueError, match="kv_tokens=50000.*GiB"):
-            LLM(qwen3, kv_tokens=50000)
+def test_sizes_larger_than_free_memory_refused_before_allocating(llm):
+    """resolve_config runs check_memory on the config before LLM builds anything: sizes that need more
+    than the free memory are one ValueError naming them."""
+    from minisgl.config import check_memory
+
+    need = (llm.config.kv_tokens + 1) * llm.config.kv_bytes_per_token  # the KV cache alone
+    check_memory(llm.config, free=None)  # a host that does not say: nothing to refuse
+    with pytest.raises(ValueError, match=f"kv_tokens={llm.config.kv_tokens}.*GiB"):
+        check_memory(llm.config, free=need - 1)
 
 
 # top_p below float32's range was staged as 0: no token kept, and token 0 sampled at every step.

@@ -114,6 +114,11 @@ def _replaced_by(make, name):
     return replace
 
 
+def _edit_generation_config(folder, **changes):
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
 def _linear_rope(factor):
     return lambda f: edit_config(f, rope_parameters={"rope_type": "linear", "factor": factor, "rope_theta": 10000.0})
 
@@ -131,6 +136,12 @@ BREAKERS = {
     "float vocab_size": (lambda f: edit_config(f, vocab_size=300.5), "vocab_size"),
     "index without weight_map": (_shard_index_without_weight_map, "weight_map"),
     "list generation_config": (lambda f: (f / "generation_config.json").write_text("[1, 2]"), "generation_config"),
+    # Eos ids that are no token of the model were accepted (a request could never stop on them):
+    "eos -5 in generation_config": (lambda f: _edit_generation_config(f, eos_token_id=-5), "eos_token_id -5"),
+    "eos 10**30 in generation_config": (lambda f: _edit_generation_config(f, eos_token_id=10 ** 30), "eos_token_id"),
+    "eos list with a string": (lambda f: _edit_generation_config(f, eos_token_id=[1, "2"]), "eos_token_id"),
+    "eos true in generation_config": (lambda f: _edit_generation_config(f, eos_token_id=True), "eos_token_id"),
+    "eos vocab_size in config.json": (lambda f: edit_config(f, eos_token_id=100_000), "config.json': eos_token_id 100000"),
     "negative max_position_embeddings": (lambda f: edit_config(f, max_position_embeddings=-5),
                                          "max_position_embeddings"),
     "unreadable weights": (_unreadable_weights, "model.safetensors"),

@@ -188,10 +188,21 @@ def test_course_exercise_numbers_refuse_bad_values_in_one_line(capsys, argv):
     """`python -m minisgl course hint|exercise N` runs make_exercise.py: its numbers follow the
     CLI's rule, exit 2 with one `error:` line (it printed argparse's usage, or exit 1 with
     "no exercise -1" for nan)."""
-    from .conftest import load_exercise_tool
 
-    tool = load_exercise_tool("make_exercise")
+    from minisgl.course import make_exercise as tool
     with pytest.raises(SystemExit) as exit_:
         tool.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), (exit_.value.code, err)
+
+
+def test_install_accepts_exactly_the_pythons_the_package_declares():
+    """install.py's range and pyproject's requires-python are one statement: 3.10 to 3.14."""
+    import ast
+    import re
+
+    declared = re.search(r'^requires-python = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+    tree = ast.parse((ROOT / "install.py").read_text())
+    (low, high), = [ast.literal_eval(n.value) for n in tree.body
+                    if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SUPPORTED_PYTHONS"]
+    assert declared == f">={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}" and (low, high) == ((3, 10), (3, 14))

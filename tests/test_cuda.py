@@ -148,6 +148,23 @@ def test_cuda_graph_on_equals_off(qwen3):
         [o.token_ids for o in off.generate(prompts, GREEDY)]
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_fast_decode_plan_equals_flashinfer_plan(qwen3, graphs):
+    """The fast decode plan schedules what FlashInfer's plan() does: the same tokens, bit for bit
+    (normal loop: the same batches), as the batch shrinks from 160 requests (tensor-core kernel)
+    through the plain kernel's sizes, each wrapper planned many times."""
+    prompts = [f"request {i} " * (i % 13 + 1) for i in range(160)]
+    params = [SamplingParams(max_new_tokens=4 + i % 29, ignore_eos=True) for i in range(160)]
+    disable = () if graphs else ("cuda_graph",)
+    outputs = []
+    for fast in (True, False):
+        llm = LLM(qwen3, device="cuda", loop="normal", disable=disable, fast_decode_plan=fast)
+        assert llm.engine.backend.fast_decode_plan is fast
+        outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+        llm.close()
+    assert outputs[0] == outputs[1]
+
+
 def test_pinned_copy_off_blocks_the_host_at_launch(qwen3):
     """Off, the device-to-host copy is synchronous: launch() returns only after the forward,
     so the host can no longer work under it. An emulated device time makes it plain."""

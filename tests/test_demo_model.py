@@ -58,10 +58,9 @@ def test_config_and_tokenizer_agree(demo_dir, tok, monkeypatch):
     assert gen["eos_token_id"] == tok.eos_token_id
 
 
-def test_missing_demo_model_says_how_to_build(tmp_path, monkeypatch):
-    monkeypatch.setattr(paths, "CHECKPOINT_DIR", tmp_path)
+def test_missing_demo_model_says_how_to_build(tmp_path):
     with pytest.raises(FileNotFoundError, match="train-demo"):
-        paths.demo_model_path()
+        paths.demo_model_path(tmp_path)
 
 
 def test_prompt_answer_boundary_is_clean(tok):

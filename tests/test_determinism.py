@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
 from minisgl.models.attention import KV_TILE, causal_attention, invariant_attention
-from minisgl.models.decoder import DETERMINISTIC_ROWS, Linear, fixed_rows_linear
+from minisgl.models.decoder import CPU_INVARIANT_ROWS, DETERMINISTIC_ROWS, Linear, fixed_rows_linear
 
 from .conftest import assert_pool_whole
 from .workloads import random_workload, run, with_stops
@@ -97,7 +97,7 @@ def test_deterministic_overlap_equals_normal_on_cpu(qwen3):
     expected = run(ref, workload)
     ref.close()
     llm = LLM(qwen3, loop="overlap", chunk_size=16, deterministic=True)
-    assert all(m.fixed_rows == DETERMINISTIC_ROWS for m in llm.engine.model.modules() if isinstance(m, Linear))
+    assert all(m.fixed_rows == CPU_INVARIANT_ROWS for m in llm.engine.model.modules() if isinstance(m, Linear))
     assert run(llm, workload) == expected
     assert_pool_whole(llm)
     llm.close()

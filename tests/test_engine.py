@@ -145,6 +145,8 @@ def test_flashinfer_plan_inputs_alternate_by_parity():
     """A CPU check of the GPU-only planning: batch n's indptr and KV lengths stay untouched while
     batch n+1 (the other parity) is planned, since FlashInfer's queued upload of them may not have
     run yet; decode and prefill plans both get the lengths (`seq_lens`) from those buffers."""
+    import weakref
+
     import torch
 
     from minisgl.gpu.flashinfer_backend import FlashInferBackend
@@ -163,6 +165,7 @@ def test_flashinfer_plan_inputs_alternate_by_parity():
     backend = object.__new__(FlashInferBackend)
     backend.shape, backend.dtype = (4, 2, 8), torch.bfloat16
     backend.deterministic, backend.prefill_reference, backend.grouped = False, None, True
+    backend.tensor_core_min_batch, backend.fast_decode_plan, backend._planned = 3, False, weakref.WeakSet()
     backend.decode, backend.prefill = {False: [Decode(), Decode()]}, [Prefill(), Prefill()]
     backend._kv_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
     backend._qo_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
@@ -186,21 +189,21 @@ def test_flashinfer_plan_inputs_alternate_by_parity():
     assert planned()[1:] == [([0, 9, 10, 12], [9, 1, 2]), ([0, 4], [4])]
 
 
-def test_decode_kernel_follows_the_measured_rule(monkeypatch):
-    """The tensor-core decode kernel runs from TENSOR_CORE_DECODE_MIN_BATCH up, for grouped heads;
+def test_decode_kernel_follows_the_measured_rule():
+    """The tensor-core decode kernel runs from tensor_core_decode_min_batch up, for grouped heads;
     always in the deterministic mode; never while the threshold is None (plan picks the wrapper)."""
+    import weakref
+
     import torch
 
-    from minisgl.gpu import flashinfer_backend
     from minisgl.gpu.flashinfer_backend import FlashInferBackend, decode_on_tensor_cores
     from minisgl.models.attention import AttentionMetadata
 
-    monkeypatch.setattr(flashinfer_backend, "TENSOR_CORE_DECODE_MIN_BATCH", None)
-    assert not any(decode_on_tensor_cores(b, grouped=True, deterministic=False) for b in (1, 256))
-    assert decode_on_tensor_cores(1, grouped=False, deterministic=True)
-    monkeypatch.setattr(flashinfer_backend, "TENSOR_CORE_DECODE_MIN_BATCH", 3)
-    assert [decode_on_tensor_cores(b, grouped=True, deterministic=False) for b in (2, 3, 4)] == [False, True, True]
-    assert not decode_on_tensor_cores(4, grouped=False, deterministic=False)  # one query head per KV head
+    assert not any(decode_on_tensor_cores(b, grouped=True, deterministic=False, min_batch=None) for b in (1, 256))
+    assert decode_on_tensor_cores(1, grouped=False, deterministic=True, min_batch=None)
+    assert [decode_on_tensor_cores(b, grouped=True, deterministic=False, min_batch=3) for b in (2, 3, 4)] == [
+        False, True, True]
+    assert not decode_on_tensor_cores(4, grouped=False, deterministic=False, min_batch=3)  # one query head per KV head
 
     class Wrapper:
         def __init__(self, tensor_cores: bool) -> None:
@@ -212,6 +215,7 @@ def test_decode_kernel_follows_the_measured_rule(monkeypatch):
     backend = object.__new__(FlashInferBackend)
     backend.shape, backend.dtype = (4, 2, 8), torch.bfloat16
     backend.deterministic, backend.prefill_reference, backend.grouped = False, None, True
+    backend.tensor_core_min_batch, backend.fast_decode_plan, backend._planned = 3, False, weakref.WeakSet()
     backend.decode = {tc: [Wrapper(tc), Wrapper(tc)] for tc in (False, True)}
     backend._kv_indptr = [torch.zeros(5, dtype=torch.int32) for _ in range(2)]
     backend._kv_lens = [torch.zeros(4, dtype=torch.int32) for _ in range(2)]
@@ -221,3 +225,42 @@ def test_decode_kernel_follows_the_measured_rule(monkeypatch):
                                        kv_indptr=torch.zeros(n + 1), kv_indices=torch.arange(2 * n), qo_lens=[1] * n,
                                        kv_lens=[2] * n))
         assert backend._active.tensor_cores is expected
+
+
+def test_fast_decode_plan_only_after_a_wrappers_first_plan():
+    """With `fast_decode_plan` on, a decode wrapper's first plan goes through FlashInfer's own
+    plan() (which sets up its kernel module) and every later one through the fast path; off, every
+    plan goes through plan()."""
+    import weakref
+
+    import torch
+
+    from minisgl.gpu.flashinfer_backend import FlashInferBackend
+    from minisgl.models.attention import AttentionMetadata
+
+    calls: list[tuple[str, int]] = []
+
+    class Wrapper:
+        def __init__(self, name: int) -> None:
+            self.name = name
+
+        def plan(self, *args, **kwargs) -> None:
+            calls.append(("plan", self.name))
+
+    for fast in (True, False):
+        calls.clear()
+        backend = object.__new__(FlashInferBackend)
+        backend.shape, backend.dtype = (4, 2, 8), torch.bfloat16
+        backend.deterministic, backend.prefill_reference, backend.grouped = False, None, True
+        backend.tensor_core_min_batch, backend.fast_decode_plan, backend._planned = None, fast, weakref.WeakSet()
+        backend.decode = {False: [Wrapper(0), Wrapper(1)]}
+        backend._kv_indptr = [torch.zeros(3, dtype=torch.int32) for _ in range(2)]
+        backend._kv_lens = [torch.zeros(2, dtype=torch.int32) for _ in range(2)]
+        backend._last_page_len = torch.ones(2, dtype=torch.int32)
+        backend._fast_plan = lambda wrapper, indptr, indices: calls.append(("fast", wrapper.name))
+        for batch_id in range(4):
+            backend.plan(AttentionMetadata(positions=torch.zeros(2), out_slots=torch.zeros(2), qo_indptr=torch.arange(3),
+                                           kv_indptr=torch.zeros(3), kv_indices=torch.arange(5), qo_lens=[1, 1],
+                                           kv_lens=[2, 3]), parity=batch_id % 2)
+        expected = ["plan", "plan", "fast", "fast"] if fast else ["plan"] * 4
+        assert calls == list(zip(expected, [0, 1, 0, 1]))

@@ -17,19 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import load_exercise_tool, tiered
+from .conftest import tiered
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "lessons" / "exercises" / "make_exercise.py"
 WRONG_LIMIT_S = 60  # a wrong solution must be reported within a minute, a hang included
 
 
-tool = load_exercise_tool("make_exercise")
-runner = load_exercise_tool("runner")
+from minisgl.course import make_exercise as tool
+from minisgl.course import runner
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "minisgl.course.make_exercise", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -117,7 +116,7 @@ def test_skeleton_fails_cleanly_with_not_implemented(tmp_path, number):
         left = [r for r in tool.regions(skeleton.splitlines()) if r.number == number]
         assert not left, f"{rel}: exercise {number} regions left in the skeleton"
         expected = sum(r.number == number for r in tool.regions((tool.PACKAGE / rel).read_text().splitlines()))
-        raises = re.findall(rf"NotImplementedError\((['\"])exercise {number}: (.+?) \(make hint-{number} for hints\)\1\)",
+        raises = re.findall(rf"NotImplementedError\((['\"])exercise {number}: (.+?) \(hints: python -m minisgl course hint {number}\)\1\)",
                             skeleton)  # repr() quotes a name holding an apostrophe with double quotes
         assert len(raises) == expected and {name for _, name in raises} <= names  # one raise per region, naming the part only
     report = runner.run_checks(tmp_path, number, stop_at_first_failure=True)

@@ -1,114 +1,218 @@
-"""The grader (lessons/exercises/grade.py) on three submissions made from the student edition: the
-reference's regions put back (full marks), the student edition untouched (zero), and the reference
-with one line added outside a region, in the function that holds exercise 5's and 4's regions
-(those two flagged with no marks, the others graded as usual)."""
+"""The grader's parts that need no check run: reading submissions from real laptops, what a region
+may reach, how the judge turns a child's records into a verdict, and the scratch a killed run
+leaves. (A whole class, hostile submissions included, is graded in test_grading_class.py.)"""
 
 from __future__ import annotations
 
-import csv
-import json
+import codecs
 import os
-import shutil
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import load_exercise_tool
+from minisgl.course import ROOT, grade, judge, region_policy, submission
+from minisgl.course import student_edition as edition
+from minisgl.course.make_exercise import WRONG
 
-ROOT = Path(__file__).resolve().parents[1]
-GRADED = [3, 5]  # one exercise the outside edit leaves alone, one it costs (each run takes a while)
-
-
-grade = load_exercise_tool("grade")
-edition = sys.modules["student_edition"]
-RELEASE_FLAG = "        req.released = True\n"  # a line of KVLedger.release (kv_ledger.py), outside its regions
+IMPORT_LINE = "import copy\n"
 
 
 @pytest.fixture(scope="module")
-def submissions(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("grading")
-    base = edition.write_student_edition(root / "edition")
-    subs = root / "submissions"
+def base(tmp_path_factory) -> Path:
+    return edition.write_student_edition(tmp_path_factory.mktemp("grading") / "edition")
+
+
+@pytest.fixture(scope="module")
+def reference(base, tmp_path_factory) -> Path:
+    return grade.put_regions(base, grade.written_regions(ROOT), tmp_path_factory.mktemp("ref") / "reference")
+
+
+def read(entry: Path, base: Path, tmp_path: Path) -> submission.Submission:
+    sub = submission.Submission(submission.student_name(entry), [entry.name])
+    scratch = tmp_path / f"scratch-{entry.name}"
+    scratch.mkdir()
+    tree, skipped = submission.tree_from_entry(entry, base, scratch)
+    marked = {f"minisgl/{rel.as_posix()}": n for rel, n in grade.marked_files(base / "minisgl").items()}
+    submission.read_tree(sub, base, tree, marked)
+    sub.notes += skipped
+    return sub
+
+
+def test_text_from_any_laptop_reads_the_same():
+    text = "def f():\n    return 1\n"
+    for data in (text.replace("\n", "\r\n").encode(), codecs.BOM_UTF8 + text.encode(),
+                 codecs.BOM_UTF16_LE + text.replace("\n", "\r\n").encode("utf-16-le"),
+                 codecs.BOM_UTF16_BE + text.encode("utf-16-be"), text.replace("\n", "\r").encode()):
+        assert submission.normalize_text(data) == text.encode(), data[:12]
+    weights = bytes(range(256)) * 4
+    assert submission.normalize_text(weights) == weights  # not text: left alone
+
+
+def test_a_windows_or_mac_work_tree_and_a_powershell_patch_equal_the_reference(base, reference, tmp_path):
+    crlf = tmp_path / "crlf"
+    for path in reference.rglob("*"):
+        target = crlf / path.relative_to(reference)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif path.suffix in (".py", ".md", ".toml", ".txt"):
+            target.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+        else:
+            target.write_bytes(path.read_bytes())
+    (crlf / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (crlf / "minisgl" / "Thumbs.db").write_bytes(b"\xd0\xcf")
+    (crlf / "minisgl" / "__pycache__").mkdir()
+    (crlf / "minisgl" / "__pycache__" / "batch.cpython-311.pyc").write_bytes(b"\x00" * 16)
+    diff = subprocess.run(["git", "diff", "--no-index", "--", str(base / "minisgl"), str(reference / "minisgl")],
+                          capture_output=True, text=True).stdout
+    diff = diff.replace(f"a{base}/", "a/").replace(f"b{reference}/", "b/")
+    patch = tmp_path / "powershell.patch"
+    patch.write_bytes(codecs.BOM_UTF16_LE + diff.replace("\n", "\r\n").encode("utf-16-le"))
+    expected = grade.written_regions(ROOT)
+    for entry in (crlf, patch):
+        sub = read(entry, base, tmp_path)
+        assert sub.code == expected and sub.costs == {} and sub.notes == [], (entry.name, sub.costs, sub.notes)
+
+
+def test_an_added_import_or_scratch_file_is_reported_and_an_edit_around_a_region_costs_only_its_exercise(
+        reference, base, tmp_path):
+    tree = grade.put_regions(reference, {}, tmp_path / "tree")
+    batch = tree / "minisgl" / "batch.py"
+    batch.write_text(IMPORT_LINE + batch.read_text())
+    (tree / "scratch.py").write_text("print('trying things')\n")
+    release = tree / "minisgl" / "kv_ledger.py"
+    release.write_text(release.read_text().replace("        req.released = True\n",
+                                                   "        req.released = True\n        req.cached_len = 0\n", 1))
+    sub = read(tree, base, tmp_path)
+    assert sorted(sub.costs) == [4, 5], sub.costs  # the function around exercises 4's and 5's regions of _release
+    assert all("in the function that holds the region" in c for cs in sub.costs.values() for c in cs)
+    assert any("minisgl/batch.py line 1" in n for n in sub.notes) and any("scratch.py" in n for n in sub.notes)
+    assert sub.code == grade.written_regions(ROOT)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "symlink-loop", "fifo", "broken-patch", "huge-patch", "not-a-patch",
+                                  "file-is-a-folder", "link-to-root-in-patch"])
+def test_a_malformed_submission_is_not_gradable_with_one_reason(kind, base, reference, tmp_path):
+    if kind == "symlink":
+        entry = tmp_path / "alice"
+        entry.symlink_to(reference)
+    elif kind == "symlink-loop":
+        entry = tmp_path / "alice.patch"
+        entry.symlink_to(entry)
+    elif kind == "fifo":
+        entry = tmp_path / "alice.patch"
+        os.mkfifo(entry)
+    elif kind == "broken-patch":
+        entry = tmp_path / "alice.patch"
+        entry.write_text("--- a/minisgl/batch.py\n+++ b/minisgl/batch.py\n@@ -1,3 +1,3 @@\n-no such line\n+x\n")
+    elif kind == "huge-patch":
+        entry = tmp_path / "alice.patch"
+        with open(entry, "wb") as f:
+            f.truncate(submission.MAX_PATCH_BYTES + 1)
+    elif kind == "not-a-patch":
+        entry = tmp_path / "alice.zip"
+        entry.write_bytes(b"PK")
+    elif kind == "file-is-a-folder":
+        entry = grade.put_regions(reference, {}, tmp_path / "alice")
+        (entry / "minisgl" / "batch.py").unlink()
+        (entry / "minisgl" / "batch.py").mkdir()
+    else:
+        entry = tmp_path / "alice.patch"
+        entry.write_text("diff --git a/minisgl/batch.py b/minisgl/batch.py\ndeleted file mode 100644\n"
+                         "--- a/minisgl/batch.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-x\n"
+                         "diff --git a/minisgl/batch.py b/minisgl/batch.py\nnew file mode 120000\n"
+                         "--- /dev/null\n+++ b/minisgl/batch.py\n@@ -0,0 +1 @@\n+/\n\\ No newline at end of file\n")
+    with pytest.raises(submission.NotGradable) as caught:
+        read(entry, base, tmp_path)
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 300
+
+
+def test_every_reference_and_known_wrong_region_may_run_and_code_that_reaches_outside_may_not():
+    for number, bodies in grade.written_regions(ROOT).items():
+        assert all(region_policy.region_problems(code) == [] for code in bodies.values()), number
+    for wrong in WRONG:
+        assert all(region_policy.region_problems(textwrap.dedent(code)) == [] for code in wrong.regions.values()), \
+            wrong.name
+    for code in ("import sys\nsys.modules['_pytest.reports'].TestReport.outcome = 'passed'",
+                 "open('/tmp/x', 'w').write('x')", "import os\nos.fork()", "x = self.__class__",
+                 "t = torch.load('/etc/passwd')", "e = RuntimeError()\nf = e.__traceback__.tb_frame.f_globals",
+                 "s = '{0.__globals__}'.format(self.commit)", "from .course import runner", "g = getattr(self, 'x')",
+                 "import subprocess", "x = self.engine._thread"):
+        assert region_policy.region_problems(code), code
+
+
+def records(nonce_ok: bool = True, **outcomes: str) -> list[dict]:
+    return [{"_nonce_ok": nonce_ok, "event": "outcome", "id": test, "outcome": outcome, "message": message,
+             "when": "call", "exception": ""} for test, (outcome, message) in
+            ((t, o.split("|", 1) if "|" in o else (o, "")) for t, o in outcomes.items())]
+
+
+def test_the_judge_trusts_no_report_the_child_could_forge(tmp_path):
+    j = judge.Judge.__new__(judge.Judge)
+    j.limit_s, j.texts = 60, judge.TestTexts([ROOT / "lessons" / "exercises" / "tests"])
+    expected = {"tests/test_ex3_snapshot.py::test_the_request_list_is_copied": "passed", "t::b": "passed"}
+    canary, secret = "tests/test_c.py::test_c", "s3cret"
+    done = [{"_nonce_ok": True, "event": "done", "exit_code": "1"}]
+    honest = records(**{t: "passed" for t in expected}, **{canary: f"failed|assert False, {secret}"}) + done
+    verdict = j._verdict(3, honest, "exited", 1.0, canary, secret, expected)
+    assert verdict.status == "passed" and verdict.mark == 1.0
+    cases = {
+        "canary passed": records(**{t: "passed" for t in expected}, **{canary: "passed"}) + done,
+        "canary without its text": records(**{t: "passed" for t in expected}, **{canary: "failed|boom"}) + done,
+        "no nonce": records(False, **{t: "passed" for t in expected}, **{canary: f"failed|{secret}"}) + done,
+        "a test twice": honest[:1] + honest,
+        "an unknown test": records(**{"t::zzz": "passed"}) + honest,
+    }
+    for why, recs in cases.items():
+        assert j._verdict(3, recs, "exited", 1.0, canary, secret, expected).status == "forged", why
+    missing = j._verdict(3, honest[:1] + honest[2:], "exited", 1.0, canary, secret, expected)
+    assert missing.status == "failed" and not missing.tests[1].passed
+    assert j._verdict(3, honest[:1], "hang", 60.0, canary, secret, expected).status == "hang"
+    assert j._verdict(3, honest[:1], "crash", 1.0, canary, secret, expected).status == "crash"
+
+
+def test_a_students_message_holds_only_the_tests_own_text():
+    texts = judge.TestTexts([ROOT / "lessons" / "exercises" / "tests"])
+    test = "tests/test_ex3_snapshot.py::test_the_request_list_is_copied"
+    leaked = "SECRET ANSWER return BatchView(self.batch_id, False, list(self.reqs)) " + (ROOT / "README.md").read_text()
+    rule = texts.rule(test, leaked, "<script>")
+    source = (ROOT / "lessons" / "exercises" / "tests" / "test_ex3_snapshot.py").read_text()
+    assert "SECRET" not in rule and "BatchView(self" not in rule and "<script>" not in rule
+    said = rule.split(": ", 1)[1]
+    named = test.split("::")[1].removeprefix("test_").replace("_", " ")
+    assert said == named or " ".join(said.split()) in " ".join(source.split()), rule
+
+
+def test_a_grader_killed_outright_leaves_nothing_for_the_next_run(base, reference, tmp_path):
+    """SIGKILL cannot be caught: the next run removes what the killed one left (and its processes)."""
+    subs = tmp_path / "subs"
     subs.mkdir()
-    grade.put_regions(base, grade.written_regions(ROOT), subs / "reference")
-    shutil.copytree(base, subs / "empty", ignore=shutil.ignore_patterns(".git"))
-    outside = grade.put_regions(base, grade.written_regions(ROOT), root / "outside")
-    release = outside / "minisgl" / "kv_ledger.py"
-    assert release.read_text().count(RELEASE_FLAG) == 1
-    release.write_text(release.read_text().replace(RELEASE_FLAG, RELEASE_FLAG + "        req.cached_len = 0\n"))
-    # this one is handed in as a patch against the student edition
-    shutil.copytree(base / ".git", outside / ".git")
-    diff = subprocess.run(["git", "diff"], cwd=outside, capture_output=True, text=True, check=True).stdout
-    (subs / "outside.patch").write_text(diff)
-    return subs
-
-
-@pytest.mark.full
-def test_reference_full_marks_empty_zero_outside_edit_flagged(submissions, tmp_path):
-    grade.main([str(submissions), "--out", str(tmp_path), "--jobs", "2", "--exercises", *map(str, GRADED)])
-    rows = {(g["student"], g["exercise"]): g for g in json.loads((tmp_path / "grades.json").read_text())}
-    assert set(rows) == {(s, n) for s in ("reference", "empty", "outside") for n in GRADED}
-    for n in GRADED:
-        ref, empty = rows["reference", n], rows["empty", n]
-        assert ref["score"] == 1.0 and ref["passed"] == ref["total"] > 0 and not ref["failed_rules"], ref
-        assert empty["score"] == 0.0 and not empty["flagged"], empty
-        assert all(f"exercise {n}:" in rule and "NotImplementedError" in rule for rule in empty["failed_rules"])
-    flagged, untouched = rows["outside", 5], rows["outside", 3]
-    assert flagged["flagged"] and flagged["score"] == 0.0, flagged
-    assert flagged["failed_rules"] == ["edited outside the exercise regions: minisgl/kv_ledger.py line "
-                                       f"{edited_line(submissions)} changed"], flagged
-    assert not untouched["flagged"] and untouched["score"] == 1.0, untouched
-    with open(tmp_path / "grades.csv", newline="") as f:
-        table = list(csv.DictReader(f))
-    assert [(r["student"], int(r["exercise"]), float(r["score"])) for r in table] == [
-        (g["student"], g["exercise"], g["score"]) for g in json.loads((tmp_path / "grades.json").read_text())]
-
-
-def edited_line(submissions: Path) -> int:
-    """The line of the student edition's kv_ledger.py after which the outside edit was added."""
-    lines = (submissions / "empty" / "minisgl" / "kv_ledger.py").read_text().splitlines(keepends=True)
-    return lines.index(RELEASE_FLAG) + 2
-
-
-def test_every_exercise_is_flagged_for_an_edit_of_the_tests(submissions, tmp_path):
-    tree = shutil.copytree(submissions / "reference", tmp_path / "tree")
-    test = tree / "lessons" / "exercises" / "tests" / "test_ex2_future_map.py"
-    test.write_text(test.read_text().replace("assert", "assert True or", 1))
-    flagged = grade.edits_outside_regions(submissions / "empty", tree)
-    assert sorted(flagged) == sorted(grade.EXERCISES), flagged
-    assert grade.edits_outside_regions(submissions / "empty", submissions / "reference") == {}
-
-
-def test_a_note_in_a_text_file_is_neither_graded_nor_a_crash(submissions, tmp_path):
-    """Prose is not code: a learner's note in the exercises' README, even one that quotes a marker
-    line, flags nothing (it once made the whole submission ungradable)."""
-    tree = shutil.copytree(submissions / "reference", tmp_path / "tree")
-    readme = tree / "lessons" / "exercises" / "README.md"
-    readme.write_text(readme.read_text() + "\nmy note: # >>> exercise 2: resolve ... # <<< exercise 2 'unfinished\n")
-    assert grade.edits_outside_regions(submissions / "empty", tree) == {}
-
-
-def test_a_patch_that_is_not_a_regular_file_is_not_gradable_instead_of_a_hang(tmp_path):
-    """A FIFO named like a patch blocked `git apply` for ever, and one linked to /dev/zero fed it
-    until memory ran out: the submission is "not gradable", and an empty folder is one error line."""
-    base = tmp_path / "edition"
-    base.mkdir()
-    os.mkfifo(tmp_path / "bob.patch")
-    (tmp_path / "carol.patch").symlink_to("/dev/zero")
-    for name in ("bob.patch", "carol.patch"):
-        sub = grade.read_submission(tmp_path / name, base)
-        assert "not a regular file" in sub.not_gradable
-    (tmp_path / "nothing").mkdir()
-    done = subprocess.run([sys.executable, str(ROOT / "lessons" / "exercises" / "grade.py"), str(tmp_path / "nothing"),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: no submission")
+    grade.put_regions(base, {}, subs / "empty")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = dict(os.environ, TMPDIR=str(temp), PYTHONPATH=str(ROOT))
+    run = subprocess.Popen([sys.executable, "-m", "minisgl.course.grade", str(subs), "--out", str(tmp_path / "out"),
+                            "--exercises", "3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not any(temp.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # into writing the edition or reading the class
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    assert any(temp.iterdir()), "the killed run wrote no scratch: the test proves nothing"
+    (tmp_path / "none").mkdir()
+    again = subprocess.run([sys.executable, "-m", "minisgl.course.grade", str(tmp_path / "none"),
+                            "--out", str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and again.stderr.startswith("error: no submission"), again.stderr
+    assert list(temp.iterdir()) == [] and not (tmp_path / "out").exists()
 
 
 def test_identical_region_code_shares_one_check_and_a_code_change_does_not():
-    """The grader runs each exercise's checks once per distinct region code: comments, blank lines
-    and spacing do not make code distinct, a changed statement does."""
+    """Comments, blank lines and spacing do not make code distinct, a changed statement does."""
     reference = grade.written_regions(ROOT)
     for number, bodies in reference.items():
         restyled = {name: "# my note\n\n" + body.replace(" = ", "  =  ", 1) for name, body in bodies.items()}
@@ -116,19 +220,3 @@ def test_identical_region_code_shares_one_check_and_a_code_change_does_not():
         assert grade.fingerprint(number, restyled) == grade.fingerprint(number, bodies), number
         assert grade.fingerprint(number, changed) != grade.fingerprint(number, bodies), number
     assert grade.fingerprint(1, reference[1]) != grade.fingerprint(2, reference[1])
-
-
-@pytest.mark.full
-def test_a_check_that_kills_its_worker_fails_alone():
-    """A submission whose code kills the grader's worker process (here: exits in the middle of a test)
-    gets that one check failed; the checks that were queued with it are graded as usual."""
-    reference = grade.written_regions(ROOT)
-    killer = {"snapshot": "import os\nos._exit(3)\n"}
-    checks = {grade.fingerprint(3, killer): killer, grade.fingerprint(2, reference[2]): reference[2],
-              grade.fingerprint(3, reference[3]): reference[3]}
-    seen = []
-    results = grade.run_checks_in_workers(checks, 1, lambda key, result: seen.append(key))
-    assert sorted(seen) == sorted(checks)
-    crashed, *graded = (results[key] for key in checks)
-    assert crashed.failed_rules == [grade.CRASHED] and crashed.score == 0.0
-    assert all(r.score == 1.0 and r.passed == r.total > 0 for r in graded), graded

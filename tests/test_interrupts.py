@@ -23,7 +23,7 @@ from .conftest import GREEDY, assert_pool_whole, drain, no_thread_left_behind, t
 PROMPTS = ["hello there", "count 1 to 9:", "the quick brown fox jumps over the lazy dog"]
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 14, 10)]
 # Scheduler phases (methods), and the engine's launch, where a Ctrl-C may land.
-PHASES = ["schedule", "_release_committed_aborts", "_admit", "batches.build", "launch", "commit", "_commit_results",
+PHASES = ["schedule", "_release_committed_aborts", "_admit", "batch_builder.build", "launch", "commit", "_commit_results",
           "_release", "engine.launch"]
 LOOPS = ["normal", "overlap"]
 # The fast tier interrupts every phase once, the loops and call counts taken in turn; the full tier all.
@@ -43,7 +43,7 @@ def interrupt_in(llm: LLM, phase: str, at_call: int, times: int = 1) -> list[int
     """Make the `at_call`-th call of `phase` send SIGINT to this process `times` times, then
     carry on. Returns a list that counts the calls."""
     part, _, name = phase.rpartition(".")
-    owner = {"": llm.scheduler, "engine": llm.engine, "batches": llm.scheduler.batches}[part]
+    owner = {"": llm.scheduler, "engine": llm.engine, "batch_builder": llm.scheduler.batch_builder}[part]
     original = getattr(owner, name)
     calls: list[int] = []
 

@@ -128,16 +128,13 @@ def _bench_run(loop: str, delay: float, tok_s: float, repeat: int) -> dict:
             "req_ttft_mean_s": 0.02, "req_tpot_mean_s": 0.012}
 
 
-def test_bench_tables_fit_80_columns_and_pair_repeats(monkeypatch):
-    from minisgl.observe import bench
-
+def test_bench_tables_fit_80_columns_and_pair_repeats():
     results = [_bench_run("normal", 2.0, 100.0, 0), _bench_run("overlap", 2.0, 125.0, 0),
                _bench_run("overlap", 2.0, 120.0, 1), _bench_run("normal", 2.0, 100.0, 1),
                _bench_run("normal", 2.0, 80.0, 2), _bench_run("overlap", 2.0, 100.0, 2)]
     console = Console(record=True, width=80, file=io.StringIO())
-    monkeypatch.setattr(bench, "console", console)
-    print_results(results)
-    print_ratios(results)
+    print_results(results, console)
+    print_ratios(results, console)
     text = console.export_text()
     assert max(map(len, text.splitlines())) <= 80
     assert "…" not in text

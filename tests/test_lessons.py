@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from minisgl.course import check_refs
+
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
 FIGURE = re.compile(r"^» (?P<name>.+?) = (?P<value>-?[\d.]+)", re.MULTILINE)
@@ -23,8 +25,6 @@ SCRIPTS = {int(p.name.split("_")[1]): p for p in LESSONS.glob("lesson_*.py")}
 OUTSIDE = re.compile("|".join(re.escape(part) for part in ("shared" + "/", "DESIGN" + ".md")))  # paths a clone lacks
 READING_SECTIONS = {int(n) for n in re.findall(r"^## §(\d+) ", (LESSONS / "readings" / "README.md").read_text(),
                                                  re.MULTILINE)}
-sys.path.insert(0, str(LESSONS))
-import check_refs  # noqa: E402
 
 
 def run_lesson(number: int, *args: str) -> tuple[str, dict[str, float]]:
@@ -177,4 +177,19 @@ def test_nothing_cites_a_path_outside_the_repository():
 
 def test_code_references_point_at_todays_lines():
     problems = check_refs.check()
-    assert not problems, "stale references (fix: python lessons/check_refs.py --fix):\n" + "\n".join(problems)
+    assert not problems, "stale references (fix: python -m minisgl.course.check_refs --fix):\n" + "\n".join(problems)
+
+
+def test_every_lesson_text_gives_the_command_without_make_first_and_asks_for_a_prediction():
+    """Lesson texts are read on Windows and macOS laptops too: the first command of the "Run:"
+    line is `python -m minisgl course lesson N`, the Windows form is given, no text needs
+    `.venv/bin/python`, and the learner writes a prediction down before the run."""
+    for number, script in SCRIPTS.items():
+        text = script.with_suffix(".md").read_text()
+        run = text[text.index("\nRun: "):].split("\n\n")[0]
+        commands = re.findall(r"`([^`]+)`", run)
+        assert commands[0] == f"python -m minisgl course lesson {number}", (number, commands)
+        assert f".venv\\Scripts\\python -m minisgl course lesson {number}" in commands, number
+        assert ".venv/bin/python" not in text and "ARGS=" not in text, number
+        predict = text.index("**Predict first.**")
+        assert predict < text.index("## What the script shows\n") + 40, number

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -146,6 +147,30 @@ def test_dropped_engine_stops_its_thread(qwen3):
         del engine
         gc.collect()
 
+
+
+# A daemon thread still inside generate() when the interpreter exits: the exit-time finalizer
+# stops the engine under it, and the thread printed the stopped stream's error (a traceback
+# under exit code 0). It now ends with the interpreter, silently, as daemon threads do.
+DAEMON_SCRIPT = """
+import sys, threading
+from minisgl import LLM, SamplingParams
+llm = LLM(sys.argv[1])
+inside = threading.Event()
+def work():
+    llm.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=1500, ignore_eos=True), on_step=lambda n: inside.set())
+threading.Thread(target=work, daemon=True).start()
+assert inside.wait(60)
+print("main returns")
+"""
+
+
+@pytest.mark.parametrize("loop", ["overlap", pytest.param("normal", marks=pytest.mark.full)])
+def test_a_daemon_thread_inside_generate_at_exit_ends_quietly(qwen3, loop):
+    script = DAEMON_SCRIPT.replace("LLM(sys.argv[1])", f"LLM(sys.argv[1], loop={loop!r})")
+    done = subprocess.run([sys.executable, "-c", script, qwen3], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["main", "returns"], done.stderr
+    assert done.stderr == "", done.stderr
 
 # No limits -----------------------------------------------------------------------------------
 def test_event_log_is_bounded(llm):

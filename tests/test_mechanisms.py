@@ -168,7 +168,7 @@ def test_staging_both_protections_off_gives_wrong_tokens(qwen3, delay_ms):
     for _attempt in range(8 if delay_ms == 0 else 1):
         bad = overlap(qwen3, "staging_double_buffer", "staging_war_wait", device_delay_ms=delay_ms, audit=False)
         outs = [o.token_ids for o in bad.generate(PROMPTS, GREEDY)]
-        wrong, overwrites = sum(o != e for o, e in zip(outs, expected)), bad.scheduler.batches.staging.unread_overwrites
+        wrong, overwrites = sum(o != e for o, e in zip(outs, expected)), bad.scheduler.batch_builder.staging.unread_overwrites
         bad.close()
         if wrong >= 2:
             break
@@ -182,8 +182,8 @@ def test_staging_one_buffer_with_the_wait_is_correct_but_waits(qwen3):
     expected = reference(qwen3, PROMPTS, GREEDY)
     llm = overlap(qwen3, "staging_double_buffer", device_delay_ms=30)  # a wide window: no flake under load
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
-    assert llm.scheduler.batches.staging.unread_overwrites == 0
-    assert llm.scheduler.batches.staging.waits > 0  # the host stalled on the device's read: idle it adds
+    assert llm.scheduler.batch_builder.staging.unread_overwrites == 0
+    assert llm.scheduler.batch_builder.staging.waits > 0  # the host stalled on the device's read: idle it adds
 
 
 @pytest.mark.parametrize("delay_ms", [0.0, 5.0])
@@ -193,7 +193,7 @@ def test_staging_two_buffers_without_the_wait_hold_while_n_commits_before_n_plus
     expected = reference(qwen3, PROMPTS, GREEDY)
     llm = overlap(qwen3, "staging_war_wait", device_delay_ms=delay_ms)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
-    assert llm.scheduler.batches.staging.unread_overwrites == 0
+    assert llm.scheduler.batch_builder.staging.unread_overwrites == 0
     events = llm.stats.events
     pos = {e: i for i, e in enumerate(events)}
     assert all(pos[(SpanName.COMMIT, n)] < pos[(SpanName.LAUNCH, n + 2)] for n in range(llm.stats.batches - 2))

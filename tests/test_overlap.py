@@ -22,7 +22,7 @@ def reference_and_workload(model: str, seed: int, chunk_size: int):
     return workload, expected
 
 
-# The fast tier: the three cases the exercises select (lessons/exercises/catalog.py); the full tier all six.
+# The fast tier: the three cases the exercises select (minisgl/course/catalog.py); the full tier all six.
 @pytest.mark.parametrize("delay_ms, seed", tiered([(d, s) for d in (0.0, 3.0) for s in (0, 1, 2)],
                                                   [(3.0, 0), (0.0, 0), (3.0, 1)]))
 def test_overlap_equals_normal(qwen3, seed, delay_ms):

@@ -11,7 +11,7 @@ import torch
 
 from minisgl import LLM, SamplingParams, demo_model_path
 from minisgl.features.prefill_gate import GATE_DRAIN_FRACTION, PrefillGate
-from minisgl.config import DEFAULTS
+from minisgl.settings import SETTING
 from minisgl.demo.tasks import demo_prompts
 from minisgl.demo.workloads import early_stop_workload
 from minisgl.request import Req
@@ -148,10 +148,11 @@ def test_gate_with_optimistic_admission_and_retraction():
 
 
 def test_min_prefill_tokens_default_and_checks(qwen3):
+    gate, chunk = SETTING["min_prefill_tokens"], SETTING["chunk_size"]
     with LLM(qwen3, device="cpu", chunk_size=64) as llm:
-        assert llm.config.min_prefill_tokens == DEFAULTS.min_prefill_tokens(torch.device("cpu")) == 0
+        assert llm.config.min_prefill_tokens == gate.default_for(torch.device("cpu")) == 0
     # The CUDA default must be reachable: no prefill batch holds more than a chunk.
-    assert 0 < DEFAULTS.min_prefill_tokens(torch.device("cuda")) <= DEFAULTS.chunk_size_cuda
+    assert 0 < gate.default_for(torch.device("cuda")) <= chunk.default_for(torch.device("cuda"))
     with pytest.raises(ValueError, match="min_prefill_tokens must be at most chunk_size"):
         LLM(qwen3, device="cpu", chunk_size=64, min_prefill_tokens=65)
     with pytest.raises(ValueError, match="min_prefill_tokens"):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from minisgl.kv_pool import KVAccountingError
+from minisgl.invariants import check_radix_cache
 from minisgl.radix_cache import RadixCache, TreeNode
 
 
@@ -21,9 +22,9 @@ class FakePool:
         self.freed.extend(slots.tolist())
 
 
-def make(enabled: bool = True):
+def make():
     pool = FakePool()
-    return RadixCache(pool, enabled=enabled), pool
+    return RadixCache(pool), pool
 
 
 def t(xs) -> torch.Tensor:
@@ -48,7 +49,7 @@ def test_match_on_empty_tree():
     slots, node = cache.match_prefix([])
     assert slots.numel() == 0 and node is cache.root
     assert cache.total_size == 0
-    cache.check_invariants()
+    check_radix_cache(cache)
 
 
 def test_insert_then_full_and_partial_match():
@@ -65,7 +66,7 @@ def test_insert_then_full_and_partial_match():
 
     slots, node = cache.match_prefix([9, 1])
     assert slots.numel() == 0 and node is cache.root
-    cache.check_invariants()
+    check_radix_cache(cache)
 
 
 def test_split_mid_edge_keeps_slots_and_sizes():
@@ -80,7 +81,7 @@ def test_split_mid_edge_keeps_slots_and_sizes():
     assert lower.key == (4, 5) and lower.slots.tolist() == [13, 14]
     assert lower.parent is node
     assert cache.total_size == cache.evictable_size == 5
-    cache.check_invariants()
+    check_radix_cache(cache)
     # full match still works through both halves
     slots, node2 = cache.match_prefix([1, 2, 3, 4, 5])
     assert slots.tolist() == [10, 11, 12, 13, 14] and node2 is lower
@@ -95,10 +96,10 @@ def test_split_of_locked_node_keeps_protected_size():
     _, upper = cache.match_prefix([1, 2])
     assert upper.lock_ref == 1
     assert cache.protected_size == 4 and cache.evictable_size == 0
-    cache.check_invariants()
+    check_radix_cache(cache)
     cache.unlock(node)
     assert cache.protected_size == 0 and cache.evictable_size == 4
-    cache.check_invariants()
+    check_radix_cache(cache)
 
 
 def test_insert_returns_already_present_prefix_len():
@@ -114,7 +115,7 @@ def test_insert_returns_already_present_prefix_len():
     assert cache.insert([1, 2, 3], t([40, 41, 42])) == 3  # nothing new
     assert cache.total_size == 6
     assert sorted(tree_slots(cache)) == [10, 11, 12, 23, 24, 32]
-    cache.check_invariants()
+    check_radix_cache(cache)
 
 
 def test_insert_copies_slots():
@@ -141,12 +142,12 @@ def test_lock_unlock_moves_sizes_and_protects():
     cache.lock(leaf)  # second lock on the same path changes no sizes
     assert cache.protected_size == 5 and leaf.lock_ref == 2
     assert cache.evict(100) == 0 and pool.freed == []
-    cache.check_invariants()
+    check_radix_cache(cache)
     cache.unlock(leaf)
     assert cache.protected_size == 5
     cache.unlock(leaf)
     assert cache.protected_size == 0 and cache.evictable_size == 5
-    cache.check_invariants()
+    check_radix_cache(cache)
     assert cache.evict(100) == 5
     assert sorted(pool.freed) == [10, 11, 12, 13, 14]
 
@@ -162,7 +163,7 @@ def test_unlock_underflow_raises():
     with pytest.raises((ValueError, RuntimeError)):
         cache.unlock(node)
     assert node.lock_ref == 0
-    cache.check_invariants()
+    check_radix_cache(cache)
 
 
 def test_lock_root_is_noop():
@@ -170,7 +171,7 @@ def test_lock_root_is_noop():
     cache.lock(cache.root)
     cache.unlock(cache.root)
     assert cache.total_size == 0
-    cache.check_invariants()
+    check_radix_cache(cache)
 
 
 def test_evict_lru_order_and_parent_after_children():
@@ -190,7 +191,7 @@ def test_evict_lru_order_and_parent_after_children():
     assert cache.evict(2) == 3
     assert pool.freed == [13, 20, 21, 12, 10, 11]
     assert cache.total_size == 0
-    cache.check_invariants()
+    check_radix_cache(cache)
 
 
 def test_evict_skips_locked_nodes():
@@ -205,7 +206,7 @@ def test_evict_skips_locked_nodes():
     assert freed == 2 and sorted(pool.freed) == [15, 19]
     assert cache.protected_size == 3 and cache.evictable_size == 0
     assert cache.match_prefix([1, 2, 3])[0].tolist() == [10, 11, 12]
-    cache.check_invariants()
+    check_radix_cache(cache)
 
 
 def test_flush_frees_all_unlocked():
@@ -222,18 +223,7 @@ def test_flush_frees_all_unlocked():
     assert cache.flush() == 2
     assert cache.total_size == 0 and list(cache.root.children) == []
     assert cache.flush() == 0
-    cache.check_invariants()
-
-
-def test_disabled_cache_stores_nothing():
-    cache, pool = make(enabled=False)
-    assert cache.insert([1, 2, 3], t([10, 11, 12])) == 0
-    slots, node = cache.match_prefix([1, 2, 3])
-    assert slots.numel() == 0 and node is cache.root
-    assert cache.total_size == 0
-    assert cache.evict(10) == 0 and cache.flush() == 0
-    assert pool.freed == []
-    cache.check_invariants()
+    check_radix_cache(cache)
 
 
 def test_check_invariants_detects_corruption():
@@ -241,21 +231,21 @@ def test_check_invariants_detects_corruption():
     cache.insert([1, 2, 3], t([10, 11, 12]))
     cache._evictable += 1
     with pytest.raises(AssertionError):
-        cache.check_invariants()
+        check_radix_cache(cache)
     cache._evictable -= 1
-    cache.check_invariants()
+    check_radix_cache(cache)
     child = cache.root.children.pop(1)
     cache.root.children[2] = child  # wrong first token
     with pytest.raises(AssertionError):
-        cache.check_invariants()
+        check_radix_cache(cache)
     cache.root.children = {1: child}
     child.lock_ref = -1
     with pytest.raises(AssertionError):
-        cache.check_invariants()
+        check_radix_cache(cache)
     child.lock_ref = 0
     cache.root.children[5] = TreeNode((), t([]), cache.root)
     with pytest.raises(AssertionError):
-        cache.check_invariants()
+        check_radix_cache(cache)
 
 
 def test_slot_accounting_simple():
@@ -330,7 +320,7 @@ def test_randomized_operations(seed: int):
             before = cache.evictable_size
             assert cache.flush() == before
             assert cache.evictable_size == 0
-        cache.check_invariants()
+        check_radix_cache(cache)
         # locked nodes are still attached to the tree
         for node in locked:
             assert node.lock_ref > 0
@@ -344,7 +334,7 @@ def test_randomized_operations(seed: int):
     while locked:
         cache.unlock(locked.pop())
     cache.flush()
-    cache.check_invariants()
+    check_radix_cache(cache)
     assert cache.total_size == 0
     assert sorted(pool.freed + caller_freed) == sorted(handed)
 
@@ -402,7 +392,7 @@ def test_evict_cuts_the_least_recently_used_unlocked_leaf_each_time(seed: int):
             before = len(cut)
             freed = cache.evict(rng.randrange(1, 6))
             assert freed == sum(len(n) for n in cut[before:])
-        cache.check_invariants()
+        check_radix_cache(cache)
     assert cut, "the run evicted nothing: the check above never ran"
 
 
@@ -414,7 +404,7 @@ def test_evict_finds_leaves_whose_heap_entries_were_lost():
     cache._leaf_heap.clear()
     assert cache.evict(100) == 6 and cache.total_size == 0
     assert sorted(pool.freed) == [0, 1, 2, 10, 11, 20]
-    cache.check_invariants()
+    check_radix_cache(cache)
 
 
 def test_eviction_heap_stays_bounded_under_repeated_matches():
@@ -426,4 +416,4 @@ def test_eviction_heap_stays_bounded_under_repeated_matches():
         cache.match_prefix([1, 2, 3])
     assert len(cache._leaf_heap) <= 2 * 2 + 64 + 1
     assert cache.evict(1) == 2  # [7, 8] is now the least recently used
-    cache.check_invariants()
+    check_radix_cache(cache)

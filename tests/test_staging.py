@@ -45,7 +45,7 @@ def test_the_device_reads_a_copy_that_a_later_write_does_not_change():
 @pytest.mark.parametrize("disable", [(), ("staging_double_buffer",)])  # two buffers, or one reused each batch
 def test_engine_never_rewrites_a_buffer_the_device_has_not_copied(qwen3, disable):
     llm = LLM(qwen3, loop="overlap", device_delay_ms=2, disable=disable)
-    ring = llm.scheduler.batches.staging
+    ring = llm.scheduler.batch_builder.staging
     handed_out = []  # for each acquire: had the device copied what the buffer held?
     acquire = ring.acquire
 

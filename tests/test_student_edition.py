@@ -1,4 +1,4 @@
-"""The student edition (lessons/exercises/student_edition.py): no answer in it, in code or text;
+"""The student edition (minisgl/course/student_edition.py): no answer in it, in code or text;
 no teacher's file and no history; the reference regions put back give the reference package
 (which passes every exercise: test_exercises.py); and a lesson that reaches a part not written
 yet says which exercise unlocks it."""
@@ -12,15 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import load_exercise_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 MIN_REVEALING_CHARS = 21  # shorter lines (`continue`, `if last is not None:`) say nothing about the answer
 
 
-edition = load_exercise_tool("student_edition")
-grade = load_exercise_tool("grade")
-tool = sys.modules["make_exercise"]
+from minisgl.course import grade
+from minisgl.course import make_exercise as tool
+from minisgl.course import student_edition as edition
 
 
 def squeeze(text: str) -> str:
@@ -37,6 +36,8 @@ def revealing_lines() -> dict[str, str]:
     that normal_loop also has gives nothing away) -> 'file: exercise N: part'."""
     found, outside = {}, []
     for rel in sorted(tool.PACKAGE.rglob("*.py")):
+        if rel.relative_to(tool.ROOT).as_posix() in edition.TEACHER_ONLY:  # near copies of the answers
+            continue
         lines = rel.read_text().splitlines()
         inside = set()
         for region in tool.regions(lines):
@@ -78,7 +79,7 @@ def test_every_region_raises_naming_its_exercise_and_the_reference_fits_back(stu
         text = (student / "minisgl" / rel).read_text()
         for region in tool.regions(text.splitlines()):
             body = [line.strip() for line in text.splitlines()[region.first + 1:region.last]]
-            message = f"exercise {region.number}: {region.name} (make hint-{region.number} for hints)"
+            message = f"exercise {region.number}: {region.name} (hints: python -m minisgl course hint {region.number})"
             assert body[-1:] == [f"raise NotImplementedError({message!r})"] and all(
                 line.startswith("# define ") for line in body[:-1]), body
             if (region.number, region.name) == (5, "checkpoint"):  # exercise 4's region below reads it
@@ -87,11 +88,13 @@ def test_every_region_raises_naming_its_exercise_and_the_reference_fits_back(stu
     restored = grade.put_regions(student, grade.written_regions(ROOT), tmp_path / "restored")
     for path in sorted(tool.PACKAGE.rglob("*.py")):
         rel = path.relative_to(tool.PACKAGE)
+        if path.relative_to(tool.ROOT).as_posix() in edition.TEACHER_ONLY:
+            continue
         assert (restored / "minisgl" / rel).read_text() == path.read_text(), rel
 
 
 def test_the_exercise_checker_tests_minisgl_in_place_in_the_student_edition(student):
-    done = subprocess.run([sys.executable, "lessons/exercises/make_exercise.py", "generate", "2"], cwd=student,
+    done = subprocess.run([sys.executable, "-m", "minisgl.course.make_exercise", "generate", "2"], cwd=student,
                           capture_output=True, text=True)
     assert done.returncode != 0 and "minisgl/ itself" in done.stderr, done.stderr
 
@@ -104,3 +107,28 @@ def test_a_lesson_that_needs_a_missing_part_names_the_exercise_and_ends_cleanly(
     assert done.returncode == 0 and said and "Traceback" not in done.stderr, (done.stdout[-2000:], done.stderr[-2000:])
     package = "".join(path.read_text() for path in (student / "minisgl").rglob("*.py"))
     assert re.search(rf"NotImplementedError\(['\"]exercise {said[1]}: ", package), "it names an exercise that is not missing"
+
+
+def test_no_text_of_the_edition_points_at_a_file_it_lacks(student):
+    """Every relative link of the edition's texts resolves there, and every mention of a teacher's
+    file (the guide, the grader, the known-wrong solutions) says it is not in this edition."""
+    names = edition._teacher_only_names()
+    for md in sorted(student.rglob("*.md")):
+        if ".git" in md.relative_to(student).parts:
+            continue
+        text = md.read_text()
+        for target in re.findall(r"\]\(([^)#\s]+)", text):
+            if "://" not in target:
+                assert (md.parent / target).exists(), f"{md.relative_to(student)} links {target}"
+        for line in text.splitlines():
+            assert not names.search(line) or edition.TEACHERS_NOTE in line, \
+                f"{md.relative_to(student)} names a teacher's file without saying so: {line}"
+
+
+@pytest.mark.full  # an engine start in a fresh interpreter
+def test_the_demo_in_the_edition_names_the_missing_exercise_in_one_line(student):
+    done = subprocess.run([sys.executable, "-m", "minisgl", "demo"], cwd=student, capture_output=True, text=True,
+                          timeout=300)
+    said = re.search(r"needs exercise (\d+)", done.stderr)
+    assert done.returncode == 2 and said and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -311,7 +311,7 @@ def test_host_work_by_phase_separates_the_mix_of_iterations():
         (pytest.approx(1.0), pytest.approx(1.0), pytest.approx(1.5))
 
 
-def test_breakdown_prints_c_by_span_and_the_allocator(monkeypatch):
+def test_breakdown_prints_c_by_span_and_the_allocator():
     """`bench --breakdown`'s table (observe/bench.py): each phase's C per iteration, then its
     schedule / launch / commit parts, and on CUDA the allocator's counts during the run."""
     from minisgl.observe import bench
@@ -324,9 +324,8 @@ def test_breakdown_prints_c_by_span_and_the_allocator(monkeypatch):
     cost = ModelCost(matmul_params=1000, layers=2, q_size=8, kv_bytes_per_token=10)
     rows = breakdown(hand_spans(), batches, cost, hbm=1e6, flops=1e9, full_batch=full)
     console = Console(record=True, width=150, file=io.StringIO())
-    monkeypatch.setattr(bench, "console", console)
     bench.print_breakdown({"loop": "overlap", "breakdown": rows,
-                           "allocator": {"num_device_alloc": 3, "num_device_free": 1, "num_alloc_retries": 0}})
+                           "allocator": {"num_device_alloc": 3, "num_device_free": 1, "num_alloc_retries": 0}}, console)
     text = console.export_text()
     full_row = next(line for line in text.splitlines() if "full batch" in line)
     # iterations 2 and 3 (ms per iteration, the hand spans' seconds x 1000): 1750 in all,
@@ -342,3 +341,44 @@ def test_host_work_step_by_step_counts_the_launching_iterations():
 
     spans = hand_spans() + [S(SpanName.COMMIT, "host", 21, 21.5, 5, 3)]
     assert host_work_by_launch(spans) == pytest.approx([2.0, 1.5, 2.0, 3.0])
+
+
+def test_cuda_spans_resolve_each_pair_once_the_device_has_passed_it(monkeypatch):
+    """A CPU check of the CUDA tracer's bookkeeping (fake events): a span comes out once both of
+    its events have completed, oldest first, so only the forwards in flight keep their events;
+    resolve(wait=True) syncs and hands out the rest."""
+    import torch
+
+    from minisgl.gpu.cuda_spans import CudaSpans
+    from minisgl.tracer import SpanName
+
+    clock = {"now_ms": 0.0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool) -> None:
+            self.done, self.at_ms = False, None
+
+        def record(self) -> None:
+            clock["now_ms"] += 1.0
+            self.at_ms = clock["now_ms"]
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, other: "FakeEvent") -> float:
+            return other.at_ms - self.at_ms
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(True))
+    spans = CudaSpans()
+    starts = [spans.begin() for _ in range(3)]
+    for start in starts:
+        start.done = True
+    assert spans.end(starts[0], SpanName.FORWARD, "engine", 0, 0) == []  # its end event not passed yet
+    spans.pending[0][3].done = True
+    got = spans.end(starts[1], SpanName.FORWARD, "engine", 1, 1)
+    assert [(f[4], round((f[3] - f[2]) * 1000)) for f in got] == [(0, 3)] and len(spans.pending) == 1
+    spans.end(starts[2], SpanName.FORWARD, "engine", 2, 2)
+    assert not synced and len(spans.pending) == 2  # the device has passed neither end
+    assert [f[4] for f in spans.resolve(wait=True)] == [1, 2] and synced and not spans.pending

@@ -10,16 +10,7 @@ shows a teacher what a learner with that mistake sees.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-
-@dataclass(frozen=True)
-class Wrong:
-    exercise: int
-    name: str
-    story: str  # the mistake, in one line
-    expect: str  # a phrase the first failure (or the hang report) must contain
-    regions: dict[str, str] = field(default_factory=dict)  # region name -> code put there (any indent)
+from minisgl.course.catalog import Wrong
 
 
 OVERLAP_LOOP = """
@@ -467,12 +458,12 @@ if (req.row, req.row_generation) != (row, generation):
 DELAYED_SAMPLE = """
 result = inflight.result
 {check}
-with self.tracer.host(SpanName.SAMPLE, result.batch_id):
+with sched.tracer.host(SpanName.SAMPLE, result.batch_id):
     reqs = {reqs}
-    self.engine.launch_sample(result, {mask})
-self.stats.delayed_samples += 1
+    launch_sample(sched.engine, result, {mask})
+sched.stats.delayed_samples += 1
 """
-COMMITTED = 'assert self.rows.done_id == result.batch_id - 1, "sampling before the previous commit"'
+COMMITTED = 'assert sched.rows.done_id == result.batch_id - 1, "sampling before the previous commit"'
 MASK_NOW = "build_mask([r.params.grammar for r in reqs], [r.grammar_state for r in reqs])"
 DELAY_AT_PLANNING = """
 delay_sample = self.on("grammar_delayed_sample")
@@ -503,14 +494,14 @@ mask = build_mask([p.grammar for p in params], [r.grammar_state for r in reqs])
     Wrong(10, "uncounted", "launches the delayed sampling but does not count it", "count each delayed sampling",
           {"launch the delayed sampling": DELAYED_SAMPLE.format(check=COMMITTED, reqs="inflight.view.reqs",
                                                                 mask=MASK_NOW).replace(
-              "self.stats.delayed_samples += 1", "")}),
+              "sched.stats.delayed_samples += 1", "")}),
     Wrong(10, "no-host-span", "builds the masks and launches the sampling outside the tracer's host span",
           "the timeline must show", {"launch the delayed sampling": f"""
 result = inflight.result
 {COMMITTED}
 reqs = inflight.view.reqs
-self.engine.launch_sample(result, {MASK_NOW})
-self.stats.delayed_samples += 1
+launch_sample(sched.engine, result, {MASK_NOW})
+sched.stats.delayed_samples += 1
 """}),
     Wrong(10, "no-commit-check", "samples without checking that the previous batch is committed",
           "refuse to sample a batch before every earlier batch is committed", delayed_sample(check="")),
@@ -518,4 +509,34 @@ self.stats.delayed_samples += 1
           {"delay the sampling": "delay_sample = True"}),
     Wrong(10, "no-mask-when-off", "with the switch off, builds no mask at all", "keep the switch",
           {"delay the sampling": 'delay_sample = self.on("grammar_delayed_sample")'}),
+]
+
+WRONG += [
+    # ---------------------------------------------------------------- classes a student found passing (a round of 83)
+    Wrong(1, "snapshot-always", "freezes the view of the batch in flight even with batch_snapshot off",
+          "keep the switch", {"overlap_loop": overlap_loop(view="planned.view.snapshot()")}),
+    Wrong(6, "park-every-row", "parks every released row, in flight or not: with no later commit it is never freed",
+          "must be freed at once", {"deferred row free": """
+if self.on("deferred_row_free"):
+    self.deferred_rows.append(row)
+else:
+    self.req_to_token.free(row)
+"""}),
+    Wrong(8, "wait-only-if-not-passed", "waits for copy_done only when query() says it has not passed yet: a failed "
+          "batch that is over by its commit is read as if it had worked", "where a failure of the device's work",
+          {"the host waits for copy_done": """
+if not result.copy_done.query():
+    result.copy_done.synchronize()
+"""}),
+    Wrong(9, "skip-counts-the-sample", "takes the skipped result off the request's samples in flight, which the "
+          "retraction had already reset", "leave the retracted request untouched",
+          {"skip a retracted request's in-flight result": """
+if (req.row, req.row_generation) != (row, generation) and self.on("retract_skip_inflight"):
+    req.inflight_samples -= 1
+    self.stats.retracted_late_results += 1
+    continue
+"""}),
+    Wrong(10, "masks-without-finished-rows", "builds the delayed masks without the rows whose request finished "
+          "while the batch was in flight", "also for a request that finished",
+          delayed_sample(reqs="[r for r in inflight.view.reqs if not r.finished]")),
 ]

@@ -11,14 +11,13 @@ CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
 
 
-def demo_model_path() -> Path:
-    """Directory of the trained demo model (a Hugging Face checkpoint).
+def demo_model_path(path: Path = CHECKPOINT_DIR) -> Path:
+    """Directory of the trained demo model (a Hugging Face checkpoint), checked.
 
     It is the default model of ``make demo``, ``trace`` and the lessons; both
     ``transformers`` and minisgl load it.  Raises ``FileNotFoundError`` with
-    the command that rebuilds it when it is missing.
+    the command that rebuilds it when it is missing from `path`.
     """
-    path = CHECKPOINT_DIR
     missing = [name for name in _REQUIRED if not (path / name).is_file()]
     if missing:
         raise FileNotFoundError(

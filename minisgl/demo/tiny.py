@@ -5,7 +5,7 @@ ordinary Hugging Face directory (``config.json``, ``generation_config.json``,
 ``model.safetensors`` and the tokenizer files), so both ``transformers`` and
 minisgl's own loader can read it.
 
-Two presets exist:
+Four presets exist (``"small"``: head_dim 128 for the CUDA tests):
 
 ``"tiny"``
     A few hundred thousand parameters; builds in well under a second.  The
@@ -14,6 +14,9 @@ Two presets exist:
 ``"qwen3-0.6b"``
     The exact tensor shapes of Qwen3-0.6B in bfloat16 with random weights, for
     benchmarks that care about realistic sizes but not about the text.
+``"qwen3-8b"``
+    The same for Qwen3-8B: about 16 GB of bfloat16, so build it on a GPU
+    (``device="cuda"``); on the CPU it takes minutes.
 
 The tokenizer is a byte-level BPE trained on a short built-in English text
 (plus the demo-task corpus), so it is small (about 512 entries) but encodes
@@ -43,49 +46,18 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
 ARCHS = ("llama", "qwen2", "qwen3")
 
-# Shapes of each preset.  ``vocab_size=None`` means "the tokenizer's size".
-PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=None,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        dtype="float32",
-    ),
-    # head_dim 128 and GQA group 2, like Qwen3-0.6B: what FlashInfer's kernels support on GPU.
-    "small": dict(
-        hidden_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        intermediate_size=1024,
-        vocab_size=None,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        dtype="float32",
-    ),
-    "qwen3-0.6b": dict(
-        hidden_size=1024,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=True,
-        dtype="bfloat16",
-    ),
-}
+# Shapes of each preset: (hidden, layers, heads, kv heads, head_dim, intermediate, vocab, window, rope
+# theta, tied embeddings, dtype); a vocab of None means "the tokenizer's size". "small" has head_dim
+# 128 and GQA group 2, like Qwen3-0.6B: what FlashInfer's kernels support on a GPU.
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "vocab_size", "max_position_embeddings", "rope_theta", "tie_word_embeddings",
+               "dtype")
+PRESETS: dict[str, dict] = {name: dict(zip(_SHAPE_KEYS, shape)) for name, shape in {
+    "tiny": (64, 2, 4, 2, 16, 128, None, 2048, 10000.0, False, "float32"),
+    "small": (512, 2, 4, 2, 128, 1024, None, 4096, 10000.0, False, "float32"),
+    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072, 151936, 40960, 1_000_000.0, True, "bfloat16"),
+    "qwen3-8b": (4096, 36, 32, 8, 128, 12288, 151936, 40960, 1_000_000.0, False, "bfloat16"),
+}.items()}
 
 # A short, original English text used to train the tiny tokenizer.  It only
 # needs to contain ordinary words, digits and punctuation.
@@ -311,6 +283,7 @@ def make_tiny(
     dtype: str | None = None,
     config_only: bool = False,
     init_std: float = 0.02,
+    device: str = "cpu",
 ) -> Path:
     """Write a checkpoint with random weights to ``out_dir`` and return its path.
 
@@ -318,7 +291,8 @@ def make_tiny(
     from ``transformers`` itself).  ``preset`` is ``"tiny"`` or
     ``"qwen3-0.6b"`` (see :data:`PRESETS`).  ``dtype`` defaults to the
     preset's (``float32`` for tiny, ``bfloat16`` for qwen3-0.6b).  The same
-    ``seed`` gives the same weights.  ``config_only=True`` writes the config,
+    ``seed`` gives the same weights on the same ``device`` (the random
+    weights are drawn there: ``"cuda"`` for the large presets).  ``config_only=True`` writes the config,
     generation config and tokenizer but no weights (cheap even for the large
     preset).
     """
@@ -353,9 +327,8 @@ def make_tiny(
 
     _, model_cls = _classes(arch)
     torch.manual_seed(seed)
-    # Build the parameters directly in the target dtype: for the 0.6B preset
-    # that is 1.2 GB of bfloat16 instead of 2.4 GB of float32 first.
-    with _default_dtype(torch_dtype):
+    # Build the parameters directly in the target dtype: a large preset never exists in float32.
+    with _default_dtype(torch_dtype), torch.device(device):
         model = model_cls(config)
     model.eval()
     model.generation_config = gen
@@ -375,8 +348,10 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default=None, choices=sorted(_DTYPES))
     ap.add_argument("--config-only", action="store_true")
+    ap.add_argument("--device", default="cpu", help="where the random weights are drawn (cuda for qwen3-8b)")
     a = ap.parse_args(argv)
-    path = make_tiny(a.out_dir, a.arch, preset=a.preset, seed=a.seed, dtype=a.dtype, config_only=a.config_only)
+    path = make_tiny(a.out_dir, a.arch, preset=a.preset, seed=a.seed, dtype=a.dtype, config_only=a.config_only,
+                     device=a.device)
     print(path)
     return 0
 

@@ -24,5 +24,5 @@ def plug_in(sched: Scheduler) -> Features:
         admission=OptimisticAdmission() if config.admission == "optimistic" else None,
         prefill_gate=PrefillGate(config.min_prefill_tokens, config.max_running_requests)
         if config.min_prefill_tokens else None,
-        grammar=DelayedSampling(sched.engine, sched.rows, sched.tracer, sched.stats, sched.mechanisms),
+        grammar=DelayedSampling(sched),
         logprobs=LogprobsFeature())

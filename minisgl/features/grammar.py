@@ -28,11 +28,8 @@ from ..tracer import SpanName
 
 if TYPE_CHECKING:
     from ..batch import InFlight
-    from ..engine import Engine
-    from ..rows import RowTracker
-    from ..batch import SchedulerStats
-    from ..mechanisms import Mechanisms
-    from ..tracer import Tracer
+    from ..engine import Engine, ForwardResult
+    from ..scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -155,18 +152,38 @@ def build_mask(grammars: Sequence[Constraint | None], states: Sequence) -> Token
     return type(other).batch_mask(fsm, grammars, states)  # the other backend adds its rows to the FSM's
 
 
+def launch_sample(engine: Engine, result: ForwardResult, mask: TokenMask) -> None:
+    """Queue the delayed sampling of a launched forward on the engine stream, with masks built
+    after the forward was launched (SGLang's launch_batch_sample_if_needed); no wait. Queued
+    before the next batch's forward: that forward reads this batch's tokens from the FutureMap,
+    and a CUDA-graph replay rewrites the logits buffer held here. `copy_done` moves past the
+    sampling: the result-queue entry holds this same result, so its commit waits for it."""
+    delayed = result.delayed
+    assert delayed is not None, f"batch {result.batch_id}: its sampling was not delayed, or was launched already"
+    result.delayed = None
+    iteration, tracer = engine.tracer.iteration, engine.tracer
+
+    def sample_held() -> None:
+        begin = tracer.device_begin(engine.device)
+        logits, inp = delayed.held.pop()
+        engine.sample(delayed.batch, inp, logits, mask, result.next_tokens, result.next_tokens_host, result.logprobs)
+        tracer.device_end(begin, SpanName.SAMPLE, engine.stream.name, engine.device, iteration, result.batch_id)
+
+    engine.stream.launch(sample_held)
+    result.copy_done = engine.stream.record_event()
+
+
 class DelayedSampling:
     """The grammar seam: a batch with a grammar samples only after every earlier batch is committed.
 
     The scheduler calls `plan` while planning such a batch, and `launch` once the batch before it
     is committed (right after the launch in normal_loop, after the commit of n-1 in overlap_loop)."""
 
-    def __init__(self, engine: Engine, rows: RowTracker, tracer: Tracer, stats: SchedulerStats,
-                 mechanisms: Mechanisms) -> None:
-        self.engine, self.rows, self.tracer, self.stats, self.mechanisms = engine, rows, tracer, stats, mechanisms
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
 
     def on(self, mechanism: str) -> bool:
-        return self.mechanisms.on(mechanism)
+        return self.sched.on(mechanism)
 
     def plan(self, reqs: Sequence[Req]) -> tuple[bool, TokenMask | None]:
         """(delay the sampling?, the mask if it is built now) for a batch with a grammar."""
@@ -184,14 +201,15 @@ class DelayedSampling:
     def launch(self, inflight: InFlight) -> None:
         """Build the batch's masks from the grammar states now and launch its sampling (SGLang's
         launch_batch_sample_if_needed; lessons/readings §16)."""
+        sched = self.sched
         # >>> exercise 10: launch the delayed sampling
         result = inflight.result
         # The mask needs each request's latest token: every earlier batch must be committed, so
         # that the states are not one token behind (what grammar_delayed_sample off shows).
-        assert self.rows.done_id == result.batch_id - 1, "delayed sampling before the previous batch's commit"
-        with self.tracer.host(SpanName.SAMPLE, result.batch_id):
+        assert sched.rows.done_id == result.batch_id - 1, "delayed sampling before the previous batch's commit"
+        with sched.tracer.host(SpanName.SAMPLE, result.batch_id):
             reqs = inflight.view.reqs  # the batch's own rows, in its order: one mask entry per row
-            self.engine.launch_sample(result, build_mask([r.params.grammar for r in reqs],
-                                                         [r.grammar_state for r in reqs]))
-        self.stats.delayed_samples += 1
+            launch_sample(sched.engine, result, build_mask([r.params.grammar for r in reqs],
+                                                           [r.grammar_state for r in reqs]))
+        sched.stats.delayed_samples += 1
         # <<< exercise 10

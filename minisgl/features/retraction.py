@@ -16,13 +16,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import Callable, Iterable
 
 from ..request import Req
-from ..tracer import SpanName
-
-if TYPE_CHECKING:
-    from ..scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -30,7 +26,10 @@ class RatioSchedule:
     init: float = 0.7  # SGLang: SGLANG_INIT_NEW_TOKEN_RATIO
     min_factor: float = 0.14  # SGLang: SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR (min = init * factor)
     decay_steps: int = 100  # SGLang: 600 (SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS); our runs are shorter
-    retract_headroom_steps: int = 4  # SGLang: 20 (SGLANG_RETRACT_DECODE_STEPS); our pools are smaller
+    # Retract until this many decode steps fit, and re-estimate the ratio with them. SGLang retracts
+    # only until the next step fits and uses SGLANG_RETRACT_DECODE_STEPS (20) for the ratio and the
+    # tree eviction (readings §15): minisgl's small pools would retract again at once.
+    retract_headroom_steps: int = 4
 
 
 @dataclass
@@ -76,34 +75,18 @@ class OptimisticAdmission:
             total += prompt_left + math.ceil(self.new_token_ratio.current * max(0, r.reserved_tokens - prompt_left))
         return total
 
-    def retract_for_decode(self, sched: Scheduler) -> bool:
-        """Retract requests until the next decode step gets one slot per running request (SGLang:
-        check_decode_mem, retract_decode). False: not even one request fits until the batch in
-        flight commits its finishes."""
-        reqs, kv = sched.running.reqs, sched.kv_ledger
-        if kv.available() >= len(reqs):
+    def retract_for_decode(self, running: list[Req], available: Callable[[], int],
+                            retract: Callable[[Req], None]) -> bool:
+        """Retract requests (`retract`: the scheduler sends one back to waiting) until the next
+        decode step gets one slot per running request (SGLang: check_decode_mem, retract_decode).
+        False: not even one request fits until the batch in flight commits its finishes."""
+        if available() >= len(running):
             self.new_token_ratio.decay_step()
             return True
         # Retract until a few steps fit (fewer retractions in a row), keeping at least one request.
         steps = self.new_token_ratio.schedule.retract_headroom_steps
-        while len(reqs) > 1 and kv.available() < len(reqs) * steps:
+        while len(running) > 1 and available() < len(running) * steps:
             # SGLang's order: the request with the fewest outputs goes first, the longer prompt on a tie.
-            retract(sched, min(reqs, key=lambda r: (len(r.output_ids), -r.prompt_len)))
-            self.new_token_ratio.after_retract(reqs)
-        return kv.available() >= len(reqs)
-
-
-def retract(sched: Scheduler, req: Req) -> None:
-    """Send a running request back to waiting: its committed KV goes to the radix cache and the
-    rest back to the pool, as at a finish. A batch in flight may still write its last slot, which
-    the next batch may then be given: safe, the new owner's writes queue behind it on the engine
-    stream. Its row waits for that batch (deferred row free), and that batch's result for it must
-    be skipped at commit (retract_skip_inflight)."""
-    sched.running.reqs.remove(req)
-    sched._release(req)
-    req.reset_for_retract()
-    sched.waiting.appendleft(req)
-    sched.stats.retractions += 1
-    sched.stats.events.append((SpanName.RETRACT, sched.batches.next_id))
-
-
+            retract(min(running, key=lambda r: (len(r.output_ids), -r.prompt_len)))
+            self.new_token_ratio.after_retract(running)
+        return available() >= len(running)

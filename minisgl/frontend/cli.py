@@ -17,7 +17,7 @@ from typing import Sequence
 from ..checks import MAX_TOKENS
 from ..sampling_params import FLOAT32_MAX, TOP_K_MAX
 from .options import (DELAY_MS, MAX_CLI_REQUESTS, MAX_DEMO_PROMPTS, SEED, Number, NumberList, OneLineParser,
-                      add_engine_args, build_llm, count, disabled_names)
+                      add_engine_args, build_llm, count)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -62,7 +62,7 @@ def _demo_pairs(n: int) -> list[tuple[str, str]]:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from ..demo.tiny import make_tiny
 
-    path = make_tiny(args.out, args.arch, preset=args.preset, seed=args.seed)
+    path = make_tiny(args.out, args.arch, preset=args.preset, seed=args.seed, device=args.device)
     print(f"wrote {args.arch} ({args.preset}) checkpoint to {path}")
     return 0
 
@@ -156,8 +156,10 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-tiny", help="write a tiny random checkpoint plus a trained BPE tokenizer")
     m.add_argument("out")
     m.add_argument("--arch", default="qwen3", choices=["llama", "qwen2", "qwen3"])
-    m.add_argument("--preset", default="tiny", choices=["tiny", "small", "qwen3-0.6b"])
+    m.add_argument("--preset", default="tiny", choices=["tiny", "small", "qwen3-0.6b", "qwen3-8b"])
     m.add_argument("--seed", type=SEED, default=0)
+    m.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the random weights are drawn (cuda for qwen3-8b: 16 GB)")
     m.set_defaults(func=cmd_make_tiny)
 
     from ..server.cli import add_serve_args, cmd_serve
@@ -181,7 +183,7 @@ def run_command(args: argparse.Namespace) -> int:
     symptom (a double free, lost requests, a DeviceError from overwritten metadata: the switch table
     in docs/usage.md): one line and exit 1, and the warnings of the failed run's clean-up are dropped.
     With every mechanism on, a failure is a bug and keeps its traceback."""
-    disabled = disabled_names(args) if hasattr(args, "disable") else []
+    disabled = getattr(args, "disable", [])
     if not disabled:
         return args.func(args)
     with warnings.catch_warnings(record=True) as caught:

@@ -1,6 +1,6 @@
 """`python -m minisgl course ...`: the course's commands without `make` (Windows has none).
 
-Each one runs a script of the repository's `lessons/` folder with this interpreter, so the
+Each one runs a lesson script of `lessons/` or a module of `minisgl.course` with this interpreter, so the
 course needs the repository checkout (the editable install that `install.py` makes), not just
 the installed package:
 
@@ -21,17 +21,15 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-ROOT = Path(__file__).resolve().parents[2]
-LESSONS = ROOT / "lessons"
-EXERCISES = LESSONS / "exercises"
+from minisgl.course import LESSONS, PACKAGE, ROOT
 
-# command -> (script, the arguments put before the caller's)
-SCRIPTS = {
-    "exercises": (EXERCISES / "make_exercise.py", ["list"]),
-    "exercise": (EXERCISES / "make_exercise.py", ["check"]),
-    "hint": (EXERCISES / "make_exercise.py", ["hint"]),
-    "student-edition": (EXERCISES / "student_edition.py", []),
-    "grade": (EXERCISES / "grade.py", []),
+# command -> (module of minisgl.course, the arguments put before the caller's)
+MODULES = {
+    "exercises": ("make_exercise", ["list"]),
+    "exercise": ("make_exercise", ["check"]),
+    "hint": ("make_exercise", ["hint"]),
+    "student-edition": ("student_edition", []),
+    "grade": ("grade", []),
 }
 
 
@@ -59,15 +57,16 @@ def main(argv: Sequence[str]) -> int:
             print(f"error: course lesson takes a lesson number, one of {sorted(lessons)}", file=sys.stderr)
             return 2
         script, rest = lessons[int(rest[0])], rest[1:]
-    elif command in SCRIPTS:
-        script, first = SCRIPTS[command]
-        if not script.exists():  # the grader and the wrong solutions are left out of the student edition
-            print(f"error: course {command} is not part of this edition ({script.name} is missing)", file=sys.stderr)
+        command_line = [str(script), *rest]
+    elif command in MODULES:
+        module, first = MODULES[command]
+        if not (PACKAGE / "course" / f"{module}.py").exists():  # teacher's tools: not in the student edition
+            print(f"error: course {command} is a teacher's tool, not part of the student edition", file=sys.stderr)
             return 2
-        rest = first + rest
+        command_line = ["-m", f"minisgl.course.{module}", *first, *rest]
     else:
         print(f"error: unknown course command {command!r}; python -m minisgl course --help lists them",
               file=sys.stderr)
         return 2
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    return subprocess.call([sys.executable, str(script), *rest], cwd=ROOT, env=env)
+    return subprocess.call([sys.executable, *command_line], cwd=ROOT, env=env)

@@ -8,6 +8,7 @@ requests (`_abandon`): aborted, and their results dropped when they come.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 from ..invariants import memory_report
@@ -64,6 +65,12 @@ class DrivingMixin:
         try:
             done = self.scheduler.step()
         except BaseException:
+            if not self._stop_engine.alive:
+                # The engine was stopped under this running call. Only the finalizer at interpreter
+                # exit does that (close() refuses while a call runs), and then only daemon threads
+                # still run: this one waits to be stopped with the interpreter, as daemon threads
+                # are, instead of printing the stopped engine's error.
+                threading.Event().wait()
             done, self.scheduler.finished = self.scheduler.finished, []  # finished before the error
             self._store(done)
             raise

@@ -37,18 +37,21 @@ class LLM(DrivingMixin):
                  dtype: str | torch.dtype | None = None, max_running_requests: int | None = None,
                  chunk_size: int | None = None, kv_tokens: int | None = None, trace: bool = False,
                  attention_backend: str = "auto", host_delay_ms: float = 0.0, deterministic: bool = False,
-                 admission: str = "reserve", min_prefill_tokens: int | None = None) -> None:
+                 admission: str = "reserve", min_prefill_tokens: int | None = None,
+                 speculative_algorithm: str | None = None, speculative_num_steps: int = 3,
+                 speculative_draft_model_path: str | os.PathLike | None = None, enable_mixed_chunk: bool = False,
+                 fused_kernels: bool = True, tensor_core_decode_min_batch: int | None = 128,
+                 fast_decode_plan: bool = True) -> None:
+        """The keywords are the engine's settings, in minisgl.config.SETTINGS with their ranges and help
+        (a test holds this signature to that table)."""
+        settings = {name: value for name, value in locals().items() if name not in ("self", "model_path")}
         # Every argument is checked before anything is started, so a bad one leaves nothing behind.
-        self.config: EngineConfig = resolve_config(
-            model_path, device=device, loop=loop, disable=disable, device_delay_ms=device_delay_ms, dtype=dtype,
-            max_running_requests=max_running_requests, chunk_size=chunk_size, kv_tokens=kv_tokens, trace=trace,
-            attention_backend=attention_backend, host_delay_ms=host_delay_ms, deterministic=deterministic,
-            admission=admission, min_prefill_tokens=min_prefill_tokens)
+        self.config: EngineConfig = resolve_config(model_path, settings)
         self.device = self.config.device
         self.model_path = self.config.model_path
         self._closed = False
         self._guard = CallGuard()  # the one thread inside a call (see the class doc and guard.py)
-        self._pid = os.getpid()  # the process whose threads run the engine (see _check_can_enter)
+        self._pid = os.getpid()  # the process whose threads run the engine (see _call)
         self._reqs: dict[int, Req] = {}  # queued or running
         self._results: dict[int, RequestOutput] = {}  # finished, not yet handed to the caller
         self._abandoned: set[int] = set()  # started by a generate() that raised: results dropped

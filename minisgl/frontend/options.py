@@ -12,16 +12,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checks import INT64_MAX, MAX_DELAY_MS, MAX_RUNNING_REQUESTS, MAX_TOKENS
+from ..checks import INT64_MAX
 from ..mechanisms import MECHANISMS
+from ..settings import SETTING, SETTINGS, Setting
 
 
 # The most requests a CLI run builds (generate's demo prompts, bench, trace, the lab's batch): the
-# workload is built up front, and 16,384 offline requests are ~9M prompt tokens (~300 MB of Python
-# lists), four times the largest GPU run recorded (benchmarks/RESULTS.md).
+# workload is built up front, in Python lists, so the bound keeps it well within host memory while
+# leaving room above the largest GPU run recorded (figures: benchmarks/RESULTS.md, "CLI limits").
 MAX_CLI_REQUESTS = 16384
-# generate's demo prompts and trace's requests are distinct held-out demo prompts, drawn one by
-# one: about 6 s per thousand on a loaded 2-core machine, slower as the pool runs out (16,384: minutes).
+# generate's demo prompts and trace's requests are distinct held-out demo prompts, drawn one by one
+# and slower as the pool runs out: the bound keeps the drawing short.
 MAX_DEMO_PROMPTS = 1024
 
 
@@ -36,8 +37,11 @@ class Number:
     high: float
     low_open: bool = False  # low itself excluded (a rate must be above 0)
     special: tuple = ()  # valid values outside [low, high], e.g. --top-k -1 (off)
+    none: bool = False  # "none" is valid too and means None (a setting's None, e.g. "never")
 
     def __call__(self, text: str):
+        if self.none and text == "none":
+            return None
         try:
             value = self.kind(text)
         except ValueError:
@@ -55,7 +59,8 @@ class Number:
     def expected(self) -> str:
         kind = "an integer" if self.kind is int else "a finite number"
         low = f"{'>' if self.low_open else '>='} {self.low:g}"
-        special = f" (or {', '.join(map(str, self.special))})" if self.special else ""
+        extra = [*map(str, self.special), *(["none"] if self.none else [])]
+        special = f" (or {', '.join(extra)})" if extra else ""
         return f"{kind} {low} and <= {self.high if self.kind is int else format(self.high, 'g')}{special}"
 
 
@@ -85,7 +90,12 @@ def count(high: int, low: int = 1) -> Number:
     return Number(int, low, high)
 
 
-DELAY_MS = Number(float, 0.0, MAX_DELAY_MS)  # 0: no emulated delay
+def setting_type(setting: Setting) -> Number:
+    """A numeric setting's range as the argparse type of its flag."""
+    return Number(setting.kind, setting.low, setting.high, none=setting.accepts_none and setting.default is not None)
+
+
+DELAY_MS = setting_type(SETTING["device_delay_ms"])  # 0: no emulated delay
 SEED = Number(int, 0, INT64_MAX)
 
 
@@ -97,32 +107,41 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """`--model`, then one flag per engine setting (settings.py): `--name-with-dashes`, its range, its help."""
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the demo model)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--loop", default="overlap", choices=["overlap", "normal"])
-    p.add_argument("--disable", action="append", default=[], metavar="NAME",
-                   help=f"switch a mechanism off (repeatable or comma-separated): {', '.join(MECHANISMS)}")
-    p.add_argument("--device-delay-ms", type=DELAY_MS, default=0.0,
-                   help="emulated extra device time per forward (CPU teaching aid)")
-    p.add_argument("--host-delay-ms", type=DELAY_MS, default=0.0,
-                   help="emulated extra scheduler (host) work per loop iteration (the lab's knob for C)")
-    p.add_argument("--max-running-requests", type=count(MAX_RUNNING_REQUESTS), default=None)
-    p.add_argument("--chunk-size", type=count(MAX_TOKENS), default=None)
-    # The smallest pool: a one-token prompt, one new token, and the slot an overshoot step writes.
-    p.add_argument("--kv-tokens", type=count(MAX_TOKENS, low=3), default=None)
-    p.add_argument("--min-prefill-tokens", type=count(MAX_TOKENS, low=0), default=None,
-                   help="while requests decode, admit new ones only when their prefill reaches this many tokens "
-                   "(0: as soon as they fit; default: 7168 on CUDA, 0 on the CPU)")
-    p.add_argument("--admission", default="reserve", choices=["reserve", "optimistic"],
-                   help="reserve: promise prompt + max_new_tokens per request; optimistic: estimate what running "
-                   "requests still need (new-token ratio) and retract when a decode step runs short")
-    p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant kernels: a request's tokens do not depend on its batch")
+    for setting in SETTINGS:
+        if setting.cli:
+            add_setting_flag(p, setting)
 
 
-def disabled_names(args: argparse.Namespace) -> list[str]:
-    return [name for item in args.disable for name in item.split(",") if name]
+def add_setting_flag(p: argparse.ArgumentParser, s: Setting) -> None:
+    flag, helptext = "--" + s.name.replace("_", "-"), f"{s.help} ({default_text(s)})"
+    if s.kind is bool:  # a switch: --name sets the other value than the default (--no-name where that is off)
+        p.add_argument(flag, action=argparse.BooleanOptionalAction if s.default else "store_true", default=s.default,
+                       help=helptext)
+    elif s.kind is tuple:  # names, repeatable or comma-separated
+        p.add_argument(flag, type=comma_separated, action="extend", default=[], metavar="NAME",
+                       help=f"{s.help}, repeatable or comma-separated: {', '.join(MECHANISMS)}")
+    elif s.choices:
+        p.add_argument(flag, choices=s.choices, default=s.default, help=helptext)
+    elif s.kind in (int, float):
+        p.add_argument(flag, type=setting_type(s), default=s.default, metavar="MS" if s.name.endswith("_ms") else "N",
+                       help=helptext)
+    else:  # a device, a dtype, a path: resolve_config checks them
+        p.add_argument(flag, default=s.default, metavar="DIR" if s.kind is Path else None, help=helptext)
+
+
+def default_text(s: Setting) -> str:
+    if s.per_device is not None:
+        return f"default: {s.per_device[0]} on the CPU, {s.per_device[1]} on CUDA"
+    if s.default is None:
+        return f"default: {s.none}"
+    shown_default = ("on" if s.default else "off") if s.kind is bool else s.default
+    return f"default: {shown_default}" + (f"; none: {s.none}" if s.none else "")
+
+
+def comma_separated(text: str) -> list[str]:
+    return [name for name in text.split(",") if name]
 
 
 def model_dir(args: argparse.Namespace) -> Path:
@@ -134,15 +153,12 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The LLM keyword arguments the engine flags give."""
-    return dict(device=args.device, dtype=args.dtype, loop=args.loop, disable=disabled_names(args),
-                device_delay_ms=args.device_delay_ms, host_delay_ms=args.host_delay_ms,
-                max_running_requests=args.max_running_requests, chunk_size=args.chunk_size, kv_tokens=args.kv_tokens,
-                deterministic=getattr(args, "deterministic", False), admission=getattr(args, "admission", "reserve"),
-                min_prefill_tokens=getattr(args, "min_prefill_tokens", None))
+    """The LLM keyword arguments the engine flags give (one per setting with a flag)."""
+    return {s.name: getattr(args, s.name) for s in SETTINGS if s.cli}
 
 
 def build_llm(args: argparse.Namespace, **overrides):
+    """An LLM from the engine flags (add_engine_args); `overrides`: settings the command sets itself."""
     from .llm import LLM
 
     return LLM(model_dir(args), **{**engine_kwargs(args), **overrides})

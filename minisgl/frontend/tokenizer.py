@@ -34,18 +34,26 @@ def load_tokenizer(model_path: Path):
 
 
 def eos_ids(config, tokenizer, model_path: Path) -> frozenset[int]:
+    """The ids that end a request: config.json's and generation_config.json's eos_token_id (an id
+    or a list of them) and the tokenizer's. One ValueError naming the file for an id that is not
+    a token of the model (-5 or 10**30 would never be generated: such a request never stops)."""
+    vocab = config.vocab_size
     ids: set[int] = set()
 
-    def add(value: object) -> None:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
+    def add(value: object, source: str) -> None:
+        if value is None:
+            return
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab:
+                raise ValueError(f"{source}: eos_token_id {value!r} is not a token id of this model "
+                                 f"(an integer in 0..{vocab - 1}, or a list of them)")
+            ids.add(v)
 
-    add(getattr(config, "eos_token_id", None))
+    add(getattr(config, "eos_token_id", None), repr(str(model_path / "config.json")))
     gen_config = model_path / "generation_config.json"
     if gen_config.exists():
-        add(read_json_object(gen_config).get("eos_token_id"))
+        add(read_json_object(gen_config).get("eos_token_id"), repr(str(gen_config)))
     if tokenizer is not None:
-        add(tokenizer.eos_token_id)
+        add(tokenizer.eos_token_id, f"the tokenizer in {str(model_path)!r}")
     return frozenset(ids)

@@ -31,7 +31,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, backend: FlashInferBackend, max_batch: int,
-                 max_kv_tokens: int, device: torch.device) -> None:
+                 num_slots: int, device: torch.device) -> None:
         import flashinfer
 
         self.model, self.kv, self.backend = model, kv, backend
@@ -42,7 +42,7 @@ class CudaGraphRunner:
         self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)  # slot 0: the dummy slot
         self.qo_indptr = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.kv_indptr_buf = torch.zeros(n + 1, dtype=torch.int32, device=device)
-        self.kv_indices_buf = torch.zeros(max_kv_tokens + n, dtype=torch.int32, device=device)
+        self.kv_indices_buf = torch.zeros(num_slots + n, dtype=torch.int32, device=device)
         self.last_page_len_buf = torch.ones(n, dtype=torch.int32, device=device)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrappers = [{

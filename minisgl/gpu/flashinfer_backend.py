@@ -18,46 +18,30 @@ after its copy_done.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
 from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend, store_new_kv
 
 WORKSPACE_BYTES = 256 << 20
-# FlashInfer 0.6.6 has no kernels for the demo model's head_dim 32 (H200, 2026-12-02): the
-# tensor-core decode failed with "Invalid configuration", the plain decode's split-KV merge with
-# "Unsupported head_dim: 32". "auto" takes the torch backend below this (config.py).
+# FlashInfer has no kernels for head sizes as small as the demo model's 32 (its decode kernels
+# refuse them: benchmarks/history/2026-12-03.md names the errors). "auto" takes the torch
+# backend below this (config.py).
 FLASHINFER_MIN_HEAD_DIM = 64
 
-# Decode on tensor cores (FlashInfer then runs its prefill kernel with one query per request)
-# from this batch size up; None: FlashInfer's plain decode kernel at every size. Decided by the
-# A/B on one H200 (`python benchmarks/gpu_checks.py DIR decode-plan`, 2026-12-02, GQA 16/8,
-# head_dim 128, overlap loop, graphs on; ms per step: host launch span / device per forward):
-#
-#   lengths           batch   plain          tensor cores
-#   spread 100..1024    128   1.66 / 4.28    1.97 / 3.91   tensor cores 9% less device time
-#   spread 100..1024    256   1.85 / 6.64    2.74 / 6.46   tensor cores 3% less
-#   uniform 820         128   1.62 / 4.59    1.96 / 4.95   plain 7% less
-#   uniform 820         256   1.59 / 7.63    2.67 / 8.21   plain 7% less
-#   (32 and 64 requests: plain as short or shorter in both)
-#
-# The plain kernel gives each request one thread block per KV head and, once the batch fills
-# the GPU, splits no request: with spread lengths a few long requests finish last, alone. Real
-# batches have spread lengths (a uniform batch is the benchmark's artefact), and the tensor-core
-# plan's extra ~1 ms of host work is hidden in the overlap loop while the device works. The
-# normal loop pays it (its step is host + device): about 8% slower at 256 requests. Both loops
-# must run the same kernel (bf16 overlap == normal), so the rule is the overlap loop's.
-TENSOR_CORE_DECODE_MIN_BATCH: int | None = 128
 
-
-def decode_on_tensor_cores(batch_size: int, grouped: bool, deterministic: bool) -> bool:
-    """Which decode kernel a batch of `batch_size` requests runs (see TENSOR_CORE_DECODE_MIN_BATCH).
+def decode_on_tensor_cores(batch_size: int, grouped: bool, deterministic: bool, min_batch: int | None) -> bool:
+    """Which decode kernel a batch of `batch_size` requests runs: tensor cores (FlashInfer's prefill
+    kernel with one query per request) from `min_batch` up (the setting tensor_core_decode_min_batch;
+    None: never), else the plain decode kernel. Both loops run the same kernel for the same batch.
 
     `grouped`: query heads share KV heads (GQA), the case the tensor-core kernel is for. The
     deterministic mode always needs it: only that kernel can switch the KV split off."""
     if deterministic:
         return True
-    return grouped and TENSOR_CORE_DECODE_MIN_BATCH is not None and batch_size >= TENSOR_CORE_DECODE_MIN_BATCH
+    return grouped and min_batch is not None and batch_size >= min_batch
 
 
 def flashinfer_available() -> bool:
@@ -77,7 +61,8 @@ def fill_indptr(lengths: list[int], out: np.ndarray) -> int:
 
 class FlashInferBackend:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, max_batch: int, deterministic: bool = False) -> None:
+                 device: torch.device, max_batch: int, deterministic: bool = False, *,
+                 tensor_core_min_batch: int | None, fast_decode_plan: bool) -> None:
         import flashinfer
 
         if dtype not in (torch.float16, torch.bfloat16):
@@ -88,6 +73,9 @@ class FlashInferBackend:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.grouped = num_qo_heads > num_kv_heads
         self.deterministic = deterministic
+        self.tensor_core_min_batch = tensor_core_min_batch
+        self.fast_decode_plan = fast_decode_plan  # the setting fast_decode_plan (_fast_plan)
+        self._planned: weakref.WeakSet = weakref.WeakSet()  # decode wrappers FlashInfer's own plan() has set up once
         self.prefill_reference = TorchAttentionBackend(deterministic=True) if deterministic else None
         self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
         # Eager decode wrappers for each kernel some batch size may run (the smallest and the
@@ -108,10 +96,11 @@ class FlashInferBackend:
         # from pageable memory: the wait above, once per prefill batch).
         self._kv_lens = [torch.zeros(max_batch, **pinned) for _ in range(2)]
         self._last_page_len = torch.ones(max_batch, **pinned)  # page size 1: never rewritten
+        self._last_page_len_device = torch.ones(max_batch, dtype=torch.int32, device=device)  # the same, for fast plans
 
     def tensor_cores_for(self, batch_size: int) -> bool:
         """Does a decode batch of this size run on tensor cores? (decode_on_tensor_cores)"""
-        return decode_on_tensor_cores(batch_size, self.grouped, self.deterministic)
+        return decode_on_tensor_cores(batch_size, self.grouped, self.deterministic, self.tensor_core_min_batch)
 
     def plan(self, meta: AttentionMetadata, parity: int = 0, decode_wrapper=None) -> None:
         """Once per batch. `decode_wrapper`: a CUDA-graph wrapper with its own fixed buffers."""
@@ -127,15 +116,41 @@ class FlashInferBackend:
         kv_indices = meta.kv_indices.to(torch.int32)
         if meta.is_decode:
             self._active = decode_wrapper or self.decode[self.tensor_cores_for(meta.num_requests)][parity]
+            if self.fast_decode_plan and self._active in self._planned:
+                self._fast_plan(self._active, kv_indptr, kv_indices)
+                return
             self._active.plan(kv_indptr, kv_indices, last_page_len, num_qo, num_kv, head_dim, 1,
                               q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=self.deterministic,
                               seq_lens=kv_lens)
+            self._planned.add(self._active)
         elif self.prefill_reference is None:
             self._active = self.prefill[parity]
             qo_indptr = self._qo_indptr[parity][:fill_indptr(meta.qo_lens, self._qo_indptr[parity].numpy())]
             self._active.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo, num_kv,
                               head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype,
                               seq_lens=kv_lens)
+
+    def _fast_plan(self, wrapper, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+        """A decode wrapper's plan without FlashInfer's host-side Python over the lengths (its
+        plan() takes Python's `max` over them, one tensor element at a time, a value the fa2
+        kernels never read): FlashInfer's `fast_decode_plan`, after the uploads plan() makes.
+        It reuses what the wrapper's first plan() set up (kernel module, dtypes), so that one
+        goes through plan()."""
+        from flashinfer.decode import fast_decode_plan
+
+        num_qo, num_kv, head_dim = self.shape
+        n = len(kv_indptr) - 1
+        if wrapper.is_cuda_graph_enabled:
+            # The graph reads fixed buffers: copy in as plan() does (FlashInfer 0.6.6's names;
+            # last_page_len's buffer holds ones from its creation, and page size 1 keeps them).
+            wrapper._paged_kv_indptr_buf.copy_(kv_indptr, non_blocking=True)
+            wrapper._paged_kv_indices_buf[:len(kv_indices)].copy_(kv_indices, non_blocking=True)
+            indptr, indices = wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf
+        else:  # the wrapper keeps these device tensors until its next plan (same parity: batch n+2)
+            indptr, indices = kv_indptr.to(self.workspace.device, non_blocking=True), kv_indices
+        fast_decode_plan(wrapper, indptr, indices, self._last_page_len_device[:n], num_qo, num_kv, head_dim, 1,
+                         q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=self.deterministic,
+                         global_override_indptr_cpu=kv_indptr)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
                 meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
@@ -153,4 +168,5 @@ class FlashInferBackend:
     def close(self) -> None:
         """Drop the wrappers (they hold the workspace and their plans' buffers)."""
         self.prefill, self.decode, self._active = [], {}, None
+        self._planned.clear()
         self.workspace = None

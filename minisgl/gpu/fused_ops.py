@@ -1,9 +1,10 @@
 """GPU fast paths for the model's elementwise steps, from FlashInfer (the `cuda` extra).
 
-In bf16 on an H200 a decode step of a 0.6B model spends as much time in tiny elementwise
-kernels (RMSNorm's casts and reductions, rotary's chunk/cat/mul/add, SiLU-and-mul, the
-residual adds) as in attention: hundreds of 2-3 us launches per step (measured:
-benchmarks/RESULTS.md). These fused kernels do each step in one launch. `FusedKernels` computes
+Written in plain torch, each elementwise step of the decoder (RMSNorm's casts and reductions,
+rotary's chunk/cat/mul/add, SiLU-and-mul, the residual adds) is several tiny kernels, and a
+kernel costs a few microseconds however little it does: on a small model a decode step then
+spends about as long in them as in attention (benchmarks/RESULTS.md). These fused kernels do
+each step in one launch. `FusedKernels` computes
 what models/decoder.py's `TorchKernels` does, which stays the reference and the only path on
 CPU and in float32; the engine hands a model one or the other (`decoder_kernels`). One more
 comes from our own Triton kernel (qkv_epilogue.py): everything between the q/k/v projection
@@ -18,13 +19,11 @@ from ..models.decoder import Attention, RMSNorm, RotaryEmbedding, TorchKernels
 from . import qkv_epilogue as _epilogue
 from .flashinfer_backend import flashinfer_available
 
-ENABLED = True  # read when an engine is built: tests and benchmarks clear it to run the reference
 
-
-def decoder_kernels(device: torch.device, dtype: torch.dtype) -> TorchKernels:
+def decoder_kernels(device: torch.device, dtype: torch.dtype, fused: bool) -> TorchKernels:
     """The kernels an engine hands its model: fused on CUDA in bf16/fp16 when FlashInfer is
-    installed (and ENABLED), the torch reference otherwise."""
-    if ENABLED and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashinfer_available():
+    installed (and `fused`, the setting fused_kernels), the torch reference otherwise."""
+    if fused and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashinfer_available():
         return FusedKernels()
     return TorchKernels()
 

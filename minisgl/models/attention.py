@@ -13,9 +13,10 @@ tensor of T rows; `qo_indptr` says which rows belong to which request.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -90,15 +91,8 @@ class AttentionBackend(Protocol):
 
     def plan(self, meta: AttentionMetadata, parity: int = 0) -> None: ...
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer_id: int,
-        meta: AttentionMetadata,
-        kv: KVCache,
-    ) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor: ...
 
 
 class TorchAttentionBackend:
@@ -128,6 +122,8 @@ class TorchAttentionBackend:
         # 1) Store the new tokens' K/V first, so the gather below sees them too.
         k_pool, v_pool = store_new_kv(k, v, layer_id, meta, kv)
 
+        if self.deterministic and q.device.type == "cpu":
+            return batch_invariant_attention(q, k_pool, v_pool, meta)
         if meta.is_decode and not self.deterministic:
             return decode_attention(q, k_pool, v_pool, meta)
         attend = invariant_attention if self.deterministic else causal_attention
@@ -179,6 +175,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 Q_TILE, KV_TILE = 64, 256  # the fixed shapes of invariant_attention
+CPU_KV_TILE = 64  # the key tile of batch_invariant_attention (short prompts pad less)
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -214,14 +211,103 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
             scores = torch.einsum("qhd,khd->hqk", q_slab, k[keys]) / math.sqrt(head_dim)
             kv_pos = torch.arange(t * KV_TILE, (t + 1) * KV_TILE, device=q.device)
             scores = scores.masked_fill(kv_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-            new_best = torch.maximum(best, scores.amax(dim=-1, keepdim=True))
-            rescale = torch.exp(best - new_best)
-            weights = torch.exp(scores - new_best)
-            total = total * rescale + weights.sum(dim=-1, keepdim=True)
-            acc = acc * rescale + torch.einsum("hqk,khd->hqd", weights, v[keys])
-            best = new_best
+            best, total, acc = fold_key_tile(best, total, acc, scores,
+                                             lambda weights: torch.einsum("hqk,khd->hqd", weights, v[keys]))
         out[start:start + rows] = (acc / total).transpose(0, 1)[:rows].to(q.dtype)
     return out
+
+
+def fold_key_tile(best: torch.Tensor, total: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor,
+                  weigh_values: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of the online softmax: fold a tile's masked scores [..., Q, KV_TILE] into the
+    running max `best` and sum `total` [..., Q, 1] and the weighted values `acc` [..., Q, D];
+    `weigh_values(weights)` is weights @ the tile's values."""
+    new_best = torch.maximum(best, scores.amax(dim=-1, keepdim=True))
+    rescale = torch.exp(best - new_best)
+    weights = torch.exp(scores - new_best)
+    total = total * rescale + weights.sum(dim=-1, keepdim=True)
+    acc = acc * rescale + weigh_values(weights)
+    return new_best, total, acc
+
+
+def batch_invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                              meta: AttentionMetadata) -> torch.Tensor:
+    """Attention whose numbers for a query depend only on its position and its keys: not on the
+    batch, the chunking, or whether it is a decode row. The CPU's batch-invariant path: a few
+    batched matmuls per layer, where a Python loop per request would hold the GIL the host needs.
+
+    Every (query, kv head) pair is one matmul problem of the same shape: the kv head's `group`
+    query heads against a tile of CPU_KV_TILE keys aligned to absolute positions (tile t holds
+    positions t*CPU_KV_TILE ...), folded in order by an online softmax; a tile past a query's
+    position is an exact no-op for it (weights 0, rescale 1). Only how the problems are batched
+    differs: the one-token requests (decode rows) in one batched matmul, each longer chunk in one
+    per kv head, its queries sharing one copy of the keys; the softmax folds them all at once.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_heads // num_kv_heads
+    device = q.device
+    # Problems in order, as flat (token, kv head) indices into q and the output; and their key
+    # sets: (first problem, problems, keys [n or 1, L, D], values) per batched matmul.
+    order: list[int] = []
+    sets: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+    q_starts = [0, *itertools.accumulate(meta.qo_lens)]
+    singles = [b for b, n in enumerate(meta.qo_lens) if n == 1]
+    if singles:
+        keys, values = _gather_keys(k_pool, v_pool, meta, singles, max(meta.kv_lens[b] for b in singles))
+        n = len(singles) * num_kv_heads
+        sets.append((0, n, keys.view(n, -1, head_dim), values.view(n, -1, head_dim)))
+        order += [q_starts[b] * num_kv_heads + h for b in singles for h in range(num_kv_heads)]
+    for b, q_len in enumerate(meta.qo_lens):
+        if q_len > 1:
+            keys, values = _gather_keys(k_pool, v_pool, meta, [b], meta.kv_lens[b])
+            for h in range(num_kv_heads):  # one kv head's keys, shared by the chunk's queries (no copy)
+                sets.append((len(order), q_len, keys[0, h][None], values[0, h][None]))
+                order += range(q_starts[b] * num_kv_heads + h, q_starts[b + 1] * num_kv_heads, num_kv_heads)
+    # Clamped (here and in _gather_keys): the host's lengths and the device's metadata disagree
+    # only with a staging protection switched off, whose symptom is wrong tokens, not an IndexError.
+    index = torch.tensor(order, device=device).clamp(max=num_tokens * num_kv_heads - 1)
+    queries = q.float().view(num_tokens * num_kv_heads, group, head_dim)[index]  # [P, group, D]
+    q_pos = meta.positions[index // num_kv_heads]
+    num = len(order)
+    best = torch.full((num, group, 1), float("-inf"), device=device)
+    total = torch.zeros(num, group, 1, device=device)
+    acc = torch.zeros(num, group, head_dim, device=device)
+    for t in range(max(keys.shape[1] for _, _, keys, _ in sets) // CPU_KV_TILE):
+        tile = slice(t * CPU_KV_TILE, (t + 1) * CPU_KV_TILE)
+        live = [(first, n, keys[:, tile].expand(n, -1, -1), values[:, tile].expand(n, -1, -1))
+                for first, n, keys, values in sets if keys.shape[1] > t * CPU_KV_TILE]
+        scores = torch.full((num, group, CPU_KV_TILE), float("-inf"), device=device)  # a set without this tile: masked
+        for first, n, keys, _ in live:
+            torch.bmm(queries[first:first + n], keys.transpose(1, 2), out=scores[first:first + n])
+        scores = scores / math.sqrt(head_dim)
+        kv_pos = torch.arange(t * CPU_KV_TILE, (t + 1) * CPU_KV_TILE, device=device)
+        scores = scores.masked_fill(kv_pos[None, None, :] > q_pos[:, None, None], float("-inf"))
+
+        def weigh_values(weights: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(num, group, head_dim, device=device)
+            for first, n, _, values in live:
+                torch.bmm(weights[first:first + n], values, out=out[first:first + n])
+            return out
+
+        best, total, acc = fold_key_tile(best, total, acc, scores, weigh_values)
+    out = torch.empty(num_tokens * num_kv_heads, group, head_dim, dtype=q.dtype, device=device)
+    out[index] = (acc / total).to(q.dtype)
+    return out.view(num_tokens, num_heads, head_dim)
+
+
+def _gather_keys(k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, reqs: list[int],
+                 longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of requests `reqs`, float32 [R, Hkv, L, D] with L = `longest` rounded up to
+    whole tiles; past a request's end any of its slots (its tiles there are masked)."""
+    length = -(-longest // CPU_KV_TILE) * CPU_KV_TILE
+    index = torch.tensor(reqs, device=meta.kv_indptr.device).clamp(max=meta.kv_indptr.numel() - 2)
+    starts, ends = meta.kv_indptr[:-1].long()[index], meta.kv_indptr[1:].long()[index]
+    offsets = torch.arange(length, device=index.device)
+    positions = (starts[:, None] + offsets[None, :]).minimum(ends[:, None] - 1)
+    slots = meta.kv_indices[positions.clamp(0, meta.kv_indices.numel() - 1)]
+    return (k_pool[slots].float().permute(0, 2, 1, 3).contiguous(),
+            v_pool[slots].float().permute(0, 2, 1, 3).contiguous())
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -246,3 +332,18 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     out = torch.einsum("bhk,bkhd->bhd", scores.softmax(dim=-1), v)
     return out.to(q.dtype)
+
+
+def paged_metadata(qo_lens: list[int], kv_lens: list[int], prefill: bool, inp, table: torch.Tensor) -> AttentionMetadata:
+    """Gather every request's KV slots from its row of the request table (`table`), on the device.
+    `inp`: the batch's staged inputs on the device (staging.DeviceInputs)."""
+    kv_ids = torch.arange(sum(kv_lens), device=table.device)  # the host lists: no device-to-host sync
+    # Request of every KV entry, then its position inside that request. Clamped, so that metadata
+    # overwritten under our feet ("staging_double_buffer" off) reads wrong slots, as a GPU kernel
+    # would, instead of raising.
+    req_of_kv = torch.searchsorted(inp.kv_indptr[1:], kv_ids, right=True).clamp(max=len(qo_lens) - 1)
+    pos_in_req = (kv_ids - inp.kv_indptr[req_of_kv]).clamp(0, table.shape[1] - 1)
+    return AttentionMetadata(positions=inp.positions, out_slots=inp.out_slots,
+                             qo_indptr=inp.qo_indptr.to(torch.int32), kv_indptr=inp.kv_indptr.to(torch.int32),
+                             kv_indices=table[inp.rows[req_of_kv], pos_in_req], qo_lens=qo_lens, kv_lens=kv_lens,
+                             prefill=prefill)

@@ -37,7 +37,7 @@ OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 # The files besides the weights that minisgl or transformers read from a checkpoint folder. Each
 # must be a regular file of at most MAX_METADATA_BYTES: a FIFO blocks its reader forever, and a
-# link to /dev/zero is read until MemoryError. (The largest published tokenizer.json are ~35 MB.)
+# link to /dev/zero is read until MemoryError. The limit sits well above any published tokenizer.json.
 METADATA_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
                   "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                   "tokenizer.model", "chat_template.jinja", "chat_template.json")

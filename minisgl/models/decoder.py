@@ -41,6 +41,8 @@ FUSED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("g
 
 # Rows per GEMM in the deterministic mode: the CUDA-graph runner's largest batch by default.
 DETERMINISTIC_ROWS = 256
+# On the CPU: small, so that a decode step of a few rows pads little.
+CPU_INVARIANT_ROWS = 16
 
 
 class Linear(nn.Linear):
@@ -67,6 +69,12 @@ def fixed_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     padded = max(1, -(-num // rows)) * rows
     if padded != num:
         x = F.pad(x, (0, 0, 0, padded - num))
+    if x.device.type == "cpu":
+        # One batched matmul of equal problems (the weight shared, not copied): on the CPU a
+        # Python loop over the slabs would cost more than the padding.
+        slabs = x.view(padded // rows, rows, x.shape[1])
+        out = torch.bmm(slabs, weight.t().expand(slabs.shape[0], -1, -1)).view(padded, -1)
+        return (out[:num] + bias) if bias is not None else out[:num]
     out = torch.cat([F.linear(slab, weight, bias) for slab in x.split(rows)])
     return out[:num]
 

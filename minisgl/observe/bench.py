@@ -231,7 +231,7 @@ def _range(values: list[float]) -> str:
     return f"{min(values):.0f}–{max(values):.0f}" if len(values) > 1 else "–"
 
 
-def print_results(results: list[dict]) -> None:
+def print_results(results: list[dict], out: Console = console) -> None:
     """One row per configuration, medians over its repeats. Device busy and idle come first:
     they show the bubble directly and barely move with the machine's load; throughput does."""
     table = Table(title="where the time goes (medians over the repeats)", title_justify="left",
@@ -246,14 +246,14 @@ def print_results(results: list[dict]) -> None:
                       ms("pipe_exposed_host_time_per_step_s"), ms("pipe_device_time_per_forward_s"),
                       ms("pipe_host_time_per_iteration_s"), f"{_median(runs, 'output_tok_per_s'):.0f}",
                       _range([r["output_tok_per_s"] for r in runs]), ms("req_ttft_mean_s", 1), ms("req_tpot_mean_s", 1))
-    console.print(table)
-    console.print("G: device time per forward.  C: host work per iteration (schedule, launch and\n"
+    out.print(table)
+    out.print("G: device time per forward.  C: host work per iteration (schedule, launch and\n"
                   "commit spans; waiting excluded).  idle/step: device idle per forward (bubble).",
                   style="dim",
                   highlight=False)
 
 
-def print_breakdown(result: dict) -> None:
+def print_breakdown(result: dict, out: Console = console) -> None:
     table = Table(title=f"where the device time went: {result['loop']} loop (observe/breakdown.py)",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in ("phase", "batches", "tokens\nor slots", "device\ns", "share", "floor\ns", "floor\n/dev",
@@ -268,14 +268,14 @@ def print_breakdown(result: dict) -> None:
             if by_span else ""
         table.add_row(row["phase"], str(row["batches"] or ""), str(row["tokens"]), f"{row['device_s']:.3f}",
                       f"{row['share']:.1%}", f"{row['floor_s']:.3f}" if row["floor_s"] else "", ratio, c_ms, parts)
-    console.print(table)
-    console.print("C ms/iter: host work per iteration that launched a batch of the phase, then its schedule,\n"
+    out.print(table)
+    out.print("C ms/iter: host work per iteration that launched a batch of the phase, then its schedule,\n"
                   "launch and commit spans (a grammar's delayed sampling is in C, not in the three); the\n"
                   "total's is the run's C, a mean over the mix of phases.",
                   style="dim", highlight=False)
     if "allocator" in result:
         a = result["allocator"]
-        console.print(f"CUDA caching allocator during the run: {a['num_device_alloc']} cudaMalloc, "
+        out.print(f"CUDA caching allocator during the run: {a['num_device_alloc']} cudaMalloc, "
                       f"{a['num_device_free']} cudaFree, {a['num_alloc_retries']} retries (each waits for the device)",
                       highlight=False)
 
@@ -309,7 +309,7 @@ def run_online_bench(args: argparse.Namespace, workload: Workload) -> int:
     return 0
 
 
-def print_ratios(results: list[dict]) -> None:
+def print_ratios(results: list[dict], out: Console = console) -> None:
     """overlap/normal per delay: median and range over paired repeats, next to the ideal
     (G+C)/max(G,C), and the share of the gain realised. C is measured in the normal runs, G in
     the overlap runs as the forward after its launch (trace.py: forward_after_launch_s)."""
@@ -331,8 +331,8 @@ def print_ratios(results: list[dict]) -> None:
         span = f"{min(ratios):.2f}–{max(ratios):.2f}" if len(ratios) > 1 else "–"
         table.add_row(f"{delay:g}", f"{g * 1000:.2f}", f"{c * 1000:.2f}", f"{ideal:.2f}x", f"{ratio:.2f}x", span,
                       "–" if math.isnan(share) else f"{share:.0%}")
-    console.print(table)
-    console.print("share of the gain: (overlap/normal - 1) / (ideal - 1); 100%: all the host work\n"
+    out.print(table)
+    out.print("share of the gain: (overlap/normal - 1) / (ideal - 1); 100%: all the host work\n"
                   "was hidden. Noise moves it most where the ideal is close to 1.", style="dim",
                   highlight=False)
 
@@ -365,9 +365,9 @@ def measure_hf(model: Path, workload: Workload, args: argparse.Namespace, batch_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..config import resolve_dtype
+    from ..config import resolve_device, resolve_dtype
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=resolve_dtype(args.dtype, device)).to(device).eval()
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     limit = args.hf_requests if getattr(args, "hf_requests", None) else len(workload.prompts)

@@ -59,14 +59,14 @@ class ModelCost:
     def weight_bytes(self) -> int:
         return 2 * self.matmul_params
 
-    def decode_floor(self, kv_tokens: int, hbm: float) -> float:
+    def decode_floor(self, attended_positions: int, hbm: float) -> float:
         """One decode step reads the weights and the KV of every position once."""
-        return (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / hbm
+        return (self.weight_bytes + attended_positions * self.kv_bytes_per_token) / hbm
 
-    def prefill_floor(self, tokens: int, attention_pairs: int, kv_tokens: int, hbm: float, flops: float) -> float:
+    def prefill_floor(self, tokens: int, attention_pairs: int, attended_positions: int, hbm: float, flops: float) -> float:
         """GEMM FLOPs per token plus attention FLOPs per (query, key) pair, or the bytes if longer."""
         work = 2 * self.matmul_params * tokens + 2 * self.layers * self.q_size * attention_pairs
-        return max(work / flops, self.decode_floor(kv_tokens, hbm))
+        return max(work / flops, self.decode_floor(attended_positions, hbm))
 
 
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
@@ -148,9 +148,9 @@ def breakdown(spans: list[Span], batches: list[BatchRecord], cost: ModelCost, hb
             continue
         name = phase_of(rec.num_reqs, rec.is_prefill, full_batch)
         if rec.is_prefill:
-            floor = cost.prefill_floor(rec.num_tokens, rec.attention_pairs, rec.kv_tokens, hbm, flops)
+            floor = cost.prefill_floor(rec.num_tokens, rec.attention_pairs, rec.attended_positions, hbm, flops)
         else:
-            floor = cost.decode_floor(rec.kv_tokens, hbm)
+            floor = cost.decode_floor(rec.attended_positions, hbm)
         row = rows.setdefault(name, {"phase": name, "batches": 0, "device_s": 0.0, "floor_s": 0.0, "tokens": 0,
                                      "iterations": 0, "host_s": 0.0})
         row["batches"] += 1

@@ -303,4 +303,4 @@ def add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-s", type=Number(float, 0.0, MAX_RUN_S, low_open=True), default=2.0, help="about how long one normal run lasts (sets the steps)")
     p.add_argument("--min-steps", type=count(MAX_STEPS), default=60, help="fewest decode steps per run")
     p.add_argument("--json", default=None, help="also write the points to this JSON file")
-    p.set_defaults(device_delay_ms=None)  # unset: 8 ms on the CPU, 0 on CUDA
+    p.set_defaults(device_delay_ms=None)  # unset: CPU_DEVICE_DELAY_MS on the CPU, 0 on CUDA

@@ -124,3 +124,37 @@ def test_switched_off_the_masks_are_built_at_planning(qwen3):
     assert outs == reference, (
         "keep the switch: with grammar_delayed_sample off the masks are built at planning (ForwardBatch.mask), "
         "which in the normal loop is right, nothing being in flight: the outputs must still follow the grammar")
+
+
+FINISHED_RULE = ("the mask has one entry per row of the batch, also for a request that finished while the batch was "
+                 "in flight (its row is still in the batch: its result is dropped at the commit); leaving such a row "
+                 "out shifts the mask of every row after it onto the wrong request")
+
+
+def test_a_request_that_finished_meanwhile_keeps_its_row_in_the_delayed_masks(qwen3):
+    """Half the requests stop on a stop token (the third of every cycle) while their next step is
+    in flight: the delayed sampling of that step still has their rows."""
+    sp = [SamplingParams(max_new_tokens=12, ignore_eos=True, grammar=CYCLE, temperature=0.0 if i % 2 else 0.8, seed=i,
+                         stop_token_ids=(20, 21, 22) if i % 2 == 0 else ()) for i in range(len(PROMPTS))]
+    llm = LLM(qwen3, loop="overlap", chunk_size=16, device_delay_ms=2)
+    rows_and_masks = []
+    sample = llm.engine.sample
+
+    def spy(batch, inp, logits, mask, *args):  # the engine samples each batch: rows of logits, entries of mask
+        if mask is not None:
+            rows_and_masks.append((int(logits.shape[0]), len(mask.allowed)))
+        return sample(batch, inp, logits, mask, *args)
+
+    llm.engine.sample = spy
+    try:
+        outs = [o.token_ids for o in llm.generate(PROMPTS, sp)]
+    except Exception as exc:  # noqa: BLE001 - a crash is reported as the rule it breaks
+        if "exercise 10" in str(exc):
+            raise
+        raise AssertionError(f"{FINISHED_RULE} ({type(exc).__name__}: {exc})") from None
+    overshoot = llm.stats.overshoot_tokens
+    llm.close()
+    assert overshoot > 0, "the workload must finish requests while their next step is in flight"
+    short = [(rows, masks) for rows, masks in rows_and_masks if rows != masks]
+    assert rows_and_masks and not short, f"{FINISHED_RULE} (rows and mask entries of such batches: {short[:3]})"
+    assert not broken(outs), f"outputs {broken(outs)} break their grammar: {FINISHED_RULE}"

@@ -60,7 +60,7 @@ def test_the_batch_in_flight_is_committed_even_when_nothing_new_is_planned(qwen3
                              f"batches launched but never committed: {uncommitted}")
     assert len(done) == 2 and all(len(ids) == 4 for ids in done.values()), (
         "every batch was committed, yet the results did not reach their requests: the in-flight entry must "
-        "hold a snapshot of the batch (planned.view.snapshot(); lesson 3, and lesson 5 for why), not the live "
+        "hold a snapshot of the batch (a frozen copy of its view; lesson 3, and lesson 5 for why), not the live "
         "RunningBatch that normal_loop passes, because schedule() changes it before the commit; finished "
         f"{len(done)} of 2 requests, outputs {done}")
 
@@ -134,3 +134,34 @@ def test_an_early_commit_happens_where_must_commit_first_says(qwen3):
     assert llm.stats.early_commits == 2, (
         f"commit early only where _must_commit_first says so: 2 early answers, {llm.stats.early_commits} early "
         "commits")
+
+
+def test_the_batch_snapshot_switch_is_kept(qwen3):
+    """With batch_snapshot on, the batch in flight is committed through a frozen copy of its view;
+    with it off, through the live view that planning returned (lesson 5 shows what then goes wrong)."""
+    for switch_on in (True, False):
+        llm = LLM(qwen3, loop="overlap", disable=() if switch_on else ("batch_snapshot",))
+        llm.scheduler.check_each_step = False
+        planned_views, committed_views = {}, {}
+        launch, commit_results = llm.scheduler.launch, llm.scheduler._commit_results
+
+        def spy_launch(planned):
+            planned_views[planned.forward.batch_id] = planned.view
+            return launch(planned)
+
+        def spy_commit(view, result):
+            committed_views[result.batch_id] = view
+            return commit_results(view, result)
+
+        llm.scheduler.launch, llm.scheduler._commit_results = spy_launch, spy_commit
+        stepped(llm, ["hello there", "the lazy dog", "count 1 to 9:"], FOUR)
+        decode = [n for n, view in planned_views.items() if not view.is_prefill]
+        assert decode and set(committed_views) == set(planned_views)
+        live = [n for n in decode if committed_views[n] is planned_views[n]]
+        if switch_on:
+            assert not live, ("a decode batch in flight must be committed through a frozen copy of its view (the next "
+                              f"schedule() changes the live one): batches {live} were committed through the live view")
+        else:
+            assert live == decode, ("keep the switch: with batch_snapshot off, the batch in flight keeps the live view "
+                                    f"that planning returned; batches {sorted(set(decode) - set(live))} got a copy")
+        llm.close()

@@ -48,7 +48,7 @@ def test_the_key_is_the_row_not_the_position_in_the_batch():
     fm = published([2, 0, 5], [12, 10, 15])
     check(fm, [placeholder(5), placeholder(2), placeholder(0)], [15, 12, 10],
           "the FutureMap is keyed by request-pool row, not by position in the batch: positions change when "
-          "requests leave or join, rows do not (publish into tokens[rows], resolve from tokens[row of each id])")
+          "requests leave or join, rows do not (each token goes to its request's row, each placeholder reads its row)")
 
 
 def test_a_later_publish_replaces_the_earlier_token():

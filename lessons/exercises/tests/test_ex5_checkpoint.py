@@ -9,9 +9,9 @@ from minisgl.invariants import InvariantError
 from minisgl.kv_pool import KVAccountingError
 
 FIVE = SamplingParams(max_new_tokens=5, ignore_eos=True)
-ONLY_OUR_COPIES = ("free your own copies of the positions the tree already had, and only those: "
-                   "slots[cached_len:present]; the first cached_len slots are the tree's, borrowed at admission, "
-                   "and freeing them frees them twice")
+ONLY_OUR_COPIES = ("free your own copies of the positions the tree already had, and only those: the slots of the "
+                   "prefix this request borrowed from the tree at admission are the tree's, and freeing them frees "
+                   "them twice")
 
 
 def engine(model: str, *disabled: str, loop: str = "overlap") -> LLM:
@@ -26,13 +26,13 @@ def generate(llm: LLM, prompts, params):
     except RuntimeError as exc:  # KVAccountingError from the radix cache is a RuntimeError too
         if "no longer be scheduled" in str(exc):
             raise AssertionError("a request that commit_token() finished must be reported: append it to "
-                                 f"self.finished (the caller never got it: {exc})") from None
+                                 f"the scheduler's finished list (the caller never got it: {exc})") from None
         if "double free of KV slots" in str(exc):
             raise AssertionError(f"{ONLY_OUR_COPIES} ({exc})") from None
         if "tokens but" not in str(exc):
             raise
-        raise AssertionError("checkpoint only the positions whose KV committed batches wrote, min(kv_committed_len, "
-                             "committed_len): the ids you inserted reach past the KV slots that exist "
+        raise AssertionError("checkpoint only the positions whose KV committed batches wrote: the ids you inserted reach "
+                             "past the KV slots that exist "
                              f"(radix cache: {exc})") from None
 
 
@@ -57,7 +57,7 @@ def test_only_kv_that_committed_batches_wrote_is_cached(qwen3):
     (out,) = generate(llm, ["hello there"], FIVE)
     cached, expected = llm.memory_report()["kv_cached"], len(out.prompt_token_ids) + 4
     assert cached == expected, (
-        "checkpoint only the positions whose KV committed batches wrote, min(kv_committed_len, committed_len): "
+        "checkpoint only the positions whose KV committed batches wrote: "
         "the last output token was sampled but never fed back, so its KV does not exist; "
         f"cached {cached} positions, expected prompt + 4 = {expected}")
 
@@ -78,7 +78,7 @@ def test_the_prefix_locked_at_admission_is_unlocked(qwen3):
     generate(llm, ["hello there"], FIVE)
     generate(llm, ["hello there, again"], FIVE)  # admitted with a cached prefix, which it locks
     stuck = free_after_flush(llm)
-    assert stuck == 0, ("unlock the prefix node the request locked at admission (cache.unlock(req.prefix_node)): "
+    assert stuck == 0, ("unlock the prefix node the request locked at admission: "
                         f"locked paths cannot be evicted, and {stuck} KV slots stay held after flush_cache()")
 
 
@@ -87,8 +87,8 @@ def test_our_copies_of_what_the_tree_already_had_are_freed(qwen3):
     generate(llm, ["same prompt", "same prompt"], FIVE)  # both compute the prefix, one inserts it first
     stuck = free_after_flush(llm)
     assert stuck == 0, (
-        "free your own copies of the positions the tree already had: cache.insert() returns how many leading "
-        f"positions it held before; free slots[cached_len:present]. {stuck} KV slots leaked")
+        "free your own copies of the positions the tree already had: the tree says how many leading positions it "
+        f"held before your insert, and those slots of yours are duplicates. {stuck} KV slots leaked")
 
 
 def test_a_request_released_before_its_finish_is_not_released_again(qwen3):
@@ -97,7 +97,7 @@ def test_a_request_released_before_its_finish_is_not_released_again(qwen3):
         generate(llm, ["hello there", "the lazy dog"], [SamplingParams(max_new_tokens=n, ignore_eos=True)
                                                          for n in (4, 9)])
     except (KVAccountingError, InvariantError) as exc:
-        raise AssertionError("release a finished request only if it was not released already (req.released): "
+        raise AssertionError("release a finished request only if it was not released already: "
                              "with commit_point_cache off it was released at planning; a second _release is a "
                              f"double free ({exc})") from None
 

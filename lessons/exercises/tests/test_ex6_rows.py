@@ -74,3 +74,25 @@ def test_rows_parked_together_all_come_back(qwen3):
     assert mem["rows_free"] == mem["rows_total"], (
         "every parked row must be freed at the first commit after its last batch, also when several rows "
         f"become free at the same commit (removing from a list while looping over it skips one): {mem}")
+
+
+def test_a_row_no_batch_in_flight_uses_is_free_at_once():
+    """A row is released outside a commit too (an abort at planning, a retraction): if it is
+    parked then, only a later commit frees it, and with one row no later batch can run. A row
+    whose last batch has been committed must be free the moment it is released."""
+    import torch
+
+    from minisgl.kv_pool import ReqToTokenPool
+    from minisgl.mechanisms import Mechanisms
+    from minisgl.request import Req
+    from minisgl.rows import RowTracker
+
+    rows = RowTracker(ReqToTokenPool(1, 8, torch.device("cpu")), Mechanisms())
+    req = Req.__new__(Req)
+    rows.assign(req)
+    rows.launched([req.row], 0)
+    rows.committed(0)  # its last batch is done: nothing in flight uses the row
+    rows.free(req.row)
+    assert rows.req_to_token.free_count == 1 and not rows.deferred_rows, (
+        "a row that no batch in flight uses must be freed at once: parked, it waits for a later commit that never "
+        "comes when the next request needs that very row to run (a one-row pool)")

@@ -6,6 +6,8 @@ still returns at once), and the host waits for a batch's copy_done before readin
 import threading
 import time
 
+import pytest
+
 from minisgl import LLM, SamplingParams
 from minisgl.batch import InFlight
 from minisgl.streams import CpuStream, DeviceError
@@ -89,7 +91,7 @@ def test_the_host_itself_waits_for_copy_done_not_the_scheduler_stream(qwen3):
         stream.close()
     assert got == expected, (
         "the host read a batch's tokens before its copy_done event passed: the host itself must wait for "
-        "copy_done (copy_done.synchronize()); a wait queued on a stream (stream.wait_event) makes only that "
+        "copy_done, on the host; a wait queued on a stream makes only that "
         f"stream's later work wait, the host reads on at once (got {got}, expected {expected})")
 
 
@@ -115,10 +117,13 @@ def test_a_commit_waits_for_its_own_batch_only(qwen3):
         f"still running during the commit of batch n-1 in {sum(next_busy)} of {len(next_busy)} commits")
 
 
-def test_a_fault_in_the_devices_work_is_raised_on_the_host_and_nothing_of_it_is_committed(qwen3):
-    """The engine's work fails on its stream; copy_done.synchronize() re-raises the failure on the
-    host. A host that reads on without that wait commits whatever the empty token buffer held."""
-    llm = LLM(qwen3, loop="overlap", device_delay_ms=5)
+@pytest.mark.parametrize("device_ms, host_ms", [(5, 0), (1, 30)], ids=["device-slow", "host-slow"])
+def test_a_fault_in_the_devices_work_is_raised_on_the_host_and_nothing_of_it_is_committed(qwen3, device_ms, host_ms):
+    """The engine's work fails on its stream; the host's wait for copy_done re-raises the failure.
+    A host that reads on without that wait commits whatever the empty token buffer held. With a
+    slow host the failed batch is over (its event passed) long before its commit: a wait only
+    when query() says it has not passed yet misses the failure."""
+    llm = LLM(qwen3, loop="overlap", device_delay_ms=device_ms, host_delay_ms=host_ms)
     forward, failing_batch = llm.engine._forward_and_sample, []
 
     def fails_on_the_third_batch(batch, *args):
@@ -135,10 +140,10 @@ def test_a_fault_in_the_devices_work_is_raised_on_the_host_and_nothing_of_it_is_
         raised = exc
     committed = [n for kind, n in llm.stats.events if kind == "commit"]
     assert failing_batch and 2 not in committed, (
-        "the host must wait for a batch's copy_done with copy_done.synchronize() before it reads the tokens: that "
+        "the host must always wait for a batch's copy_done event before it reads the tokens: that "
         "wait is where a failure of the device's work reaches the host (query() only says the event passed, "
         "failed or not); batch 2 failed on the device and was committed anyway (its tokens are whatever the "
         f"empty buffer held); committed batches {committed}")
     assert isinstance(raised, DeviceError) and "injected device fault" in str(raised), (
-        "a failure of the device's work must reach the caller as the DeviceError that copy_done.synchronize() "
+        "a failure of the device's work must reach the caller as the DeviceError that the host's wait for copy_done "
         f"raises, naming the fault; got {raised!r}")

@@ -50,3 +50,25 @@ def test_switched_off_the_late_token_is_appended(reference):
     assert llm.stats.retracted_late_results == 0 and outs != reference, (
         "keep the switch: with retract_skip_inflight off the late result must be committed like any other "
         "(and the re-prefill then samples the same step again: a repeated token)")
+
+
+def test_a_skipped_result_leaves_the_request_as_the_retraction_left_it(reference):
+    """The retraction already forgot the sample in flight (Req.reset_for_retract); the re-prefill
+    counts its own. Touching the request while skipping its late result (its count of samples in
+    flight, its KV length) puts it one sample off: the lookahead then misjudges its end."""
+    llm = LLM(demo_model_path(), loop="overlap", admission="optimistic", kv_tokens=200)
+    llm.scheduler.check_each_step = False
+    negative = []
+    commit_results = llm.scheduler._commit_results
+
+    def spy(view, result):
+        commit_results(view, result)
+        negative.extend(r.rid for r in view.reqs if r.inflight_samples < 0)
+
+    llm.scheduler._commit_results = spy
+    prompts, params = early_stop_workload()
+    outs = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.stats.retractions > 0, "the workload must retract (admission='optimistic', kv_tokens=200)"
+    assert not negative and outs == reference, (
+        "a skipped late result must leave the retracted request untouched: the retraction already set its samples in "
+        f"flight to 0 and the re-prefill counts its own (requests {sorted(set(negative))} went below 0)")

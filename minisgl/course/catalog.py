@@ -11,7 +11,7 @@ hints live here, so that reading the skeleton does not give the answer away.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,15 @@ class Exercise:
     lesson: int
     tests: tuple[str, ...]  # pytest node ids inside the work dir; the teaching test file comes first
     hints: tuple[str, str, str]  # levels 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Wrong:
+    exercise: int
+    name: str
+    story: str  # the mistake, in one line
+    expect: str  # a phrase the first failure (or the hang report) must contain
+    regions: dict[str, str] = field(default_factory=dict)  # region name -> code put there (any indent)
 
 
 EXERCISES = {e.number: e for e in (
@@ -212,7 +221,7 @@ EXERCISES = {e.number: e for e in (
         "In DelayedSampling.plan: set delay_sample from the switch; when it is off, set mask to build_mask of the "
         "requests' grammars and their grammar_state. In DelayedSampling.launch: take the result from the InFlight; "
         "assert that rows.done_id equals the result's batch id minus one; inside a host span of the tracer named "
-        "SpanName.SAMPLE with that batch id, call the engine's launch_sample with the result and build_mask of "
+        "SpanName.SAMPLE with that batch id, call launch_sample with the engine, the result and build_mask of "
         "the grammars and states of the view's requests; then add one to the delayed_samples statistic.",
     )),
 )}

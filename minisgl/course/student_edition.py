@@ -1,6 +1,6 @@
 """Write the student edition: a repository to hand to a class, without the answers.
 
-    python lessons/exercises/student_edition.py DIR
+    python -m minisgl.course.student_edition DIR
 
 DIR gets every file of this repository except the teacher's ones (TEACHER_ONLY: the guide with
 the answers, the known-wrong solutions, the grader and the tests of these tools), with every
@@ -15,27 +15,30 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from catalog import EXERCISES  # noqa: E402
-from make_exercise import ROOT, marked_files, replace_regions  # noqa: E402
+from minisgl.course.catalog import EXERCISES
+from minisgl.course.make_exercise import ROOT, marked_files, replace_regions
 
 # What only a teacher gets: the answers to the written questions, the known-wrong solutions (near
 # copies of the reference), and the tools and tests that need the reference to work.
 TEACHER_ONLY = frozenset({
     "lessons/TEACHER.md",
     "lessons/exercises/wrong_solutions.py",
-    "lessons/exercises/student_edition.py",
-    "lessons/exercises/grade.py",
+    "minisgl/course/student_edition.py",
+    "minisgl/course/grade.py",
+    "minisgl/course/judge.py",
+    "minisgl/course/judge_zygote.py",
+    "minisgl/course/submission.py",
+    "minisgl/course/region_policy.py",
     "tests/test_exercises.py",
     "tests/test_student_edition.py",
     "tests/test_grading.py",
-    "lessons/check_figures.py",  # checks the guide's figures: reads TEACHER.md
+    "minisgl/course/check_figures.py",  # checks the guide's figures: reads TEACHER.md
     "benchmarks/grading_class.py",  # a synthetic class for timing the grader: made from the wrong solutions
 })
 COMMIT_MESSAGE = "minisgl course: student edition (every exercise region raises NotImplementedError)"
@@ -48,6 +51,48 @@ def repository_files(root: Path = ROOT) -> list[str]:
     return sorted(name for name in set(listed) if name and (root / name).is_file())
 
 
+TEACHERS_NOTE = " (teacher's edition only)"
+
+
+def _teacher_only_names() -> re.Pattern[str]:
+    """A teacher's file by its name, or a module of the package by its dotted name."""
+    names = {Path(name).name for name in TEACHER_ONLY} | {
+        name.removesuffix(".py").replace("/", ".") for name in TEACHER_ONLY if name.startswith("minisgl/")}
+    return re.compile(r"\b(?:" + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) + r")\b")
+
+
+def without_teacher_links(text: str) -> str:
+    """A text of the edition in which every mention of a teacher's file (a link, a code span, a
+    bare name, a line of a code block) says that the file is not in this edition; a link to
+    one becomes its text."""
+    names = _teacher_only_names()
+    chunks = re.split(r"(^```.*?^```[^\n]*$)", text, flags=re.MULTILINE | re.DOTALL)
+    out = []
+    for i, chunk in enumerate(chunks):
+        if i % 2:  # a fenced code block: a note at the end of each line that names one
+            out.append("\n".join(line + "  #" + TEACHERS_NOTE if names.search(line) and TEACHERS_NOTE not in line
+                                  else line for line in chunk.split("\n")))
+        else:
+            out.append(_noted_prose(chunk, names))
+    return "".join(out)
+
+
+def _noted_prose(text: str, names: re.Pattern[str]) -> str:
+    link = re.compile(r"\[(?P<text>[^\]]*)\]\((?P<target>[^)]*)\)")
+    out = []
+    parts = re.split(r"(`[^`\n]*`)", text)
+    for i, part in enumerate(parts):
+        following = parts[i + 1] if i + 1 < len(parts) else ""
+        if i % 2:  # a code span
+            noted = names.search(part) and not following.startswith(TEACHERS_NOTE)
+            out.append(part + TEACHERS_NOTE if noted else part)
+            continue
+        part = link.sub(lambda m: m["text"] + TEACHERS_NOTE if names.search(m["target"]) else m[0], part)
+        part = names.sub(lambda m: m[0] if part.startswith(TEACHERS_NOTE, m.end()) else m[0] + TEACHERS_NOTE, part)
+        out.append(part)
+    return "".join(out)
+
+
 def without_answers(source: str) -> str:
     """Every exercise region's body replaced by its skeleton raise, the markers kept. Later
     exercises first: a skeleton names what the reference code below it reads (exercise 5's
@@ -57,14 +102,16 @@ def without_answers(source: str) -> str:
     return source
 
 
-def write_student_edition(dest: Path) -> Path:
-    """Write the student edition to dest (which must not exist, or be empty) and commit it there."""
+def write_student_edition(dest: Path, exclude: tuple[Path, ...] = ()) -> Path:
+    """Write the student edition to dest (which must not exist, or be empty) and commit it there.
+    Files under `exclude` (e.g. a folder of submissions kept in this checkout) are left out."""
     dest = Path(dest).resolve()
     if dest.exists() and any(dest.iterdir()):
         raise SystemExit(f"{dest} exists and is not empty")
     marked = {f"minisgl/{rel.as_posix()}" for rel in marked_files()}
+    excluded = [p.resolve() for p in exclude]
     for name in repository_files():
-        if name in TEACHER_ONLY:
+        if name in TEACHER_ONLY or any((ROOT / name).resolve().is_relative_to(p) for p in excluded):
             continue
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -72,6 +119,8 @@ def write_student_edition(dest: Path) -> Path:
             source = without_answers((ROOT / name).read_text())
             ast.parse(source, name)  # the skeleton must stay valid Python
             target.write_text(source)
+        elif name.endswith(".md"):
+            target.write_text(without_teacher_links((ROOT / name).read_text()))
         else:
             shutil.copy2(ROOT / name, target)
     git = ["git", "-c", "user.name=minisgl course", "-c", "user.email=course@minisgl.invalid"]

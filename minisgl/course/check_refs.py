@@ -3,8 +3,8 @@
 Every such reference in lessons/**/*.md (texts, the reading guide) must name a function or class defined on that line of
 today's code. Other people edit minisgl/, so lines move: `--fix` rewrites the numbers.
 
-    python lessons/check_refs.py          # list stale references (exit 1 if any)
-    python lessons/check_refs.py --fix    # rewrite them in place
+    python -m minisgl.course.check_refs          # list stale references (exit 1 if any)
+    python -m minisgl.course.check_refs --fix    # rewrite them in place
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORK = ROOT / "lessons" / "exercises" / "work"
 SPLIT = re.compile(r"`minisgl/[\w/]+\.py:\d+\s*\n")
 REF = re.compile(r"`(?P<path>minisgl/[\w/]+\.py):(?P<line>\d+) (?P<name>[A-Za-z_][\w.]*)`")

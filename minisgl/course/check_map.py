@@ -6,13 +6,15 @@ backticked name in that column must resolve against the package:
 
 - a mechanism switch (`future_map`) must be a key of `minisgl.MECHANISMS`;
 - `Class.member` must be a method, class attribute or `self.member` attribute of that class or of a
-  base class defined in minisgl/ (`Scheduler._release` is `ReleaseMixin._release`, inherited);
+  base class defined in minisgl/ (a method inherited from a base class counts);
 - a bare `name` must be a class or a module-level function somewhere in minisgl/.
+
+The map's SGLang and mini-SGLang names are checked too, by upstream_map.py beside it (`scan` runs both).
 
 Call arguments are ignored (`Scheduler.overlap_loop(last)` checks `Scheduler.overlap_loop`);
 backticked text that is not a dotted name (a command line, an expression) is not checked.
 
-    python lessons/check_map.py    # list names that resolve to nothing (exit 1 if any)
+    python -m minisgl.course.check_map    # list names that resolve to nothing (exit 1 if any)
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import ast
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAP_FILES = (ROOT / "lessons" / "readings" / "README.md", ROOT / "lessons" / "readings" / "sglang_overlap_loop.md")
 MINISGL_COLUMNS = {"minisgl", "minisgl switch"}
 CODE = re.compile(r"`([^`]+)`")
@@ -112,17 +115,26 @@ def check_text(text: str, names: PackageNames) -> list[str]:
     return problems
 
 
-def scan() -> list[str]:
+def scan(upstream: Callable[[], list[str]] | None = None) -> list[str]:
+    """Every problem of the map: its minisgl names here, its SGLang and mini-SGLang names by
+    `upstream` (default: upstream_problems)."""
     names = PackageNames(ROOT / "minisgl")
     problems = []
     for path in MAP_FILES:
         problems += [f"{path.relative_to(ROOT)} {p}" for p in check_text(path.read_text(), names)]
-    return problems
+    return problems + (upstream or upstream_problems)()
+
+
+def upstream_problems() -> list[str]:
+    """The map's SGLang and mini-SGLang names, checked against their manifest (upstream_map.py)."""
+    from . import upstream_map
+
+    return upstream_map.scan()
 
 
 def main() -> int:
     problems = scan()
-    print("\n".join(problems) if problems else "map: every minisgl name resolves")
+    print("\n".join(problems) if problems else "map: every minisgl, SGLang and mini-SGLang name resolves")
     return 1 if problems else 0
 
 

@@ -25,19 +25,20 @@ code). `wrong` lists the known-wrong solutions kept in wrong_solutions.py; `chec
 NAME` runs exercise N's tests against the reference with that wrong solution put in: what
 the tests say to a learner who wrote it.
 
-    python lessons/exercises/make_exercise.py list
-    python lessons/exercises/make_exercise.py hint 1 [--level 2]
-    python lessons/exercises/make_exercise.py generate 1 [--force] [--dest DIR]
-    python lessons/exercises/make_exercise.py check 1 [--dest DIR] [-- extra pytest args]
-    python lessons/exercises/make_exercise.py check 1 --reference   # the same tests, reference code
-    python lessons/exercises/make_exercise.py wrong [1]             # the known-wrong solutions
-    python lessons/exercises/make_exercise.py check 1 --wrong commit-before-launch
+    python -m minisgl.course.make_exercise list
+    python -m minisgl.course.make_exercise hint 1 [--level 2]
+    python -m minisgl.course.make_exercise generate 1 [--force] [--dest DIR]
+    python -m minisgl.course.make_exercise check 1 [--dest DIR] [-- extra pytest args]
+    python -m minisgl.course.make_exercise check 1 --reference   # the same tests, reference code
+    python -m minisgl.course.make_exercise wrong [1]             # the known-wrong solutions
+    python -m minisgl.course.make_exercise check 1 --wrong commit-before-launch
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import os
 import re
 import shutil
@@ -48,20 +49,28 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from catalog import EXERCISES  # noqa: E402
+from minisgl.course import EXERCISE_TESTS, PACKAGE, ROOT, WORK
+from minisgl.course.catalog import EXERCISES, Wrong
+from minisgl.frontend.options import OneLineParser
 
-from minisgl.frontend.options import OneLineParser  # noqa: E402
-try:
-    from wrong_solutions import WRONG, Wrong  # noqa: E402
-    STUDENT_EDITION = False
-except ModuleNotFoundError:  # the student edition (student_edition.py) ships no known-wrong solutions, and
-    WRONG, STUDENT_EDITION = [], True  # its learner writes every region in minisgl/ itself
+# The known-wrong solutions are course content (lessons/exercises/), loaded by path; the student
+# edition ships none, and its learner writes every region in minisgl/ itself.
+WRONG_SOLUTIONS = EXERCISE_TESTS.parent / "wrong_solutions.py"
+STUDENT_EDITION = not WRONG_SOLUTIONS.exists()
 
-ROOT = HERE.parents[1]
-PACKAGE = ROOT / "minisgl"
-WORK = HERE / "work"
+
+def _known_wrong() -> list[Wrong]:
+    if STUDENT_EDITION:
+        return []
+    spec = importlib.util.spec_from_file_location("minisgl_course_wrong_solutions", WRONG_SOLUTIONS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.WRONG
+
+
+WRONG = _known_wrong()
+
 START = re.compile(r"^(?P<indent>[ \t]*)# >>> exercise (?P<n>\d+): (?P<name>.+?)\s*$")
 END = re.compile(r"^[ \t]*# <<< exercise (?P<n>\d+)\s*$")
 HANG_S = 40  # a half-written loop can wait forever: stop it well inside a minute, with the stacks
@@ -84,7 +93,7 @@ addopts = -p no:cacheprovider
 # and arms the hang guard. The guard writes the stacks to a file the checker prints: pytest
 # captures the test's own stderr, which would swallow them.
 CONFTEST = '''\
-"""Written by lessons/exercises/make_exercise.py: the tests here must test THIS copy of minisgl."""
+"""Written by minisgl/course/make_exercise.py: the tests here must test THIS copy of minisgl."""
 import faulthandler
 import os
 from pathlib import Path
@@ -176,7 +185,7 @@ def names_used_below(lines: list[str], region: Region) -> list[str]:
 def skeleton_raise(region: Region, defines: list[str] = ()) -> list[str]:
     """What replaces a region in a skeleton: the part's name and where the hints are, and the names
     the code below needs from it (exercise 5 defines `written` for the release after it), no more."""
-    message = f"exercise {region.number}: {region.name} (make hint-{region.number} for hints)"
+    message = f"exercise {region.number}: {region.name} (hints: python -m minisgl course hint {region.number})"
     needs = [f"{region.indent}# define {', '.join(defines)} here: the code after this region uses it\n"] if defines else []
     return [*needs, f"{region.indent}raise NotImplementedError({message!r})\n"]
 
@@ -253,7 +262,7 @@ def refresh_tests(dest: Path) -> None:
     if tests.exists():
         shutil.rmtree(tests)
     shutil.copytree(ROOT / "tests", tests, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for path in sorted((HERE / "tests").glob("*.py")):
+    for path in sorted(EXERCISE_TESTS.glob("*.py")):
         shutil.copy(path, tests / path.name)
     (dest / "pytest.ini").write_text(PYTEST_INI)
     (dest / "conftest.py").write_text(CONFTEST)
@@ -303,7 +312,7 @@ def print_hint(number: int, level: int) -> None:
     print(f"exercise {number}: {exercise.title} — hint {level} of 3")
     print(textwrap.fill(exercise.hints[level - 1], width=100))
     if level < 3:
-        print(f"(more: make hint-{number} LEVEL={level + 1})")
+        print(f"(more: python -m minisgl course hint {number} --level {level + 1})")
 
 
 def print_wrong(number: int | None) -> None:
@@ -360,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         for e in EXERCISES.values():
             print(f"exercise-{e.number}  {e.title}  [lesson {e.lesson}]")
         return 0
+    if STUDENT_EDITION and (args.command == "wrong" or getattr(args, "reference", False) or getattr(args, "wrong", None)):
+        raise SystemExit("the reference and the known-wrong solutions are the teacher's: not part of the student "
+                         "edition (check N tests your own minisgl/)")
     if args.command == "wrong":
         print_wrong(args.number)
         return 0
@@ -383,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.reference or args.wrong or STUDENT_EDITION:  # the student edition: test minisgl/ as it is
         wrong = find_wrong(args.number, args.wrong) if args.wrong else None
-        with tempfile.TemporaryDirectory(prefix="minisgl-reference-") as tmp:
+        prefix = "minisgl-your-code-" if STUDENT_EDITION else "minisgl-reference-"
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
             dest = args.dest or Path(tmp)
             generate(args.number if wrong else None, dest, force=True, wrong=wrong)
             return run_tests(tests, dest, extra, learner=False)

@@ -33,10 +33,8 @@ from typing import Iterator, Sequence
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from catalog import EXERCISES  # noqa: E402
-from make_exercise import HANG_ADVICE, HANG_S, refresh_tests  # noqa: E402
+from minisgl.course.catalog import EXERCISES
+from minisgl.course.make_exercise import HANG_ADVICE, HANG_S, refresh_tests
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Check the figures the teacher's guide quotes: run the lessons, compare, print PASS or FAIL.
 
-    python lessons/check_figures.py [--lessons 1 3] [--busy 2]
+    python -m minisgl.course.check_figures [--lessons 1 3] [--busy 2]
 
 The figures and their tolerances are the table *Figures to check* in lessons/TEACHER.md (one
 row per `» name = value` line a lesson prints: an exact count `7`, a range `0.76–0.95` or a
@@ -19,9 +19,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-LESSONS = Path(__file__).resolve().parent
+from minisgl.course import LESSONS
+
 GUIDE = LESSONS / "TEACHER.md"
 TABLE_TITLE = "### Figures to check"
 FIGURE = re.compile(r"^» (?P<name>.+?) = (?P<value>-?[\d.]+)", re.MULTILINE)

@@ -1,0 +1,337 @@
+"""Grade a class: every exercise of every submission, into a grade sheet.
+
+    python -m minisgl course grade SUBMISSIONS --out DIR [--jobs 2] [--exercises 1 2] [--check-limit 180]
+
+Each entry of SUBMISSIONS is one student, named by the entry: a work tree (a folder of the
+student edition, edited) or a patch against it (`NAME.patch` or `NAME.diff`, from `git diff` in
+the student's tree, in any encoding PowerShell or Git writes). Entries may be malformed (a
+symlink, a FIFO, a patch that does not apply): each is one "not gradable" row. SUBMISSIONS may
+be anywhere, this checkout included.
+
+How a submission is read (submission.py): normalized (line ends, BOMs, OS litter), its code
+between the markers taken per exercise; an edit inside a function that holds exercise N's
+region costs exercise N; any other edit is reported and costs nothing.
+
+How an exercise is checked (judge.py): in a fresh process, in a throw-away copy of the student
+edition with the submission's code between that exercise's markers and the reference code
+between the others, with a limit per check (a hang is reported as one). The verdict is the
+judge's, not the child's: a forged report, a crash or a hang earns nothing. Submissions with the
+same code in an exercise's regions (comments and spacing aside) share one check. Nothing a check
+writes outside its copy survives it, and nothing it starts outlives it.
+
+Writes, only when every check has run:
+- DIR/grades.csv: one row per student, a column per exercise (1 when every check passes, the
+  checker's half of the guide's rubric; 0 otherwise), the total, and notes;
+- DIR/grade-details.csv: one row per student, exercise and test (or edit that costs a mark), with
+  the rule it breaks in the test's own words;
+- DIR/grades.json: both, for scripts.
+An interrupted run (Ctrl-C, SIGTERM) records nothing and exits 130. A run killed outright leaves
+its scratch folder behind; the next run removes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import textwrap
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from minisgl.course import PACKAGE, ROOT
+from minisgl.course.catalog import EXERCISES
+from minisgl.course.judge import CheckVerdict, Judge, kill_run_processes
+from minisgl.course.make_exercise import Wrong, marked_files, regions, replace_regions
+from minisgl.course.student_edition import write_student_edition
+from minisgl.course.submission import NotGradable, Submission, is_submission, read_tree, student_name, tree_from_entry
+from minisgl.frontend.options import OneLineParser, count
+
+MAX_JOBS = 64  # checks at once, one process each
+RUN_PREFIX = "minisgl-grade-run-"  # this run's scratch folder in the system's temporary folder
+INTERRUPTED = 130
+
+
+# --------------------------------------------------------------------------- regions of a tree
+
+def written_regions(tree: Path) -> dict[int, dict[str, str]]:
+    """exercise -> region name -> the code between its markers in tree/minisgl (dedented)."""
+    found: dict[int, dict[str, str]] = {}
+    for rel in marked_files(PACKAGE):
+        lines = (tree / "minisgl" / rel).read_text().splitlines(keepends=True)
+        for region in regions(lines):
+            found.setdefault(region.number, {})[region.name] = textwrap.dedent(
+                "".join(lines[region.first + 1:region.last]))
+    return found
+
+
+def put_regions(tree: Path, code: dict[int, dict[str, str]], dest: Path) -> Path:
+    """A copy of tree (its git history left out) in dest, with `code` between the markers of its
+    minisgl (the markers kept): e.g. the reference's regions put into the student edition."""
+    shutil.copytree(tree, dest, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc"))
+    for rel in marked_files(dest / "minisgl"):
+        path = dest / "minisgl" / rel
+        source = path.read_text()
+        for number, bodies in code.items():
+            source, _ = replace_regions(source, number, Wrong(number, "", "", "", bodies), keep_markers=True)
+        path.write_text(source)
+    return dest
+
+
+CheckKey = tuple[int, str]  # (exercise, fingerprint of its region code)
+
+
+def fingerprint(number: int, bodies: dict[str, str]) -> CheckKey:
+    """Which submissions can share one check of exercise `number`: the same code in its regions,
+    comments, blank lines and spacing aside (each region's syntax tree)."""
+    parts = []
+    for name in sorted(bodies):
+        try:
+            parts.append(ast.dump(ast.parse("def region():\n" + textwrap.indent(bodies[name] or "pass\n", "    "))))
+        except SyntaxError:
+            parts.append(bodies[name])
+    return number, hashlib.sha256(repr((sorted(bodies), parts)).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- the run's scratch
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_runs(temp: Path) -> list[Path]:
+    """Scratch folders of grading runs whose grader is gone (killed outright): their processes
+    killed, the folders removed. Returns the folders removed."""
+    removed = []
+    for folder in temp.glob(f"{RUN_PREFIX}*"):
+        try:
+            owner = int((folder / "owner.pid").read_text())
+        except (OSError, ValueError):
+            owner = None
+        if owner is not None and _alive(owner):
+            continue
+        if owner is None and time.time() - folder.stat().st_mtime < 60:
+            continue  # a run that is writing its owner file right now
+        kill_run_processes(f"{folder.name}:", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def new_run_folder() -> Path:
+    temp = Path(tempfile.gettempdir())
+    remove_stale_runs(temp)
+    folder = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=temp))
+    (folder / "owner.pid").write_text(str(os.getpid()))
+    return folder
+
+
+# --------------------------------------------------------------------------- submissions
+
+def read_class(submissions: Path, edition: Path, scratch: Path) -> list[Submission]:
+    """One Submission per student name, malformed ones included (not gradable)."""
+    entries = sorted(p for p in submissions.iterdir() if is_submission(p))
+    if not entries:
+        raise ValueError(f"no submission (a folder, or a .patch or .diff file) in {submissions}")
+    by_name: dict[str, list[Path]] = {}
+    for entry in entries:
+        by_name.setdefault(student_name(entry), []).append(entry)
+    marked = {f"minisgl/{rel.as_posix()}": numbers for rel, numbers in marked_files(edition / "minisgl").items()}
+    subs = []
+    for i, (student, named) in enumerate(sorted(by_name.items())):
+        sub = Submission(student, [e.name for e in named])
+        subs.append(sub)
+        if len(named) > 1:
+            sub.not_gradable = f"more than one submission named {student}: {', '.join(sub.entries)}"
+            continue
+        work = scratch / f"submission-{i}"
+        work.mkdir()
+        try:
+            tree, skipped = tree_from_entry(named[0], edition, work)
+            read_tree(sub, edition, tree, marked)
+            if skipped:
+                sub.notes.append(f"ignored (not regular files): {', '.join(skipped[:3])}")
+        except NotGradable as exc:
+            sub.not_gradable = str(exc)
+        except (OSError, UnicodeError) as exc:
+            sub.not_gradable = f"cannot be read ({type(exc).__name__})"
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return subs
+
+
+# --------------------------------------------------------------------------- the sheet
+
+@dataclass(frozen=True)
+class ExerciseGrade:
+    exercise: int
+    mark: float  # 1.0: every check passed and no edit around the region
+    status: str  # passed, failed, hang, crash, forged, refused, edited, not gradable
+    rules: tuple[str, ...]  # why not 1.0, one short line each
+    tests: tuple[tuple[str, bool, str], ...] = ()  # (test, passed, rule)
+
+
+@dataclass(frozen=True)
+class StudentGrade:
+    student: str
+    exercises: tuple[ExerciseGrade, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def total(self) -> float:
+        return sum(e.mark for e in self.exercises)
+
+
+def grade_of(sub: Submission, number: int, verdict: CheckVerdict | None) -> ExerciseGrade:
+    if sub.not_gradable:
+        return ExerciseGrade(number, 0.0, "not gradable", (f"not gradable: {sub.not_gradable}",))
+    if number in sub.costs:
+        return ExerciseGrade(number, 0.0, "edited", tuple(f"edited outside the markers: {c}" for c in sub.costs[number]))
+    assert verdict is not None
+    tests = tuple((t.test, t.passed, t.rule) for t in verdict.tests)
+    rules = tuple(dict.fromkeys([verdict.summary] if verdict.summary else [t.rule for t in verdict.tests if t.rule]))
+    return ExerciseGrade(number, verdict.mark, verdict.status, rules, tests)
+
+
+def _cell(text: str) -> str:
+    """A spreadsheet cell that is never a formula (a student's name may start with =)."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@") else text
+
+
+def write_sheet(grades: list[StudentGrade], numbers: list[int], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    header = ["student", *(f"ex{n}" for n in numbers), "total", "of", "notes"]
+    rows = [[_cell(g.student), *(f"{e.mark:g}" for e in g.exercises), f"{g.total:g}", str(len(numbers)),
+             _cell(" | ".join(g.notes)[:400])] for g in grades]
+    files["grades.csv"] = [header, *rows]
+    detail = [["student", "exercise", "mark", "status", "test", "passed", "rule"]]
+    for g in grades:
+        for e in g.exercises:
+            if e.tests:
+                detail += [[_cell(g.student), str(e.exercise), f"{e.mark:g}", e.status, t, str(ok), _cell(rule)]
+                           for t, ok, rule in e.tests]
+            else:
+                detail += [[_cell(g.student), str(e.exercise), f"{e.mark:g}", e.status, "", "False", _cell(rule)]
+                           for rule in e.rules]
+    files["grade-details.csv"] = detail
+    for name, table in files.items():
+        tmp = out / f".{name}.tmp"
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows(table)
+        os.replace(tmp, out / name)
+    tmp = out / ".grades.json.tmp"
+    tmp.write_text(json.dumps([dict(asdict(g), total=g.total) for g in grades], indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, out / "grades.json")
+
+
+# --------------------------------------------------------------------------- the class
+
+def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, limit_s: float,
+                scratch: Path) -> list[StudentGrade]:
+    start = time.monotonic()
+    edition = write_student_edition(scratch / "edition", exclude=(submissions, out))
+    subs = read_class(submissions, edition, scratch)
+    reference = written_regions(ROOT)
+    judge = Judge(edition, scratch, reference, limit_s, scratch.name)
+    checks: dict[CheckKey, dict[str, str]] = {}
+    sharing: Counter[CheckKey] = Counter()
+    for sub in subs:
+        for number in numbers:
+            if not sub.not_gradable and number not in sub.costs:
+                key = fingerprint(number, sub.code.get(number, {}))
+                checks.setdefault(key, sub.code.get(number, {}))
+                sharing[key] += 1
+    print(f"{len(subs)} submissions read in {time.monotonic() - start:.0f} s: {sharing.total()} exercises to grade, "
+          f"{len(checks)} distinct checks (identical region code is checked once), {jobs} at a time, "
+          f"{limit_s:g} s at most each", flush=True)
+    verdicts: dict[CheckKey, CheckVerdict] = {}
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        for future in as_completed([pool.submit(judge.learn_expected, n) for n in numbers]):
+            future.result()  # the reference must pass here, or no mark would be right
+        begun, done = time.monotonic(), 0
+        futures = {pool.submit(judge.check, key[0], bodies): key for key, bodies in checks.items()}
+        for future in as_completed(futures):
+            key = futures[future]
+            verdicts[key] = verdict = future.result()
+            done += 1
+            elapsed = time.monotonic() - begun
+            print(f"[{done}/{len(checks)}] exercise {key[0]} ({sharing[key]} submission{'s' * (sharing[key] > 1)}): "
+                  f"{verdict.status}, {sum(t.passed for t in verdict.tests)}/{len(verdict.tests)} tests; {elapsed:.0f} s, "
+                  f"about {elapsed / done * (len(checks) - done):.0f} s to go", flush=True)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        judge.close()  # every check still running ends, and no new one starts
+    pool.shutdown()
+    grades = []
+    for sub in subs:
+        exercises = tuple(grade_of(sub, n, verdicts.get(fingerprint(n, sub.code.get(n, {})))) for n in numbers)
+        grades.append(StudentGrade(sub.student, exercises, tuple(sub.notes)))
+    write_sheet(grades, numbers, out)
+    return grades
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = OneLineParser(description=__doc__.splitlines()[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("submissions", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--jobs", type=count(MAX_JOBS), default=min(os.cpu_count() or 2, MAX_JOBS),
+                    help="checks run at once, one process each (default: one per core)")
+    ap.add_argument("--exercises", type=int, nargs="+", default=sorted(EXERCISES), choices=sorted(EXERCISES))
+    ap.add_argument("--check-limit", type=count(3600), default=180, metavar="SECONDS",
+                    help="a check that runs longer is a hang (default 180)")
+    args = ap.parse_args(argv)
+    if not args.submissions.is_dir():
+        ap.error(f"{args.submissions} is not a folder of submissions")
+    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is not None:
+            signal.signal(signum, _interrupt)
+    start = time.monotonic()
+    scratch = new_run_folder()
+    try:
+        grades = grade_class(args.submissions.resolve(), args.out.resolve(), sorted(set(args.exercises)), args.jobs,
+                             args.check_limit, scratch)
+    except ValueError as exc:
+        ap.error(str(exc))
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: no marks were recorded", file=sys.stderr)
+        return INTERRUPTED
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"graded {len(grades)} students x {len(args.exercises)} exercises in {time.monotonic() - start:.0f} s: "
+          f"{args.out / 'grades.csv'} (per test: {args.out / 'grade-details.csv'})")
+    for g in grades:
+        marks = " ".join(f"{e.mark:g}" for e in g.exercises)
+        print(f"{g.student:24} {marks}  total {g.total:g}" + ("  NOT GRADABLE" if any(
+            e.status == "not gradable" for e in g.exercises) else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""A class graded end to end, hostile work included: every mark right, nothing written outside the
+checks' copies, no teacher's text in any message, a hang reported as one, a malformed entry one row.
+
+Exercises 2 and 3 only (a check is a fresh process: seconds each). The class:
+- reference (folder), crlf (the reference with Windows line ends, a .DS_Store, Thumbs.db and
+  __pycache__), powershell.patch (UTF-16 with a BOM and CRLF), added-import (an `import copy` at the top of
+  batch.py and a scratch script): full marks;
+- known-wrong: exercise 3 a known-wrong solution, exercise 2 the reference: 1 and 0;
+- forger (patches pytest's report through sys.modules), contaminator (writes into the teacher's
+  checkout and the grading output), reader (puts TEACHER.md into its failure message), forker: 0 on
+  exercise 3, 1 on exercise 2;
+- spinner: `while True: pass` in exercise 2's publish, which runs on the engine stream's worker
+  thread: a hang on exercise 2, 1 on exercise 3;
+- twice (a folder and a patch of one name), a FIFO, a symlink loop, a broken patch: one
+  "not gradable" row each.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from minisgl.course import ROOT, grade, judge
+from minisgl.course import student_edition as edition
+from minisgl.course.make_exercise import WRONG
+
+pytestmark = pytest.mark.full
+GRADED = ["2", "3"]
+LIMIT_S = 120
+REFERENCE = grade.written_regions(ROOT)
+ESCAPED = ROOT / "ESCAPED_BY_A_SUBMISSION.txt"
+SNAPSHOT = REFERENCE[3]["snapshot"]
+HOSTILE_EX3 = {
+    "forger": """
+import sys
+reports = sys.modules["_pytest.reports"]
+real = reports.TestReport.__init__
+def forged(self, *args, **kwargs):
+    real(self, *args, **kwargs)
+    self.outcome, self.longrepr = "passed", None
+reports.TestReport.__init__ = forged
+return self
+""",
+    "contaminator": f"""
+open({str(ESCAPED)!r}, "w").write("x")
+open("../../../../grades.csv", "w").write("x")
+""" + SNAPSHOT,
+    "reader": f"""
+raise AssertionError(open({str(ROOT / "lessons" / "TEACHER.md")!r}).read())
+""",
+    "forker": """
+import os
+if os.fork() == 0:
+    os.setsid()
+    while True:
+        pass
+""" + SNAPSHOT,
+}
+
+
+def with_regions(base: Path, dest: Path, code: dict[int, dict[str, str]]) -> Path:
+    return grade.put_regions(base, code, dest)
+
+
+def as_patch(base: Path, tree: Path) -> str:
+    shutil.copytree(base / ".git", tree / ".git")
+    return subprocess.run(["git", "diff"], cwd=tree, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("class")
+    base = edition.write_student_edition(root / "edition")
+    subs = ROOT / f"class-submissions-{os.getpid()}"  # inside the teacher's checkout, not ignored by git
+    shutil.rmtree(subs, ignore_errors=True)
+    subs.mkdir(parents=True)
+    out = root / "out"
+    try:
+        with_regions(base, subs / "reference", REFERENCE)
+        crlf = with_regions(base, subs / "crlf", REFERENCE)
+        for path in crlf.rglob("*.py"):
+            path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+        (crlf / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+        (crlf / "minisgl" / "Thumbs.db").write_bytes(b"\xd0\xcf")
+        (crlf / "minisgl" / "__pycache__").mkdir(exist_ok=True)
+        (crlf / "minisgl" / "__pycache__" / "batch.cpython-311.pyc").write_bytes(b"\0" * 16)
+        diff = as_patch(base, with_regions(base, root / "ps", REFERENCE))
+        (subs / "powershell.patch").write_bytes(codecs.BOM_UTF16_LE + diff.replace("\n", "\r\n").encode("utf-16-le"))
+        added = with_regions(base, subs / "added-import", REFERENCE)
+        (added / "minisgl" / "batch.py").write_text("import copy\n" + (added / "minisgl" / "batch.py").read_text())
+        (added / "scratch.py").write_text("print('trying')\n")
+        wrong3 = next(w for w in WRONG if w.exercise == 3)
+        with_regions(base, subs / "known-wrong", {**REFERENCE, 3: wrong3.regions})
+        for name, code in HOSTILE_EX3.items():
+            with_regions(base, subs / name, {**REFERENCE, 3: {"snapshot": textwrap.dedent(code)}})
+        with_regions(base, subs / "spinner", {**REFERENCE, 2: {**REFERENCE[2], "publish": "while True:\n    pass\n"}})
+        with_regions(base, subs / "twice", REFERENCE)
+        (subs / "twice.patch").write_text(diff)
+        os.mkfifo(subs / "fifo.patch")
+        (subs / "loop.patch").symlink_to(subs / "loop.patch")
+        (subs / "broken.patch").write_text(diff.replace("@@", "@@ garbage", 1)[: len(diff) // 2])
+        teacher_files = snapshot(ROOT)
+        home_before = snapshot(Path.home(), depth=1)
+        started = time.monotonic()
+        temp = root / "tmp"  # this grader's scratch, apart from any other grading run on the machine
+        temp.mkdir()
+        done = subprocess.run([sys.executable, "-m", "minisgl", "course", "grade", str(subs), "--out", str(out),
+                               "--exercises", *GRADED, "--jobs", "2", "--check-limit", str(LIMIT_S)],
+                              capture_output=True, text=True, timeout=1800, env=dict(os.environ, TMPDIR=str(temp)))
+        wall = time.monotonic() - started
+        changed_in_checkout = sorted(set(snapshot(ROOT).items()) - set(teacher_files.items()))
+        changed_in_home = sorted(set(snapshot(Path.home(), depth=1)) - set(home_before))
+    finally:
+        shutil.rmtree(subs, ignore_errors=True)
+    return done, out, wall, changed_in_checkout, changed_in_home, temp
+
+
+def snapshot(folder: Path, depth: int = 64) -> dict[str, int]:
+    """path -> mtime of every file under folder (the venv and caches aside)."""
+    found = {}
+    for path in folder.rglob("*"):
+        rel = path.relative_to(folder)
+        if len(rel.parts) > depth or {".venv", ".git", "__pycache__", ".pytest_cache", "work"} & set(rel.parts):
+            continue
+        try:
+            found[rel.as_posix()] = path.lstat().st_mtime_ns
+        except OSError:
+            continue
+    return found
+
+
+def sheet(out: Path) -> dict[str, dict[str, str]]:
+    with open(out / "grades.csv", newline="") as f:
+        return {row["student"]: row for row in csv.DictReader(f)}
+
+
+def test_every_mark_of_the_class_is_right(graded):
+    done, out, wall, _, _, _ = graded
+    print(f"graded the class in {wall:.0f} s")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = sheet(out)
+    marks = {name: (row["ex2"], row["ex3"]) for name, row in rows.items()}
+    assert marks == {
+        "reference": ("1", "1"), "crlf": ("1", "1"), "powershell": ("1", "1"), "added-import": ("1", "1"),
+        "known-wrong": ("1", "0"), "forger": ("1", "0"), "contaminator": ("1", "0"), "reader": ("1", "0"),
+        "forker": ("1", "0"), "spinner": ("0", "1"),
+        "twice": ("0", "0"), "fifo": ("0", "0"), "loop": ("0", "0"), "broken": ("0", "0"),
+    }, marks
+    assert rows["added-import"]["notes"] and "batch.py" in rows["added-import"]["notes"]
+    assert all(rows[n]["total"] == str(sum(map(int, marks[n]))) for n in rows)
+    details = list(csv.DictReader(open(out / "grade-details.csv", newline="")))
+    spin = [d for d in details if d["student"] == "spinner" and d["exercise"] == "2"]
+    assert spin and all(d["status"] == "hang" for d in spin)
+    for name in ("twice", "fifo", "loop", "broken"):
+        assert {d["status"] for d in details if d["student"] == name} == {"not gradable"}, name
+
+
+def test_nothing_was_written_outside_the_copies_and_no_teacher_text_reached_a_message(graded):
+    done, out, _, changed_in_checkout, changed_in_home, _ = graded
+    assert not ESCAPED.exists() and changed_in_checkout == [] and changed_in_home == []
+    assert sorted(p.name for p in out.iterdir()) == ["grade-details.csv", "grades.csv", "grades.json"]
+    guide = (ROOT / "lessons" / "TEACHER.md").read_text()
+    lines = {line.strip() for line in guide.splitlines() if len(line.strip()) > 40}
+    messages = (out / "grades.csv").read_text() + (out / "grade-details.csv").read_text()
+    assert not [line for line in lines if line in messages]
+    for code in REFERENCE.values():
+        for body in code.values():
+            assert not [line for line in body.splitlines() if len(line.strip()) > 30 and line.strip() in messages]
+
+
+def test_no_process_of_the_class_outlived_its_check(graded):
+    temp = graded[-1]
+    alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p, f"{temp}/")]
+    assert alive == [] and list(temp.iterdir()) == []  # and its scratch is gone
+
+
+def _grading_process(proc: Path, folder: str) -> bool:
+    """A process of a grading run: working in its scratch (a check or what it forked)."""
+    try:
+        return os.readlink(proc / "cwd").startswith(folder)
+    except OSError:
+        return False
+
+
+def test_a_report_forged_past_the_region_check_is_caught_by_the_judge(tmp_path):
+    """With the region check off, the forger's code runs and rewrites pytest's reports: the judge's
+    canary (a test that must fail) comes back passed, and the check earns nothing. The forker's
+    child, moved to a session of its own, does not outlive its check."""
+    base = edition.write_student_edition(tmp_path / "edition")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    j = judge.Judge(base, scratch, REFERENCE, LIMIT_S, "forged-test", vet=lambda code: [])
+    j.learn_expected(3)
+    verdict = j.check(3, {"snapshot": textwrap.dedent(HOSTILE_EX3["forger"])})
+    assert verdict.status == "forged" and verdict.mark == 0.0, verdict
+    forker = ("import os\nif 'FORKED' not in os.environ:\n    os.environ['FORKED'] = '1'\n"
+              "    if os.fork() == 0:\n        os.setsid()\n        while True:\n            pass\n" + SNAPSHOT)
+    forked = j.check(3, {"snapshot": forker})
+    assert forked.status == "passed", forked  # its own code is right (it forks once); what it forked is gone
+    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p, str(scratch) + "/")]
+    j.close()
+
+
+def test_an_interrupted_grading_records_no_mark_and_exits_non_zero(tmp_path):
+    base = edition.write_student_edition(tmp_path / "edition")
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    with_regions(base, subs / "reference", REFERENCE)
+    run = subprocess.Popen([sys.executable, "-m", "minisgl.course.grade", str(subs), "--out", str(tmp_path / "out"),
+                            "--exercises", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    time.sleep(15)  # into the checks
+    os.killpg(run.pid, signal.SIGINT)  # as a script's Ctrl-C reaches the whole group
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == grade.INTERRUPTED and "no marks were recorded" in err, err[-2000:]
+    assert not (tmp_path / "out").exists()
