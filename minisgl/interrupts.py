@@ -1,10 +1,7 @@
 """A scheduler step is atomic: Ctrl-C inside it is delivered when it ends.
 
-A KeyboardInterrupt halfway through a step would leave a launched batch unrecorded or a batch
-half committed: requests that never finish, slots and rows leaked. So during a step SIGINT only
-sets a flag, raised once the step left the scheduler whole. A second Ctrl-C raises at once (the
-way out of a hung device); the scheduler then refuses further work.
-"""
+An interrupt halfway through a step would leave a batch unrecorded or half committed (slots and rows
+leaked, requests that never finish). A second Ctrl-C raises at once (the way out of a hung device)."""
 
 from __future__ import annotations
 
@@ -43,11 +40,9 @@ _outermost: "Deferral | None" = None  # the open outermost Deferral (main thread
 
 
 class Deferral:
-    """SIGINT held back on the main thread between open() and close(). Nested deferrals are one:
-    the outermost installs the handler and counts every Ctrl-C; an inner one (on the main
-    thread) only reports them, and one on another thread holds nothing back (signals reach the
-    main thread only). A second Ctrl-C while one is held raises at once (the way out of a hung
-    device). Where Ctrl-C is ignored (SIG_IGN) nothing is held back."""
+    """SIGINT held back on the main thread between open() and close(). Nested deferrals are one: the
+    outermost installs the handler and counts every Ctrl-C, an inner one only reports them. A second
+    Ctrl-C raises at once; off the main thread, or where Ctrl-C is ignored, nothing is held back."""
 
     def __init__(self) -> None:
         self.outermost = False
@@ -80,9 +75,8 @@ class Deferral:
         return (self.outermost or self.joined) and outer is not None and bool(outer.held)
 
     def close(self) -> bool:
-        """Stop deferring (outermost only); True if a Ctrl-C was held back. The handler is put back
-        by the last statement, and in the same line the answer is returned. (`signal.signal` runs
-        Python code after installing it, where a Ctrl-C can still land: callers catch that.)"""
+        """Stop deferring (outermost only); True if a Ctrl-C was held back. The handler goes back in the
+        last line, with the answer (a Ctrl-C landing inside `signal.signal` is the caller's to catch)."""
         global _outermost
         if not self.outermost:
             return self.pending()
@@ -90,9 +84,8 @@ class Deferral:
         signal.signal(signal.SIGINT, self.previous); return bool(held)  # noqa: E702 - see above
 
     def deliver_held(self) -> None:
-        """Hand the held-back Ctrl-C to the handler it was held back from, now, and hold it no more.
-        The default raises KeyboardInterrupt; a handler of the user's may take it without raising,
-        and the caller then carries on as if no Ctrl-C had come."""
+        """Hand the held-back Ctrl-C to the handler it was held back from, now; a user's handler may
+        take it without raising, and the caller then carries on as if no Ctrl-C had come."""
         outer = _outermost
         if outer is None or not outer.held or not (self.outermost or self.joined):
             return
@@ -100,8 +93,7 @@ class Deferral:
         outer.deliver()
 
     def deliver(self) -> None:
-        """Raise the held-back Ctrl-C the way the previous handler would have (an inner deferral's:
-        the outer one's previous handler, now)."""
+        """Raise the held-back Ctrl-C the way the previous handler would have (inner deferral: the outer's)."""
         if self.joined:
             self.deliver_held()
         elif callable(self.previous):
@@ -115,8 +107,7 @@ SECOND_INTERRUPT = "second interrupt: the call was cut short"
 
 @contextmanager
 def interrupts_deferred() -> Iterator[None]:
-    """Ctrl-C inside the block is raised when the block ends; a second one raises at once.
-    Nested blocks are one block: the outermost one defers (and counts) every Ctrl-C."""
+    """Ctrl-C inside the block is raised when it ends; a second one raises at once. Nested blocks are one."""
     deferral = Deferral()
     deferral.open()
     try:
