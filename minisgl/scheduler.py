@@ -107,8 +107,9 @@ class Scheduler:
 
     def _must_commit_first(self, last: InFlight | None, planned: Planned | None) -> bool:
         """Must batch n-1 (`last`) be committed before batch n? Asked before schedule() (`planned` None)
-        and after it. True before planning with the FutureMap off (n's input ids must be committed: lesson 4),
-        and after planning when n-1 and n are both prefills and prefill_sync is on (lesson 8)."""
+        and after it. True before planning with the FutureMap off: n's input ids must be committed tokens
+        (lesson 4; lessons/readings §6); after planning when n-1 and n are both prefills and prefill_sync
+        is on: n-1's first tokens are out one batch sooner (lesson 8; lessons/readings §3, §14)."""
         if last is None:
             return False
         if planned is None:
