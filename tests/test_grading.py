@@ -141,8 +141,58 @@ def test_every_reference_and_known_wrong_region_may_run_and_code_that_reaches_ou
                  "open('/tmp/x', 'w').write('x')", "import os\nos.fork()", "x = self.__class__",
                  "t = torch.load('/etc/passwd')", "e = RuntimeError()\nf = e.__traceback__.tb_frame.f_globals",
                  "s = '{0.__globals__}'.format(self.commit)", "from .course import runner", "g = getattr(self, 'x')",
-                 "import subprocess", "x = self.engine._thread"):
+                 "import subprocess", "x = self.engine._thread", *REACHES_OUTSIDE.values()):
         assert region_policy.region_problems(code), code
+
+
+# What a hostile region tried (issue 36), or might: each reaches the interpreter, a file or a
+# process through something a region may name, or changes what the tests call.
+REACHES_OUTSIDE = {
+    "a package module's gc": "from . import config as cfg\nobjs = cfg.gc.get_objects()",
+    "a package module's Path": "from . import config as cfg\ncfg.Path('/tmp/escaped').touch()",
+    "what a package module imported": "from .config import gc",
+    "an import renamed": "from .scheduler import os as o\no.system('id')",
+    "a package module": "from . import scheduler\nscheduler.time.sleep(0)",
+    "torch's save imported": "from torch import save\nsave([1], '/tmp/x.pt')",
+    "a torch module imported": "from torch import serialization as s",
+    "torch's os": "torch.os.system('touch /tmp/x')",
+    "torch's sys": "r = torch.sys.modules.get('_pytest.reports')",
+    "torch's exit": "torch.os._exit(0)",
+    "torch reads a file": "t = torch.from_file('/etc/passwd', size=4, dtype=torch.uint8)",
+    "tunable writes a file": "torch.cuda.tunable.set_filename('/tmp/x')\ntorch.cuda.tunable.write_file()",
+    "gds opens a file": "torch.cuda.gds.GdsFile('/tmp/x', 66)",
+    "an allocator from a library": "torch.cuda.memory.CUDAPluggableAllocator('/lib/libc.so.6', 'system', 'free')",
+    "a graph dumped": "torch.cuda.CUDAGraph().debug_dump('/tmp/x')",
+    "numpy writes a file": "torch.zeros(1).numpy().tofile('/tmp/x')",
+    "a library loaded": "torch.ops.load_library('/tmp/x.so')",
+    "a module renamed": "t = torch\nt.equal = lambda *a: True",
+    "a module passed": "import functools\nfunctools.update_wrapper(self, torch, assigned=('os',), updated=())",
+    "a module in a list": "ms = [torch]",
+    "a module as a default": "f = lambda m=torch: m",
+    "a submodule handed around": "m = torch.cuda\nm.synchronize = None",
+    "torch patched": "torch.equal = lambda *a: True",
+    "a torch class patched": "torch.Tensor.tolist = lambda self: []",
+    "time patched": "import time\ntime.monotonic = lambda: 0.0",
+    "a package class patched": "BatchView.snapshot = lambda self: self",
+    "a package class renamed": "c = BatchView\nc.snapshot = lambda self: self",
+    "a package class attribute deleted": "del InFlight.view",
+    "copy's types": "import copy\nf = copy.types.FunctionType",
+    "copy's weakref": "import copy\nr = copy.weakref.ref",
+    "a private module": "import collections\ns = collections._sys",
+    "a generator's frame": "g = (i for i in [1])\nf = g.gi_frame.f_back.f_globals",
+    "a frame's builtins": "g = (i for i in [1])\nb = g.gi_frame.f_builtins",
+    "an error's object": "try:\n    torch.nope\nexcept AttributeError as e:\n    m = e.obj",
+    "print to a file": "print('x', file=self)",
+    "format on an object": "s = format(self, '')",
+    "type": "t = type(self)",
+    "classmethod": "c = classmethod(len)",
+    "a global of the file": "os._exit(0)",
+    "warnings of the file": "w = warnings.showwarning",
+    "builtins by name": "b = __builtins__",
+    "from builtins": "from builtins import open",
+    "__future__": "from __future__ import annotations",
+    "a thread": "torch.multiprocessing.Process(target=len)",
+}
 
 
 def records(nonce_ok: bool = True, **outcomes: str) -> list[dict]:
