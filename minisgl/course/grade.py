@@ -181,7 +181,7 @@ def read_class(submissions: Path, edition: Path, scratch: Path) -> list[Submissi
 class ExerciseGrade:
     exercise: int
     mark: float  # 1.0: every check passed and no edit around the region
-    status: str  # passed, failed, hang, crash, forged, refused, edited, not gradable
+    status: str  # passed, failed, hang, crash, forged, refused, escaped, edited, not gradable
     rules: tuple[str, ...]  # why not 1.0, one short line each
     tests: tuple[tuple[str, bool, str], ...] = ()  # (test, passed, rule)
 
@@ -248,7 +248,7 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
     edition = write_student_edition(scratch / "edition", exclude=(submissions, out))
     subs = read_class(submissions, edition, scratch)
     reference = written_regions(ROOT)
-    judge = Judge(edition, scratch, reference, limit_s, scratch.name)
+    judge = Judge(edition, scratch, reference, limit_s, scratch.name, guard=ROOT, guard_skip=[submissions, out])
     checks: dict[CheckKey, dict[str, str]] = {}
     sharing: Counter[CheckKey] = Counter()
     for sub in subs:
@@ -265,6 +265,7 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
     try:
         for future in as_completed([pool.submit(judge.learn_expected, n) for n in numbers]):
             future.result()  # the reference must pass here, or no mark would be right
+        print(confinement_line(judge.starter.confinement), flush=True)
         begun, done = time.monotonic(), 0
         futures = {pool.submit(judge.check, key[0], bodies): key for key, bodies in checks.items()}
         for future in as_completed(futures):
@@ -287,6 +288,16 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
         grades.append(StudentGrade(sub.student, exercises, tuple(sub.notes)))
     write_sheet(grades, numbers, out)
     return grades
+
+
+def confinement_line(word: dict | None) -> str:
+    """What the OS does to keep a check in its copy, for the teacher's console."""
+    abi = (word or {}).get("landlock", 0)
+    walls = (f"writes confined to their copies by Landlock (ABI {abi}{', no TCP' if abi >= 4 else ''}"
+             f"{', no signal outside' if abi >= 6 else ''})" if abi else
+             "not confined by the OS (no Landlock here): a write outside a copy is only detected")
+    reaper = "; what a check leaves running is re-parented and killed" if (word or {}).get("subreaper") else ""
+    return f"checks run in their own copies, {walls}{reaper}; the teacher's checkout is listed around each check"
 
 
 def _interrupt(signum, frame):
