@@ -270,3 +270,40 @@ def test_identical_region_code_shares_one_check_and_a_code_change_does_not():
         assert grade.fingerprint(number, restyled) == grade.fingerprint(number, bodies), number
         assert grade.fingerprint(number, changed) != grade.fingerprint(number, bodies), number
     assert grade.fingerprint(1, reference[1]) != grade.fingerprint(2, reference[1])
+
+
+def test_the_checkout_watch_sees_a_file_written_changed_or_removed_and_no_byte_code(tmp_path):
+    root = tmp_path / "checkout"
+    for rel in ("minisgl/batch.py", "lessons/TEACHER.md", ".git/hooks/pre-commit.sample", ".git/objects/ab/cd",
+                "grades/grades.csv"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x")
+    watch = judge.CheckoutWatch(root, [root / "grades"])
+    before = watch.listing()
+    assert watch.changed(before, watch.listing()) == []
+    (root / "minisgl" / "__pycache__").mkdir()
+    (root / "minisgl" / "__pycache__" / "batch.cpython-311.pyc").write_bytes(b"\0")  # the grader's own imports
+    (root / ".git" / "objects" / "ab" / "ef").write_text("y")  # git at work
+    (root / "grades" / "grades.csv").write_text("written by the grader")
+    assert watch.changed(before, watch.listing()) == []
+    (root / "ESCAPED.txt").write_text("x")
+    (root / ".git" / "hooks" / "pre-commit").write_text("#!/bin/sh\n")
+    os.utime(root / "lessons" / "TEACHER.md", ns=(1, 1))
+    (root / "minisgl" / "batch.py").unlink()
+    assert watch.changed(before, watch.listing()) == sorted(
+        str(root / rel) for rel in ("ESCAPED.txt", ".git/hooks/pre-commit", "lessons/TEACHER.md", "minisgl/batch.py"))
+
+
+def test_a_check_is_confined_and_named_apart_from_the_teachers_checkout():
+    """The zygote runs from the run's scratch (its argv names no file of the checkout); the
+    interpreter is named through the venv's real folder; PATH drops the checkout's folders."""
+    hidden = [str(ROOT)]
+    path = os.pathsep.join([str(ROOT / ".venv" / "bin"), "/usr/bin"])
+    old = os.environ.get("PATH")
+    os.environ["PATH"] = path
+    try:
+        assert judge._path_without(hidden) == {"PATH": "/usr/bin"}
+    finally:
+        os.environ["PATH"] = old
+    if Path(os.path.realpath(sys.prefix)) != ROOT / ".venv":
+        assert not judge._interpreter().startswith(str(ROOT) + os.sep)

@@ -174,8 +174,11 @@ def _path_without(hidden: list[str]) -> dict[str, str]:
     """PATH without the folders of the teacher's checkout (an activated venv inside it, say)."""
     if "PATH" not in os.environ:
         return {}
-    kept = [p for p in os.environ["PATH"].split(os.pathsep)
-            if not any((os.path.realpath(p) + os.sep).startswith(h + os.sep) for h in hidden)]
+    def inside(p: str) -> bool:
+        return any((q + os.sep).startswith(h + os.sep) for q in (os.path.abspath(p), os.path.realpath(p))
+                   for h in hidden)
+
+    kept = [p for p in os.environ["PATH"].split(os.pathsep) if not inside(p)]
     return {"PATH": os.pathsep.join(kept)}
 
 
@@ -222,7 +225,7 @@ class ProcessStarter:
 
     def __init__(self, scratch: Path, hidden: list[str] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.hidden = [os.path.realpath(h) for h in hidden]
+        self.hidden = sorted({f(h) for h in hidden for f in (os.path.abspath, os.path.realpath)})
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
         env.update(_path_without(self.hidden), OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")  # no BLAS thread
         zygote = scratch / ZYGOTE.name  # run from the scratch: no path of the teacher's checkout in any argv
