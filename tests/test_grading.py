@@ -192,6 +192,8 @@ REACHES_OUTSIDE = {
     "from builtins": "from builtins import open",
     "__future__": "from __future__ import annotations",
     "a thread": "torch.multiprocessing.Process(target=len)",
+    "a package function that writes a file": "from .observe.trace import write_chrome_trace\n"
+                                             "write_chrome_trace([], '/tmp/x')",
 }
 
 

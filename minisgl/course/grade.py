@@ -16,8 +16,10 @@ How an exercise is checked (judge.py): in a fresh process, in a throw-away copy 
 edition with the submission's code between that exercise's markers and the reference code
 between the others, with a limit per check (a hang is reported as one). The verdict is the
 judge's, not the child's: a forged report, a crash or a hang earns nothing. Submissions with the
-same code in an exercise's regions (comments and spacing aside) share one check. Nothing a check
-writes outside its copy survives it, and nothing it starts outlives it.
+same code in an exercise's regions (comments and spacing aside) share one check. A check may
+not write outside its copy (Landlock, on Linux; the run's first lines say whether this machine
+has it), a write into the teacher's checkout is seen by a listing before and after each check
+and costs the check its marks (status escaped), and nothing a check starts outlives it.
 
 Writes, only when every check has run:
 - DIR/grades.csv: one row per student, a column per exercise (1 when every check passes, the

@@ -5,9 +5,16 @@ Each check gets:
   submission's code between exercise N's markers and the reference code between the others
   (`fill`: a mistake in one exercise costs no marks in another);
 - a fresh process in a session of its own (forked by judge_zygote.py, which imported torch and
-  pytest once and nothing of the teacher's), its working folder, HOME and TMPDIR inside the copy,
-  and an environment holding nothing of the teacher's;
+  pytest once and nothing of the teacher's, and runs from a copy in the run's scratch), its
+  working folder, HOME and TMPDIR inside the copy, and an environment, argv and import path
+  holding no path of the teacher's checkout;
+- on Linux with Landlock, a kernel wall: it may write only inside its copy, may not use TCP, nor
+  signal a process outside its own check (judge_zygote.confine);
 - a limit in seconds: past it, every process of the session is killed and the check is a hang.
+  Whatever it started is killed when it ends: its session, any process working in its copy, and
+  any stray re-parented to the zygote (a child subreaper);
+- a listing of the teacher's checkout before and after (CheckoutWatch): a change there while it
+  ran is a check that wrote outside its copy (status escaped, no marks), wherever the OS let it.
 
 The verdict is decided here, not in the child. The child (judge_child.py) reports each test's
 outcome on a pipe, each record tagged with a nonce it read from stdin before any submission code

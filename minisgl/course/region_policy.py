@@ -88,6 +88,17 @@ DENIED_ATTRIBUTES = frozenset({
     "compiler", "tunable", "gds", "cudart", "CUDAPluggableAllocator", "change_current_allocator", "load_library",
     "load_inline", "cpp_extension", "prepare_multiprocessing_environment", "monitor",
 })
+# modules whose names make a function of the package one a region may not import
+REACHING_MODULES = frozenset({
+    "os", "sys", "subprocess", "pathlib", "io", "pickle", "marshal", "shutil", "tempfile", "socket", "ctypes",
+    "importlib", "builtins", "multiprocessing", "threading", "_thread", "signal", "gc", "inspect", "runpy",
+    "faulthandler", "resource", "mmap", "fcntl", "pty", "asyncio", "urllib", "http", "zipfile", "tarfile", "glob",
+    "codecs", "webbrowser", "ssl", "select", "selectors", "pdb", "code", "platform", "logging", "csv", "sqlite3",
+    "safetensors", "uvicorn", "zmq", "starlette", "concurrent", "tracemalloc", "cProfile", "profile",
+})
+# builtins that make a function of the package one a region may not import
+REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",
+                               "locals", "vars"})
 DENIED_NODES = (ast.Global, ast.Nonlocal, ast.ClassDef, ast.AsyncFunctionDef, ast.Await, ast.AsyncFor,
                 ast.AsyncWith)
 _MISSING = object()
@@ -148,6 +159,65 @@ class PackageNames:
                             self.classes.add(bound)
         self.foreign -= ALLOWED_IMPORTS  # `import torch` in a file: a region may use torch.name
         self.modules -= ALLOWED_IMPORTS
+        self.unsafe = self._unsafe_definitions(package)
+
+    def _unsafe_definitions(self, package: Path) -> dict[str, set[str]]:
+        """module path -> its top-level functions and classes whose code reaches outside the engine:
+        a name its module took from outside the harmless modules (`Path`, `json`), a denied builtin
+        (`open`) or attribute (`.write_text`), or a function or class of the package that does.
+        A region may not import these (`write_chrome_trace(spans, path)` writes a file)."""
+        uses: dict[tuple[str, str], tuple[bool, set[tuple[str, str]]]] = {}
+        for path in sorted(package.rglob("*.py")):
+            rel = path.relative_to(package).as_posix()
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, OSError):
+                continue
+            origin: dict[str, tuple[str, str]] = {}  # a name imported from the package -> (module, name)
+            foreign: set[str] = set()  # names from the modules that reach files, processes or the interpreter
+            for node in _top_level(tree.body):
+                if isinstance(node, ast.Import):
+                    foreign.update(a.asname or a.name.split(".")[0] for a in node.names
+                                   if a.name.split(".")[0] in REACHING_MODULES)
+                elif isinstance(node, ast.ImportFrom):
+                    local = node.level > 0 or (node.module or "").split(".")[0] == package.name
+                    for alias in node.names:
+                        if not local:
+                            if (node.module or "").split(".")[0] in REACHING_MODULES:
+                                foreign.add(alias.asname or alias.name)
+                            continue
+                        files = self.candidates(node.level, node.module, path.parent) if node.level else [
+                            p for p in self.candidates(1, ".".join((node.module or "").split(".")[1:]) or None)]
+                        if files:
+                            origin[alias.asname or alias.name] = (files[0], alias.name)
+            top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            for node in tree.body:
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    continue
+                bad, calls = False, set()
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.Name):
+                        if sub.id in foreign or sub.id in REACHING_BUILTINS:
+                            bad = True
+                        elif sub.id in origin:
+                            calls.add(origin[sub.id])
+                        elif sub.id in top and sub.id != node.name:
+                            calls.add((rel, sub.id))
+                    elif isinstance(sub, ast.Attribute) and sub.attr in DENIED_ATTRIBUTES:
+                        bad = True
+                uses[(rel, node.name)] = (bad, calls)
+        unsafe = {key for key, (bad, _) in uses.items() if bad}
+        grew = True
+        while grew:
+            grew = False
+            for key, (_, calls) in uses.items():
+                if key not in unsafe and calls & unsafe:
+                    unsafe.add(key)
+                    grew = True
+        found: dict[str, set[str]] = {}
+        for rel, name in unsafe:
+            found.setdefault(rel, set()).add(name)
+        return found
 
     def is_module(self, folder: Path, level: int, module: str | None, name: str) -> bool:
         """Whether `from <level dots><module> import name` in a file of `folder` names a module."""
@@ -157,11 +227,12 @@ class PackageNames:
         target = base.joinpath(*(module or "").split(".")) if module else base
         return (target / f"{name}.py").exists() or (target / name / "__init__.py").exists()
 
-    def candidates(self, level: int, module: str | None) -> list[str]:
-        """The files of the package that `from <level dots><module> import ...` may mean, from any
-        folder of the package (a region does not say which file it is in)."""
+    def candidates(self, level: int, module: str | None, folder: Path | None = None) -> list[str]:
+        """The files of the package that `from <level dots><module> import ...` may mean, from
+        `folder` or else from any folder of the package (a region does not say which file it is in)."""
         found = []
-        folders = {self.package, *(p.parent for p in self.package.rglob("__init__.py"))}
+        folders = {folder} if folder is not None else {self.package,
+                                                       *(p.parent for p in self.package.rglob("__init__.py"))}
         for folder in sorted(folders):
             base = folder
             for _ in range(level - 1):
@@ -264,6 +335,9 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
                         name in known.defined[f] for f in files):
                     problems.append(f"a region may import from the package only a class, function or constant that "
                                     f"a module defines, not `{name}` (a module, or what a module imported)")
+                elif any(name in known.unsafe.get(f, ()) for f in files):
+                    problems.append(f"a region may not import `{name}` from the package (its code reaches files, "
+                                    f"processes or the interpreter)")
                 elif name in known.classes:
                     classes.add(alias.asname or name)
 
