@@ -18,8 +18,9 @@ between the others, with a limit per check (a hang is reported as one). The verd
 judge's, not the child's: a forged report, a crash or a hang earns nothing. Submissions with the
 same code in an exercise's regions (comments and spacing aside) share one check. A check may
 not write outside its copy (Landlock, on Linux; the run's first lines say whether this machine
-has it), a write into the teacher's checkout is seen by a listing before and after each check
-and costs the check its marks (status escaped), and nothing a check starts outlives it.
+has it); without that wall, a write into the teacher's checkout is seen by a listing before
+and after each check and costs the check its marks (status escaped); nothing a check starts
+outlives it.
 
 Writes, only when every check has run:
 - DIR/grades.csv: one row per student, a column per exercise (1 when every check passes, the

@@ -13,8 +13,9 @@ Each check gets:
 - a limit in seconds: past it, every process of the session is killed and the check is a hang.
   Whatever it started is killed when it ends: its session, any process working in its copy, and
   any stray re-parented to the zygote (a child subreaper);
-- a listing of the teacher's checkout before and after (CheckoutWatch): a change there while it
-  ran is a check that wrote outside its copy (status escaped, no marks), wherever the OS let it.
+- a listing of the teacher's checkout before and after (CheckoutWatch): where no Landlock wall
+  stood, a change there while it ran is a check that wrote outside its copy (status escaped, no
+  marks); behind the wall a change cannot be a check's, and is only reported to the console.
 
 The verdict is decided here, not in the child. The child (judge_child.py) reports each test's
 outcome on a pipe, each record tagged with a nonce it read from stdin before any submission code
@@ -486,9 +487,13 @@ class Judge:
         finally:
             shutil.rmtree(copy, ignore_errors=True)
         changed = self.watch.changed(before, self.watch.listing()) if self.watch else []
+        confined = bool((self.starter.confinement or {}).get("landlock"))
         if changed:  # the paths go to the teacher's console only: no name of the teacher's reaches a sheet
             print(f"warning: the teacher's checkout changed while a check of exercise {number} ran: "
-                  f"{', '.join(changed[:5])}", file=sys.stderr, flush=True)
+                  f"{', '.join(changed[:5])}" + (" (the checks are confined by Landlock: not a check's doing; "
+                                                 "was the checkout edited during grading?)" if confined else ""),
+                  file=sys.stderr, flush=True)
+        if changed and not confined:  # no wall kept the check in its copy: it, or one beside it, wrote here
             rule = "wrote outside its copy (into the teacher's checkout)"
             return CheckVerdict(number, "escaped", tuple(TestVerdict(t, False, rule) for t in expected), seconds,
                                 f"escaped: {rule}")
