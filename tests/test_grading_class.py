@@ -260,6 +260,17 @@ def test_a_report_forged_past_the_region_check_is_caught_by_the_judge(tmp_path):
             assert not [t.rule for t in verdict.tests if "LEAK" in t.rule or guide[:80] in t.rule], name
             assert not confined or not ESCAPED.exists(), name
             ESCAPED.unlink(missing_ok=True)
+        (tmp_path / "scratch2").mkdir()
+        unconfined = judge.Judge(base, tmp_path / "scratch2", REFERENCE, LIMIT_S, "unconfined-test",
+                                 vet=lambda code: [], guard=ROOT, confine=False)
+        try:  # without the wall (a kernel with no Landlock): the write lands, the watch sees it, no marks
+            unconfined.expected[3] = j.expected[3]
+            verdict = unconfined.check(3, {"snapshot": textwrap.dedent(HOSTILE_EX3["gc-escaper"])})
+            assert ESCAPED.exists() and verdict.status == "escaped" and verdict.mark == 0.0, verdict
+            assert all(str(ROOT) not in t.rule for t in verdict.tests) and str(ROOT) not in verdict.summary
+        finally:
+            unconfined.close()
+            ESCAPED.unlink(missing_ok=True)
         marker = f"stray{os.getpid() % 10**6}"
         forker = ("import os\nif 'FORKED' not in os.environ:\n    os.environ['FORKED'] = '1'\n"
                   "    if os.fork() == 0:\n        os.setsid()\n        while True:\n            pass\n"

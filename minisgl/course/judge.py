@@ -274,13 +274,16 @@ class ProcessStarter:
             if message is None:
                 return
 
-    def start(self, copy: Path, env: dict[str, str], tests: list[str], nonce: str, report_fd: int) -> int:
-        """Start a check's process in `copy`; its pid (the id of its session too)."""
+    def start(self, copy: Path, env: dict[str, str], tests: list[str], nonce: str, report_fd: int,
+              confine: bool = True) -> int:
+        """Start a check's process in `copy`; its pid (the id of its session too). `confine`:
+        behind Landlock where the kernel has it (off only in a test of what the judge sees without)."""
         with self.cond:
             self.requests += 1
             request = self.requests
         socket.send_fds(self.sock, [json.dumps({"id": request, "copy": str(copy), "env": env, "tests": tests,
-                                                "nonce": nonce, "hide": self.hidden}).encode()], [report_fd])
+                                                "nonce": nonce, "hide": self.hidden, "confine": confine}).encode()],
+                        [report_fd])
         with self.cond:
             self.cond.wait_for(lambda: request in self.pids or self.dead, timeout=120)
             if request not in self.pids:
@@ -309,11 +312,12 @@ class Judge:
 
     def __init__(self, edition: Path, scratch: Path, fill: dict[int, dict[str, str]], limit_s: float, token: str,
                  vet: Callable[[str], list[str]] = region_problems, guard: Path | None = None,
-                 guard_skip: list[Path] = ()):
+                 guard_skip: list[Path] = (), confine: bool = True):
         self.edition, self.scratch, self.fill, self.limit_s, self.token = edition, scratch, fill, limit_s, token
         self.vet = vet  # region code -> why it may not run (tests switch it off to reach the judge's own checks)
         # the teacher's checkout: kept out of each check's import path, PATH and argv, and watched
         self.watch = CheckoutWatch(guard, [scratch, *guard_skip]) if guard is not None else None
+        self.confine = confine  # tests switch the Landlock wall off to reach the watch behind it
         self.exercise_tests = edition / "lessons" / "exercises" / "tests"
         self.texts = TestTexts([edition / "tests", self.exercise_tests])
         self.expected: dict[int, dict[str, str]] = {}  # exercise -> test -> its outcome on the reference
@@ -376,7 +380,7 @@ class Judge:
                 os.close(read_fd), os.close(write_fd)
                 raise RuntimeError("grading was stopped")
             try:
-                pid = self.starter.start(copy, env, tests, nonce, write_fd)
+                pid = self.starter.start(copy, env, tests, nonce, write_fd, self.confine)
             finally:
                 os.close(write_fd)
             self._running.add(pid)
@@ -487,7 +491,7 @@ class Judge:
         finally:
             shutil.rmtree(copy, ignore_errors=True)
         changed = self.watch.changed(before, self.watch.listing()) if self.watch else []
-        confined = bool((self.starter.confinement or {}).get("landlock"))
+        confined = self.confine and bool((self.starter.confinement or {}).get("landlock"))
         if changed:  # the paths go to the teacher's console only: no name of the teacher's reaches a sheet
             print(f"warning: the teacher's checkout changed while a check of exercise {number} ran: "
                   f"{', '.join(changed[:5])}" + (" (the checks are confined by Landlock: not a check's doing; "
