@@ -143,6 +143,12 @@ def test_every_reference_and_known_wrong_region_may_run_and_code_that_reaches_ou
                  "s = '{0.__globals__}'.format(self.commit)", "from .course import runner", "g = getattr(self, 'x')",
                  "import subprocess", "x = self.engine._thread", *REACHES_OUTSIDE.values()):
         assert region_policy.region_problems(code), code
+    for code in ("x: torch.Tensor = torch.zeros(1)", "def f(v: BatchView) -> torch.Tensor:\n    return v.mask",
+                 "ok = isinstance(x, (torch.Tensor, BatchView))", "s = SpanName['SAMPLE']", "same = x is InFlight",
+                 "try:\n    pass\nexcept (ValueError, KVAccountingError):\n    pass", "raise KVAccountingError('x')",
+                 "import collections\nq = collections.deque()", "from collections import deque\nq = deque()",
+                 "import torch\ntorch.cuda.synchronize()", "n = max(len(r.output_ids) for r in self.reqs)"):
+        assert region_policy.region_problems(code) == [], code  # what a student may well write
 
 
 # What a hostile region tried (issue 36), or might: each reaches the interpreter, a file or a

@@ -18,8 +18,9 @@ a few harmless modules, and makes or reads the package's classes. So a region is
 - modules stay put: a module is used only as `module.name` (never stored, passed or returned),
   what a module holds is never assigned or deleted (`torch.equal = ...`), a name that resolves to
   a module is never handed around (`m = torch.cuda`);
-- classes stay put: a class of the package or of a module is only called, read from or given to
-  isinstance/issubclass (`BatchView.snapshot = ...` and `c = BatchView` are refused);
+- classes stay put: a class of the package or of a module is only called, read from, compared,
+  subscripted, raised, caught or given to isinstance/issubclass (`BatchView.snapshot = ...` and
+  `c = BatchView` are refused); a type hint may name any class or module;
 - no `global`, `nonlocal`, class definition, async code, nor `file=` argument.
 
 A region that breaks a rule is not run; its exercise gets no marks, with the rule it broke.
@@ -341,6 +342,10 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
                 elif name in known.classes:
                     classes.add(alias.asname or name)
 
+    annotations = {id(n) for holder in ast.walk(tree) for part in (
+        [holder.annotation] if isinstance(holder, (ast.AnnAssign, ast.arg)) and holder.annotation else
+        [holder.returns] if isinstance(holder, (ast.FunctionDef, ast.Lambda)) and getattr(holder, "returns", None)
+        else []) for n in ast.walk(part)}  # a type hint names a class or module without using it
     for node in ast.walk(tree):
         parent = parents.get(node)
         if isinstance(node, DENIED_NODES):
@@ -348,7 +353,8 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
         elif isinstance(node, ast.keyword) and node.arg == "file":
             problems.append("a region may not pass `file=` (it reaches outside the engine)")
         elif isinstance(node, ast.Name):
-            problems += _name_problems(node, parent, parents, modules, classes, denied_everywhere)
+            problems += _name_problems(node, parent, parents, modules, classes, denied_everywhere,
+                                       hint=id(node) in annotations)
         elif isinstance(node, ast.Attribute):
             why = attribute_problem(node.attr)
             if why:
@@ -359,10 +365,12 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
 
 
 def _name_problems(node: ast.Name, parent: ast.AST | None, parents: dict, modules: dict[str, str],
-                   classes: set[str], denied: frozenset[str] | set[str]) -> list[str]:
+                   classes: set[str], denied: frozenset[str] | set[str], hint: bool = False) -> list[str]:
     name = node.id
     if name in denied or _is_dunder(name):
         return [f"a region may not use the name `{name}` (it reaches outside the engine)"]
+    if hint:  # inside a type hint: named, never used
+        return []
     if hasattr(builtins, name) and name not in SAFE_BUILTINS and not (
             name[:1].isupper() and isinstance(getattr(builtins, name), type)
             and issubclass(getattr(builtins, name), BaseException)):
@@ -397,8 +405,11 @@ def _class_use_ok(node: ast.expr, parents: dict) -> bool:
     isinstance/issubclass's second argument (a tuple of classes too)."""
     parent = parents.get(node)
     if (isinstance(parent, ast.Call) and parent.func is node) or (
-            isinstance(parent, ast.ExceptHandler) and parent.type is node) or isinstance(parent, ast.Raise):
+            isinstance(parent, ast.ExceptHandler) and parent.type is node) or isinstance(parent, (ast.Raise,
+                                                                                                 ast.Compare)):
         return True
+    if isinstance(parent, ast.Subscript) and parent.value is node and isinstance(parent.ctx, ast.Load):
+        return True  # SpanName["SAMPLE"], list[BatchView]
     if isinstance(parent, ast.Attribute) and parent.value is node:
         top = parent
         while isinstance(parents.get(top), ast.Attribute) and parents[top].value is top:
@@ -406,5 +417,7 @@ def _class_use_ok(node: ast.expr, parents: dict) -> bool:
         return isinstance(top.ctx, ast.Load)
     if isinstance(parent, ast.Tuple) and isinstance(parent.ctx, ast.Load):
         node, parent = parent, parents.get(parent)
+        if isinstance(parent, ast.ExceptHandler) and parent.type is node:
+            return True
     return (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name)
             and parent.func.id in ("isinstance", "issubclass") and parent.args[1:2] == [node])
