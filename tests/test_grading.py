@@ -315,3 +315,15 @@ def test_a_check_is_confined_and_named_apart_from_the_teachers_checkout():
         os.environ["PATH"] = old
     if Path(os.path.realpath(sys.prefix)) != ROOT / ".venv":
         assert not judge._interpreter().startswith(str(ROOT) + os.sep)
+
+
+def test_a_marked_file_missing_costs_only_its_exercises(base, reference, tmp_path):
+    """A tree handed in from an older edition lacks the newer exercises' files: those exercises
+    are lost, the others graded (issue 36's trial class was all "not gradable" for this)."""
+    entry = grade.put_regions(reference, {}, tmp_path / "older")
+    marked = grade.marked_files(base / "minisgl")
+    rel, numbers = next((rel, n) for rel, n in marked.items() if rel.as_posix() == "features/mixed_chunk.py")
+    (entry / "minisgl" / rel).unlink()
+    sub = read(entry, base, tmp_path)
+    assert not sub.not_gradable and set(sub.costs) == set(numbers), (sub.costs, sub.not_gradable)
+    assert all("missing" in why for n in numbers for why in sub.costs[n])

@@ -271,6 +271,15 @@ def test_a_report_forged_past_the_region_check_is_caught_by_the_judge(tmp_path):
         finally:
             unconfined.close()
             ESCAPED.unlink(missing_ok=True)
+        looker = f"""
+import os, sys
+root, venv = {str(ROOT)!r}, os.path.realpath(sys.prefix)
+seen = [*os.environ.values(), *sys.argv, os.getcwd(), *open("/proc/self/cmdline").read().split(chr(0))[1:],
+        *(p for p in sys.path if not os.path.realpath(p or ".").startswith(venv))]
+assert not [s for s in seen if root in s], "the teacher's checkout is named in the check's process"
+""" + SNAPSHOT
+        clean = j.check(3, {"snapshot": looker})
+        assert clean.status == "passed", clean  # no path of the checkout in its env, argv, cwd or import path
         marker = f"stray{os.getpid() % 10**6}"
         forker = ("import os\nif 'FORKED' not in os.environ:\n    os.environ['FORKED'] = '1'\n"
                   "    if os.fork() == 0:\n        os.setsid()\n        while True:\n            pass\n"
