@@ -45,8 +45,10 @@ class ServerState:
 
 
 def error_response(error: APIError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else {}
+    if error.status == 413:  # the body was left unread: it must not be parsed as the next request
+        headers["Connection"] = "close"
+    return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
 
 
 def build_app(state: ServerState) -> Starlette:
