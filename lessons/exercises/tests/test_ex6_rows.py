@@ -96,3 +96,30 @@ def test_a_row_no_batch_in_flight_uses_is_free_at_once():
     assert rows.req_to_token.free_count == 1 and not rows.deferred_rows, (
         "a row that no batch in flight uses must be freed at once: parked, it waits for a later commit that never "
         "comes when the next request needs that very row to run (a one-row pool)")
+
+
+def test_a_parked_row_is_freed_at_the_first_commit_after_its_own_last_batch():
+    """Row a's last batch is 3; row b is still used by batch 4. The commit of batch 3 frees row a,
+    although batch 4 is still in flight: waiting until no batch at all is in flight would make every
+    row reuse wait for the pipeline to drain (the bubble, at every new request)."""
+    import torch
+
+    from minisgl.kv_pool import ReqToTokenPool
+    from minisgl.mechanisms import Mechanisms
+    from minisgl.request import Req
+    from minisgl.rows import RowTracker
+
+    rows = RowTracker(ReqToTokenPool(2, 8, torch.device("cpu")), Mechanisms())
+    a, b = Req.__new__(Req), Req.__new__(Req)
+    rows.assign(a)
+    rows.assign(b)
+    rows.launched([a.row, b.row], 3)
+    rows.launched([b.row], 4)
+    rows.committed(2)
+    rows.free(a.row)  # batch 3 still uses it: parked
+    rows.committed(3)
+    rows.free_deferred()
+    assert rows.req_to_token.free_count == 1 and not rows.deferred_rows, (
+        "free a parked row at the first commit after ITS OWN last batch (in_flight(row)), not only once no batch "
+        "at all is in flight: batch 4 does not use row a, and a new request should not wait for it to finish "
+        f"(free rows {rows.req_to_token.free_count}, still parked {rows.deferred_rows})")

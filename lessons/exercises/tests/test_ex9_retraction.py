@@ -72,3 +72,26 @@ def test_a_skipped_result_leaves_the_request_as_the_retraction_left_it(reference
     assert not negative and outs == reference, (
         "a skipped late result must leave the retracted request untouched: the retraction already set its samples in "
         f"flight to 0 and the re-prefill counts its own (requests {sorted(set(negative))} went below 0)")
+
+
+def test_the_generation_tells_a_row_given_back_to_the_same_request(qwen3):
+    """Retracted while its step is in flight, then admitted into the very row it had before: the row
+    alone cannot tell the late result from a current one, the row's generation can. Staged here by
+    moving the generation on while the request's decode step is in flight."""
+    from minisgl import SamplingParams
+
+    llm = LLM(qwen3, loop="overlap")
+    llm.scheduler.check_each_step = False
+    sched = llm.scheduler
+    llm.add_request("hello there", SamplingParams(max_new_tokens=8, ignore_eos=True))
+    while sched.last is None or sched.last.view.is_prefill:
+        llm.step()
+    req = sched.last.view.reqs[0]
+    sched.req_to_token.generation[req.row] += 1  # the row was given back and taken again by the same request
+    req.row_generation = sched.req_to_token.generation[req.row]
+    llm.step()  # commits the step launched before that
+    assert sched.stats.retracted_late_results == 1, (
+        "compare the request's (row, generation) with the batch's, not the row alone: a retracted request may be "
+        "admitted again into the very row it had, and only the generation says the late result is not its own "
+        f"(retracted_late_results {sched.stats.retracted_late_results}, stale_row_results "
+        f"{sched.stats.stale_row_results})")
