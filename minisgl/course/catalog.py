@@ -59,15 +59,12 @@ EXERCISES = {e.number: e for e in (
         "off; the result) in `inflight` (None without a plan). Then the usual commit of last, if any is "
         "left; do not return: the lines after the region return `inflight`.",
     ), {"overlap_loop": """
-        # STUB (exercise 1 not written): correct, not precise. Never asks the sync boundary after
-        # planning; commits the batch in flight before EVERY prefill instead (more syncs than needed).
+        # STUB (exercise 1 not written): correct, not precise: never asks the sync boundary after
+        # planning, so two prefills in a row overlap as well (prefill_sync's earlier first tokens are lost).
         if last is not None and self._must_commit_first(last, None):
             self.commit(last, True)
             last = None
         planned = self.schedule()
-        if last is not None and planned is not None and planned.forward.is_prefill:
-            self.commit(last, True)
-            last = None
         inflight = None
         if planned is not None:
             view = planned.view.snapshot() if self.on("batch_snapshot") else planned.view
