@@ -23,6 +23,18 @@ def run(loop: str, admission: str, *disabled: str) -> tuple[LLM, list[list[int]]
         raise AssertionError(f"{SKIP_RULE} ({type(exc).__name__}: {exc})") from None
 
 
+def test_the_batch_snapshot_freezes_the_rows_this_exercise_compares():
+    """Exercise 3's part, not this one's: the skip compares the request's row with the one the batch
+    view froze at launch, so it needs a real snapshot (the student edition's stub of exercise 3 reads
+    the rows at the commit, and then nothing tells a retracted request's late result)."""
+    from minisgl.batch import BatchView, RunningBatch
+
+    live = RunningBatch()
+    assert isinstance(live.snapshot(), BatchView), (
+        "this check needs exercise 3 first: RunningBatch.snapshot() must return a BatchView frozen at launch, whose "
+        "rows and generations the skip compares with the request's own")
+
+
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     return run("normal", "reserve")[1]
