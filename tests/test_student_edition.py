@@ -152,7 +152,7 @@ STUB_RULES = {
     3: "a copy of the RunningBatch",
     4: "keep the switch: with length_lookahead off",
     5: "the checkpoint: hand the KV that committed batches wrote to the radix cache",
-    6: "at the first commit after ITS OWN last batch",
+    6: "a row whose own last batch has passed is free at once",
     7: "wait only while the buffer's consumed event has not passed",
     8: "launch() blocked the host until the scheduler stream was done",
     9: "this check needs exercise 3 first",

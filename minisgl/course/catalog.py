@@ -206,15 +206,16 @@ EXERCISES = {e.number: e for e in (
         "free it in req_to_token. free_deferred: build a new list of the rows still in flight, free every "
         "other one, and store the new list (never remove from the list you are looping over).",
     ), {"deferred row free": """
-        # STUB (exercise 6 not written): correct, not precise: parks the row while ANY batch is in flight.
+        # STUB (exercise 6 not written): correct, not precise: parks the row while ANY batch is in
+        # flight, whether or not it uses this row.
         if self.on("deferred_row_free") and max(self.last_launch) > self.done_id:
             self.deferred_rows += [row]
         else:
             self.req_to_token.free(row)
     """, "free deferred rows": """
-        # STUB (exercise 6 not written): frees parked rows only once no batch at all is in flight,
-        # not at the first commit after each row's own last batch: a new request waits for a drain.
-        if max(self.last_launch) <= self.done_id:
+        # STUB (exercise 6 not written): frees the parked rows all together, once the last batch of
+        # every one of them has passed, not each row at the first commit after its own last batch.
+        if all(self.last_launch[parked] <= self.done_id for parked in self.deferred_rows):
             for parked in self.deferred_rows:
                 self.req_to_token.free(parked)
             self.deferred_rows = []
