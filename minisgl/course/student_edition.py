@@ -6,13 +6,14 @@ DIR gets every file of this repository except the teacher's ones (TEACHER_ONLY: 
 the answers, the known-wrong solutions, the grader and the tests of these tools), with every
 exercise region of minisgl/ replaced by its stub from the catalog (make_exercise.replace_regions):
 a correct but naive version of the part (a whole-stream wait for the precise event, a host round
-trip for the device relay, no overlap before a prefill), so that the demo and every lesson run
-from day one, before any exercise is written and after any subset of them. Each stub fails its
-own exercise's check, which tests precision as well as correctness, with the rule it breaks.
-Where no naive version can be correct (exercises 3 and 12), the stub keeps the course running and
-its first line says what it gives up. The marker lines stay around each stub: the learner writes
-each part there, in minisgl/ itself, and the grader (grade.py) finds it there. DIR becomes a fresh git repository with one commit, so
-that no history of the answers comes with it.
+trip for the device relay, rows reused later than they could be), so that the demo and every
+lesson run from day one, before any exercise is written and after any subset of them. Each stub
+fails its own exercise's check, which tests precision as well as correctness, with the rule it
+breaks. Where no naive version can be correct (exercises 3 and 12), the stub keeps the course
+running and its first line says what it gives up. The marker lines stay around each stub: the
+learner writes each part there, in minisgl/ itself, and the grader (grade.py) finds it there.
+DIR becomes a fresh git repository with one commit, so that no history of the answers comes
+with it.
 """
 
 from __future__ import annotations
