@@ -62,15 +62,24 @@ lesson-%: install
 exercises: install
 	@$(PY) -m minisgl.course.make_exercise list
 
-exercise-ref-%: install
-	$(PY) -m minisgl.course.make_exercise check $* --reference -- $(PYTEST_ARGS)
+# In the student edition (no teacher's guide) the reference and the known-wrong solutions are
+# not there: the two targets that need them say so in one line and run nothing.
+TEACHER := $(wildcard lessons/TEACHER.md)
+TEACHERS_ONLY = @echo "student edition: make $@ needs the teacher's reference code; make exercise-$* checks your own minisgl/"
+
+exercise-ref-%: $(if $(TEACHER),install)
+	$(if $(TEACHER),$(PY) -m minisgl.course.make_exercise check $* --reference -- $(PYTEST_ARGS),$(TEACHERS_ONLY))
 
 hint-%: install
 	@$(PY) -m minisgl.course.make_exercise hint $* --level $(LEVEL)
 
-exercise-wrong-%: install
+exercise-wrong-%: $(if $(TEACHER),install)
+ifneq ($(TEACHER),)
 	@if [ -z "$(NAME)" ]; then $(PY) -m minisgl.course.make_exercise wrong $*; \
 	else $(PY) -m minisgl.course.make_exercise check $* --wrong $(NAME) -- -x $(PYTEST_ARGS); fi
+else
+	$(TEACHERS_ONLY)
+endif
 
 exercise-%: install
 	$(PY) -m minisgl.course.make_exercise check $* -- $(PYTEST_ARGS)

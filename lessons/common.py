@@ -259,9 +259,10 @@ def differing(tokens: list[list[int]], reference: list[list[int]]) -> int:
 
 
 def lesson_main(main) -> None:
-    """Run a lesson's main(). In the student edition an exercise region not written yet raises
-    NotImplementedError naming its exercise: say which exercise unlocks the lesson and exit 0,
-    instead of a traceback from deep inside the engine."""
+    """Run a lesson's main(). In an exercise's skeleton copy (make_exercise generate) the region
+    not written yet raises NotImplementedError naming its exercise: say which exercise unlocks the
+    lesson and exit 0, instead of a traceback from deep inside the engine. (The student edition
+    has a working stub in every region: its lessons always run.)"""
     try:
         main()
     except Exception as exc:  # noqa: BLE001 - re-raised unless it is an unwritten exercise

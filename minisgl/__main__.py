@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        missing = missing_exercise(exc)  # the student edition, before that exercise is written
+        missing = missing_exercise(exc)  # an exercise's skeleton copy, before that exercise is written
         if missing is None:
             raise
         print(f"error: this needs exercise {missing['number']} ({missing['part']}), not written yet: "

@@ -1,13 +1,16 @@
 """The student edition (minisgl/course/student_edition.py): no answer in it, in code or text;
-no teacher's file and no history; the reference regions put back give the reference package
-(which passes every exercise: test_exercises.py); and a lesson that reaches a part not written
-yet says which exercise unlocks it."""
+no teacher's file and no history; every region holds its catalog stub, and the reference regions
+put back give the reference package (which passes every exercise: test_exercises.py). The stubs
+keep the course running from day one (the demo and every lesson), each is refused by its own
+exercise's check with the rule it breaks, and a correct region passes its check with every other
+region still a stub."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,9 @@ MIN_REVEALING_CHARS = 21  # shorter lines (`continue`, `if last is not None:`) s
 from minisgl.course import grade
 from minisgl.course import make_exercise as tool
 from minisgl.course import student_edition as edition
+from minisgl.course.catalog import EXERCISES
+from minisgl.course.region_policy import region_problems
+from minisgl.course.runner import run_checks
 
 
 def squeeze(text: str) -> str:
@@ -74,16 +80,14 @@ def test_the_teachers_files_and_the_history_are_left_out(student):
     assert dirty == "", dirty
 
 
-def test_every_region_raises_naming_its_exercise_and_the_reference_fits_back(student, tmp_path):
+def test_every_region_holds_its_catalog_stub_and_the_reference_fits_back(student, tmp_path):
     for rel in tool.marked_files():
         text = (student / "minisgl" / rel).read_text()
         for region in tool.regions(text.splitlines()):
-            body = [line.strip() for line in text.splitlines()[region.first + 1:region.last]]
-            message = f"exercise {region.number}: {region.name} (hints: python -m minisgl course hint {region.number})"
-            assert body[-1:] == [f"raise NotImplementedError({message!r})"] and all(
-                line.startswith("# define ") for line in body[:-1]), body
-            if (region.number, region.name) == (5, "checkpoint"):  # exercise 4's region below reads it
-                assert body[0] == "# define written here: the code after this region uses it", body
+            body = "".join(text.splitlines(keepends=True)[region.first + 1:region.last])
+            assert body == "".join(tool.indented(EXERCISES[region.number].stubs[region.name], region.indent)), (
+                region.number, region.name)
+            assert body.lstrip().startswith(f"# STUB (exercise {region.number} not written)"), body
     # the reference's region bodies, put into the student edition, give back the reference package
     restored = grade.put_regions(student, grade.written_regions(ROOT), tmp_path / "restored")
     for path in sorted(tool.PACKAGE.rglob("*.py")):
@@ -93,20 +97,20 @@ def test_every_region_raises_naming_its_exercise_and_the_reference_fits_back(stu
         assert (restored / "minisgl" / rel).read_text() == path.read_text(), rel
 
 
+def test_every_region_has_a_stub_the_grader_would_run():
+    """The grader vets a submission's region code before it runs it (region_policy.py); a student who
+    has not written an exercise hands in its stub, which must then be run (and fail), not refused."""
+    named = {(r.number, r.name) for path in tool.PACKAGE.rglob("*.py") for r in tool.regions(path.read_text().splitlines())}
+    stubbed = {(n, name) for n, e in EXERCISES.items() for name in e.stubs}
+    assert named == stubbed, (sorted(named - stubbed), sorted(stubbed - named))
+    for number, name in sorted(stubbed):
+        assert not region_problems(textwrap.dedent(EXERCISES[number].stubs[name])), (number, name)
+
+
 def test_the_exercise_checker_tests_minisgl_in_place_in_the_student_edition(student):
     done = subprocess.run([sys.executable, "-m", "minisgl.course.make_exercise", "generate", "2"], cwd=student,
                           capture_output=True, text=True)
     assert done.returncode != 0 and "minisgl/ itself" in done.stderr, done.stderr
-
-
-@pytest.mark.full  # a learner-side subprocess run, 10-16 s: the fast tier keeps the in-process checks
-def test_a_lesson_that_needs_a_missing_part_names_the_exercise_and_ends_cleanly(student):
-    done = subprocess.run([sys.executable, "lessons/lesson_1_serial_loop.py"], cwd=student, capture_output=True,
-                          text=True, timeout=300)
-    said = re.search(r"this lesson needs exercise (\d+)", done.stdout, re.IGNORECASE)
-    assert done.returncode == 0 and said and "Traceback" not in done.stderr, (done.stdout[-2000:], done.stderr[-2000:])
-    package = "".join(path.read_text() for path in (student / "minisgl").rglob("*.py"))
-    assert re.search(rf"NotImplementedError\(['\"]exercise {said[1]}: ", package), "it names an exercise that is not missing"
 
 
 def test_no_text_of_the_edition_points_at_a_file_it_lacks(student):
@@ -125,10 +129,59 @@ def test_no_text_of_the_edition_points_at_a_file_it_lacks(student):
                 f"{md.relative_to(student)} names a teacher's file without saying so: {line}"
 
 
-@pytest.mark.full  # an engine start in a fresh interpreter
-def test_the_demo_in_the_edition_names_the_missing_exercise_in_one_line(student):
-    done = subprocess.run([sys.executable, "-m", "minisgl", "demo"], cwd=student, capture_output=True, text=True,
-                          timeout=300)
-    said = re.search(r"needs exercise (\d+)", done.stderr)
-    assert done.returncode == 2 and said and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+def run_in(student: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=student, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.full  # the demo and 13 lessons, each in a fresh interpreter: a few minutes
+def test_the_demo_and_every_lesson_run_to_the_end_before_any_exercise_is_written(student):
+    lessons = sorted(student.glob("lessons/lesson_*_*.py"), key=lambda p: int(p.name.split("_")[1]))
+    assert len(lessons) == 13
+    for args in (["-m", "minisgl", "demo"], *([str(p.relative_to(student))] for p in lessons)):
+        done = run_in(student, *args)
+        assert done.returncode == 0 and "Traceback" not in done.stderr + done.stdout, (
+            args, done.stdout[-2000:], done.stderr[-2000:])
+        assert "needs exercise" not in done.stdout + done.stderr, (args, done.stdout[-2000:])
+
+
+# The one exception: exercise 9's skip compares the rows the batch view froze at launch, and no
+# correct naive snapshot exists (exercise 3's stub reads the rows at the commit); its check says so.
+NEEDS = {9: (3,)}
+
+
+# What each stub is told by its own exercise's check: the first failure names the rule it breaks.
+STUB_RULES = {
+    1: "must ask _must_commit_first(last, planned) after schedule()",
+    2: "publish and resolve must be tensor operations that stay on the device",
+    3: "a copy of the RunningBatch",
+    4: "keep the switch: with length_lookahead off",
+    5: "the checkpoint: hand the KV that committed batches wrote to the radix cache",
+    6: "a row whose own last batch has passed is free at once",
+    7: "wait only while the buffer's consumed event has not passed",
+    8: "launch() blocked the host until the scheduler stream was done",
+    9: "compare the request's (row, generation) with the batch's, not the row alone",
+    10: "count each delayed sampling",
+    11: "a verify step gets KV slots up to two steps of K+1",
+    12: "each running request's decode row must ride in the prefill batch",
+}
+
+
+@pytest.mark.full  # one exercise check per exercise: several minutes
+@pytest.mark.parametrize("number", sorted(EXERCISES))
+def test_each_stub_is_refused_by_its_own_check_with_the_rule_named(student, tmp_path, number):
+    reference = grade.written_regions(ROOT)
+    work = grade.put_regions(student, {n: reference[n] for n in NEEDS.get(number, ())}, tmp_path / "work")
+    report = run_checks(work, number, stop_at_first_failure=True)
+    first = report.first_failure
+    assert not report.passed and first is not None and STUB_RULES[number] in first.message, (
+        first and first.message[:1000])
+
+
+@pytest.mark.full  # one exercise check per exercise: several minutes
+@pytest.mark.parametrize("number", sorted(EXERCISES))
+def test_a_correct_region_passes_its_check_with_every_other_region_a_stub(student, tmp_path, number):
+    reference = grade.written_regions(ROOT)
+    written = {n: reference[n] for n in (number, *NEEDS.get(number, ()))}
+    work = grade.put_regions(student, written, tmp_path / "work")
+    report = run_checks(work, number)
+    assert report.passed, [(o.nodeid, o.message[:500]) for o in report.outcomes if o.outcome == "failed"]

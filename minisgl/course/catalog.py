@@ -21,6 +21,9 @@ class Exercise:
     lesson: int
     tests: tuple[str, ...]  # pytest node ids inside the work dir; the teaching test file comes first
     hints: tuple[str, str, str]  # levels 1, 2, 3
+    # region name -> the student edition's stub there: a correct but naive version (or, where none
+    # can be correct, one that keeps the course running), which the exercise's own check refuses
+    stubs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,20 @@ EXERCISES = {e.number: e for e in (
         "launch it and keep an InFlight of (its view's snapshot, or the live view when batch_snapshot is "
         "off; the result) in `inflight` (None without a plan). Then the usual commit of last, if any is "
         "left; do not return: the lines after the region return `inflight`.",
-    )),
+    ), {"overlap_loop": """
+        # STUB (exercise 1 not written): correct, not precise: never asks the sync boundary after
+        # planning, so two prefills in a row overlap as well (prefill_sync's earlier first tokens are lost).
+        if last is not None and self._must_commit_first(last, None):
+            self.commit(last, True)
+            last = None
+        planned = self.schedule()
+        inflight = None
+        if planned is not None:
+            view = planned.view.snapshot() if self.on("batch_snapshot") else planned.view
+            inflight = InFlight(view, self.launch(planned))
+        if last is not None:
+            self.commit(last)
+    """}),
     Exercise(2, "FutureMap publish and resolve (future_map.py)", 4, (
         "tests/test_ex2_future_map.py",
         "tests/test_overlap.py::test_overlap_equals_normal[0.0-0]",
@@ -71,7 +87,17 @@ EXERCISES = {e.number: e for e in (
         "publish: one indexed assignment into self.tokens, the rows as the index. resolve: a boolean mask of "
         "the negative ids; the rows they name, -id - 1, clamped at 0 so that real ids index safely too; then "
         "torch.where picks, position by position, the mailbox token or the id itself.",
-    )),
+    ), {"publish": """
+        # STUB (exercise 2 not written): correct, not precise: a round trip through the host, one
+        # row at a time (.tolist() makes the host wait for the device).
+        for row, token in zip(rows.tolist(), next_tokens.tolist()):
+            self.tokens[row] = token
+    """, "resolve": """
+        # STUB (exercise 2 not written): correct, not precise: on the host, one id at a time.
+        mailbox = self.tokens.tolist()
+        ids = [mailbox[-i - 1] if i < 0 else i for i in input_ids.tolist()]
+        return torch.tensor(ids, dtype=torch.int64, device=input_ids.device)
+    """}),
     Exercise(3, "snapshot the running batch for the result queue (batch.py)", 5, (
         "tests/test_ex3_snapshot.py",
         "tests/test_mechanisms.py::test_batch_snapshot_off_results_land_on_wrong_requests",
@@ -85,7 +111,15 @@ EXERCISES = {e.number: e for e in (
         "per-row lists rows, generations, samples and qo_lens as they are now.",
         "One BatchView(...) call: the batch id, False, a fresh list() around the request list, and the "
         "properties rows, generations, samples and qo_lens (each already builds a new list).",
-    )),
+    ), {"snapshot": """
+        # STUB (exercise 3 not written): no correct naive snapshot exists; this copy of the live batch
+        # keeps the course running. Its rows are read at the commit, not frozen at launch: a request
+        # retracted meanwhile (lesson 10) is then caught by the row generation check instead.
+        frozen = RunningBatch()
+        frozen.batch_id = self.batch_id
+        frozen.reqs = [r for r in self.reqs]
+        return frozen
+    """}),
     Exercise(4, "overshoot: skip late results, look ahead by length, release by allocated length "
                 "(scheduler.py, kv_ledger.py)", 6, (
         "tests/test_ex4_overshoot.py",
@@ -107,7 +141,19 @@ EXERCISES = {e.number: e for e in (
         "already finished and with skip_finished on, add qo_len to the overshoot_tokens statistic and go to "
         "the next request. Release: the end of the freed tail is allocated_len with the switch on, else the "
         "written length; free the request's slot ids between the written length and that end.",
-    )),
+    ), {"length lookahead": """
+        # STUB (exercise 4 not written): looks ahead whatever the length_lookahead switch says.
+        for req in [r for r in self.running.reqs if r.will_finish_by_length()]:
+            self.running.reqs.remove(req)
+    """, "skip_finished": """
+        # STUB (exercise 4 not written): drops a late result, but counts it once, not per position.
+        if self.on("skip_finished") and req.finished:
+            self.stats.overshoot_tokens = self.stats.overshoot_tokens + 1
+            continue
+    """, "release by allocated length": """
+        # STUB (exercise 4 not written): frees the whole tail, whatever the release_allocated switch says.
+        self.kv_pool.free(req.slot_ids[written:])
+    """}),
     Exercise(5, "the radix-cache checkpoint at the safe point: the commit (scheduler.py, kv_ledger.py)", 7, (
         "tests/test_ex5_checkpoint.py",
         "tests/test_engine.py::test_radix_cache_hits_give_same_tokens[overlap]",
@@ -128,7 +174,21 @@ EXERCISES = {e.number: e for e in (
         "lengths. Insert that many committed ids with their slot ids (an int64 tensor) into the cache; insert "
         "returns how many leading positions the tree already held: free your slots from cached_len up to "
         "that count; unlock the prefix node locked at admission.",
-    )),
+    ), {"checkpoint": """
+        # STUB (exercise 5 not written): correct, not precise: nothing is handed to the radix cache;
+        # every slot of the request's own is freed, so no later request reuses its prefix.
+        written = min(req.committed_len, req.kv_committed_len)
+        self.kv_pool.free(req.slot_ids[req.cached_len:written])
+        node = req.prefix_node
+        self.cache.unlock(node)
+    """, "the commit point": """
+        # STUB (exercise 5 not written): releases at every finish, unless the request was released at
+        # planning (commit_point_cache off); a second finish then goes unreported.
+        if req.finished:
+            if self.on("commit_point_cache") or not req.released:
+                self._release(req)
+            self.finished.append(req)
+    """}),
     Exercise(6, "reuse a request row only after its last in-flight batch (rows.py, 2 places)", 7, (
         "tests/test_ex6_rows.py",
         "tests/test_abort.py::test_abort_while_final_token_in_flight",
@@ -145,7 +205,21 @@ EXERCISES = {e.number: e for e in (
         "id, last_launch, beyond the last batch committed, done_id), park the row in deferred_rows; otherwise "
         "free it in req_to_token. free_deferred: build a new list of the rows still in flight, free every "
         "other one, and store the new list (never remove from the list you are looping over).",
-    )),
+    ), {"deferred row free": """
+        # STUB (exercise 6 not written): correct, not precise: parks the row while ANY batch is in
+        # flight, whether or not it uses this row.
+        if self.on("deferred_row_free") and max(self.last_launch) > self.done_id:
+            self.deferred_rows += [row]
+        else:
+            self.req_to_token.free(row)
+    """, "free deferred rows": """
+        # STUB (exercise 6 not written): frees the parked rows all together, once the last batch of
+        # every one of them has passed, not each row at the first commit after its own last batch.
+        if all(self.last_launch[parked] <= self.done_id for parked in self.deferred_rows):
+            for parked in self.deferred_rows:
+                self.req_to_token.free(parked)
+            self.deferred_rows = []
+    """}),
     Exercise(7, "the staging buffers' write-after-read wait (staging.py)", 7, (
         "tests/test_ex7_staging.py",
         "tests/test_mechanisms.py::test_staging_both_protections_off_gives_wrong_tokens[5.0]",
@@ -163,7 +237,16 @@ EXERCISES = {e.number: e for e in (
         "Only when the buffer has a consumed event that query() says has not passed: with war_wait on, count "
         "one in waits and block on that event (its synchronize); with it off, count one in unread_overwrites "
         "and go on.",
-    )),
+    ), {"staging write-after-read wait": """
+        # STUB (exercise 7 not written): correct, not precise: waits for the buffer's read (and counts
+        # a wait) at every acquire, also when the device has long passed it.
+        event = buf.consumed
+        if event is not None and self.war_wait:
+            self.waits = self.waits + 1
+            event.synchronize()
+        elif event is not None and not event.query():
+            self.unread_overwrites = self.unread_overwrites + 1
+    """}),
     Exercise(8, "the handoff between the streams: the engine waits for the scheduler stream, the host "
                 "waits for copy_done (engine.py, scheduler.py)", 3, (  # taught in lesson 2, checked in lesson 3's loop
         "tests/test_ex8_handoff.py",
@@ -180,7 +263,13 @@ EXERCISES = {e.number: e for e in (
         "batch launched after it.",
         "Engine.launch: the engine stream's wait_stream, given `after` (a device-side wait). Scheduler.commit: "
         "the synchronize of the batch result's copy_done event (the host waits for that event only).",
-    )),
+    ), {"the engine stream waits for the scheduler stream": """
+        # STUB (exercise 8 not written): correct, not precise: the HOST waits for the scheduler stream.
+        after.synchronize()
+    """, "the host waits for copy_done": """
+            # STUB (exercise 8 not written): correct, not precise: waits for the whole engine stream.
+            self.engine.stream.synchronize()
+    """}),
     Exercise(9, "skip the in-flight result of a retracted request (scheduler.py)", 10, (
         "tests/test_ex9_retraction.py",
         "tests/test_retraction.py::test_optimistic_retracts_and_gives_the_reserve_outputs[overlap]",
@@ -197,7 +286,12 @@ EXERCISES = {e.number: e for e in (
         "stats.retracted_late_results. With retract_skip_inflight off, do not skip.",
         "First thing in the loop over the view's rows: if (req.row, req.row_generation) differs from "
         "(row, generation) and the switch is on, add one to stats.retracted_late_results and continue.",
-    )),
+    ), {"skip a retracted request's in-flight result": """
+            # STUB (exercise 9 not written): compares the row only, not its generation.
+            if req.row != row and self.on("retract_skip_inflight"):
+                self.stats.retracted_late_results = self.stats.retracted_late_results + 1
+                continue
+    """}),
     Exercise(10, "delayed sampling for constrained decoding: masks from the committed grammar states "
                  "(grammar.py in features/, 2 places)", 11, (
         "tests/test_ex10_delayed_sampling.py",
@@ -223,7 +317,16 @@ EXERCISES = {e.number: e for e in (
         "assert that rows.done_id equals the result's batch id minus one; inside a host span of the tracer named "
         "SpanName.SAMPLE with that batch id, call launch_sample with the engine, the result and build_mask of "
         "the grammars and states of the view's requests; then add one to the delayed_samples statistic.",
-    )),
+    ), {"delay the sampling": """
+        # STUB (exercise 10 not written): every grammar batch waits, whatever the switch says.
+        delay_sample = True
+    """, "launch the delayed sampling": """
+        # STUB (exercise 10 not written): samples with masks from the states now, but neither checks
+        # that the previous batch is committed, nor traces nor counts the sampling.
+        batch = inflight.view.reqs
+        masks = build_mask([r.params.grammar for r in batch], [r.grammar_state for r in batch])
+        launch_sample(sched.engine, inflight.result, masks)
+    """}),
     Exercise(11, "speculative decoding under the overlap: the KV reserve, the publish wait and the accept length "
                  "(features/speculative/: __init__.py, relay.py, verify.py)", 12, (
         "tests/test_ex11_speculation.py",
@@ -244,7 +347,26 @@ EXERCISES = {e.number: e for e in (
         "with spec_alloc_reserve on, once with it off; the result is the larger of kv_committed_len and "
         "prefill_len plus the reserve. host_lengths: when there is a publish_ready event and the switch is on, "
         "synchronize it; then the mirror's entries at `rows`, as a Python list.",
-    )),
+    ), {"allocate for the most a step can accept": """
+        # STUB (exercise 11 not written): correct, not precise: KV for the request's whole life at once.
+        return req.prompt_len + req.max_new_tokens + 2 * (self.num_steps + 1)
+    """, "wait for the publish before reading the mirror": """
+        # STUB (exercise 11 not written): waits for the publish whatever spec_publish_wait says.
+        ready = self.publish_ready
+        if ready is not None:
+            ready.synchronize()
+        lengths = self.mirror[rows]
+        return lengths.tolist()
+    """, "the accept length": """
+    # STUB (exercise 11 not written): correct, not precise: on the host, row by row (a round trip).
+    lengths = []
+    for row_drafts, row_target in zip(drafts.tolist(), target.tolist()):
+        n = 0
+        while n < len(row_drafts) and row_drafts[n] == row_target[n]:
+            n += 1
+        lengths.append(n + 1)
+    return torch.tensor(lengths, dtype=torch.int64, device=drafts.device)
+    """}),
     Exercise(12, "mixed chunk: a running request's decode row in a prefill batch (features/mixed_chunk.py)", 12, (
         "tests/test_ex12_mixed_chunk.py",
         "tests/test_speculative_fuzz.py::test_features_match_plain_decoding_under_random_aborts[mixed-chunk]",
@@ -259,5 +381,9 @@ EXERCISES = {e.number: e for e in (
         "tokens.add for the request's row with a one-element list of input_id (the scheduler's _decode_input), that "
         "position and one slot from the ledger's allocate; then one more launched position and one more sample "
         "in flight.",
-    )),
+    ), {"the decode row": """
+            # STUB (exercise 12 not written): no decode row rides in a prefill batch: mixed chunk
+            # degrades to the plain path (the request decodes in the next decode batch).
+            continue
+    """}),
 )}

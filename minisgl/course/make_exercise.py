@@ -190,23 +190,29 @@ def skeleton_raise(region: Region, defines: list[str] = ()) -> list[str]:
     return [*needs, f"{region.indent}raise NotImplementedError({message!r})\n"]
 
 
+def indented(code: str, indent: str) -> list[str]:
+    """Region code (any indent) as the lines of a region body at `indent`."""
+    return textwrap.indent(textwrap.dedent(code).strip("\n") + "\n", indent).splitlines(keepends=True)
+
+
 def replace_regions(source: str, number: int, wrong: Wrong | None = None,
-                    keep_markers: bool = False) -> tuple[str, int]:
-    """Replace the regions of exercise `number`: by a raise, or by `wrong`'s code for the regions it
-    names (the others keep the reference). With keep_markers the marker lines stay around the new
-    body (the student edition: the learner writes there, the grader finds it there).
-    Returns (new source, regions replaced)."""
+                    keep_markers: bool = False, stub: bool = False) -> tuple[str, int]:
+    """Replace the regions of exercise `number`: by a raise, by the catalog's stub (`stub`: the
+    student edition), or by `wrong`'s code for the regions it names (the others keep the
+    reference). With keep_markers the marker lines stay around the new body (the student edition:
+    the learner writes there, the grader finds it there). Returns (new source, regions replaced)."""
     lines = source.splitlines(keepends=True)
     out, pos, count = [], 0, 0
     for region in regions(lines):
         if region.number != number or (wrong is not None and region.name not in wrong.regions):
             continue
         out += lines[pos:region.first]
-        if wrong is None:
-            body = skeleton_raise(region, names_used_below(lines, region))
+        if wrong is not None:
+            body = indented(wrong.regions[region.name], region.indent)
+        elif stub:
+            body = indented(EXERCISES[number].stubs[region.name], region.indent)
         else:
-            code = textwrap.dedent(wrong.regions[region.name]).strip("\n") + "\n"
-            body = textwrap.indent(code, region.indent).splitlines(keepends=True)
+            body = skeleton_raise(region, names_used_below(lines, region))
         out += [lines[region.first], *body, lines[region.last]] if keep_markers else body
         pos, count = region.last + 1, count + 1
     out += lines[pos:]

@@ -4,11 +4,16 @@
 
 DIR gets every file of this repository except the teacher's ones (TEACHER_ONLY: the guide with
 the answers, the known-wrong solutions, the grader and the tests of these tools), with every
-exercise region of minisgl/ replaced by the skeleton's `raise NotImplementedError("exercise N:
-...")` (make_exercise.replace_regions, as `generate` does for one exercise, here for all of them).
-The marker lines stay around each raise: the learner writes each part there, in minisgl/ itself,
-and the grader (grade.py) finds it there. DIR becomes a fresh git repository with one commit, so
-that no history of the answers comes with it.
+exercise region of minisgl/ replaced by its stub from the catalog (make_exercise.replace_regions):
+a correct but naive version of the part (a whole-stream wait for the precise event, a host round
+trip for the device relay, rows reused later than they could be), so that the demo and every
+lesson run from day one, before any exercise is written and after any subset of them. Each stub
+fails its own exercise's check, which tests precision as well as correctness, with the rule it
+breaks. Where no naive version can be correct (exercises 3 and 12), the stub keeps the course
+running and its first line says what it gives up. The marker lines stay around each stub: the
+learner writes each part there, in minisgl/ itself, and the grader (grade.py) finds it there.
+DIR becomes a fresh git repository with one commit, so that no history of the answers comes
+with it.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ TEACHER_ONLY = frozenset({
     "minisgl/course/check_figures.py",  # checks the guide's figures: reads TEACHER.md
     "benchmarks/grading_class.py",  # a synthetic class for timing the grader: made from the wrong solutions
 })
-COMMIT_MESSAGE = "minisgl course: student edition (every exercise region raises NotImplementedError)"
+COMMIT_MESSAGE = "minisgl course: student edition (every exercise region holds a naive stub)"
 
 
 def repository_files(root: Path = ROOT) -> list[str]:
@@ -94,11 +99,9 @@ def _noted_prose(text: str, names: re.Pattern[str]) -> str:
 
 
 def without_answers(source: str) -> str:
-    """Every exercise region's body replaced by its skeleton raise, the markers kept. Later
-    exercises first: a skeleton names what the reference code below it reads (exercise 5's
-    `written`, read by exercise 4's region), which must still be there when it is made."""
-    for number in sorted(EXERCISES, reverse=True):
-        source, _ = replace_regions(source, number, keep_markers=True)
+    """Every exercise region's body replaced by its catalog stub, the markers kept."""
+    for number in sorted(EXERCISES):
+        source, _ = replace_regions(source, number, keep_markers=True, stub=True)
     return source
 
 

@@ -76,3 +76,19 @@ def test_the_switches_are_kept(qwen3, plain):
     assert llm.scheduler.features.speculation.unallocated_writes > 0, \
         RESERVE_RULE + "; with spec_alloc_reserve off, one step only: keep the switch"
     llm.close()
+
+
+def test_the_accept_length_stays_on_the_device():
+    """On the meta device a tensor has no values: .tolist(), .item() or a Python loop over values
+    (a host sync on a GPU, in the middle of the device's verify step) raises here."""
+    meta = torch.device("meta")
+    try:
+        out = accept_greedy(torch.zeros(4, K, dtype=torch.int64, device=meta),
+                            torch.zeros(4, K + 1, dtype=torch.int64, device=meta))
+    except (RuntimeError, NotImplementedError) as exc:
+        if "exercise 11" in str(exc):
+            raise
+        raise AssertionError("the accept length must be computed with tensor operations on the device: reading the "
+                             "drafts on the host (.tolist(), a loop over values) makes the verify step wait for the "
+                             f"device ({type(exc).__name__}: {exc})") from None
+    assert out.shape == (4,) and out.device == meta

@@ -21,6 +21,17 @@ SWITCH_RULE = ("with mixed_prefix_from_launched off the position is committed_le
 def generate(qwen3: str, loop: str, *disabled: str, mixed: bool = True) -> tuple[LLM, list[list[int]]]:
     llm = LLM(qwen3, loop=loop, disable=disabled, chunk_size=16, max_running_requests=4, device_delay_ms=2,
               enable_mixed_chunk=mixed)
+    llm.rows_mixed = []  # decode rows appended to each prefill batch
+    if mixed:
+        feature = llm.scheduler.features.mixed_chunk
+        mix = feature.mix
+
+        def counted(sched, tokens, reqs, *rest):
+            before = len(reqs)
+            mix(sched, tokens, reqs, *rest)
+            llm.rows_mixed.append(len(reqs) - before)
+
+        feature.mix = counted
     try:
         rids, outs = [], {}
         for p, s in zip(PROMPTS, PARAMS):  # staggered: every prefill finds decodes running
@@ -46,6 +57,8 @@ def plain(qwen3) -> list[list[int]]:
 def test_mixed_batches_give_the_plain_tokens(qwen3, plain, loop):
     llm, outs = generate(qwen3, loop)
     assert llm.scheduler.features.mixed_chunk.decode_rows > 0  # the workload does mix
+    assert sum(llm.rows_mixed) > 0, ("mixed chunk: each running request's decode row must ride in the prefill batch "
+                                     "(appended after the region); no prefill batch carried one")
     assert outs == plain, ROW_RULE
     llm.check_invariants()
     llm.close()

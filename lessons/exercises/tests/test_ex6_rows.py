@@ -96,3 +96,36 @@ def test_a_row_no_batch_in_flight_uses_is_free_at_once():
     assert rows.req_to_token.free_count == 1 and not rows.deferred_rows, (
         "a row that no batch in flight uses must be freed at once: parked, it waits for a later commit that never "
         "comes when the next request needs that very row to run (a one-row pool)")
+
+
+
+def test_each_row_is_freed_as_soon_as_its_own_last_batch_has_passed():
+    """Rows c, a, b were last launched in batches 2, 3, 4. While 3 and 4 are in flight, row c is free
+    the moment it is released; a and b are parked, and the commit of batch 3 frees a, not b. Waiting
+    for other rows' batches would make a new request wait for batches that have nothing to do with
+    its row (the bubble, at every row reuse)."""
+    import torch
+
+    from minisgl.kv_pool import ReqToTokenPool
+    from minisgl.mechanisms import Mechanisms
+    from minisgl.request import Req
+    from minisgl.rows import RowTracker
+
+    rows = RowTracker(ReqToTokenPool(3, 8, torch.device("cpu")), Mechanisms())
+    c, a, b = Req.__new__(Req), Req.__new__(Req), Req.__new__(Req)
+    for req, batch in ((c, 2), (a, 3), (b, 4)):
+        rows.assign(req)
+        rows.launched([req.row], batch)
+    rows.committed(2)
+    rows.free(c.row)
+    assert rows.req_to_token.free_count == 1 and not rows.deferred_rows, (
+        "a row whose own last batch has passed is free at once, also while OTHER batches are in flight "
+        f"(in_flight(row)): batch 2 was row c's last and is committed, yet it was parked {rows.deferred_rows}")
+    rows.free(a.row)
+    rows.free(b.row)  # both still used by a batch in flight: parked
+    rows.committed(3)
+    rows.free_deferred()
+    assert rows.req_to_token.free_count == 2 and rows.deferred_rows == [b.row], (
+        "free each parked row at the first commit after ITS OWN last batch (in_flight(row)), not once every parked "
+        "row's batch has passed: the commit of batch 3 frees row a, row b waits for batch 4 "
+        f"(free rows {rows.req_to_token.free_count}, still parked {rows.deferred_rows})")

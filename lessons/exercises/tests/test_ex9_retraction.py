@@ -23,6 +23,18 @@ def run(loop: str, admission: str, *disabled: str) -> tuple[LLM, list[list[int]]
         raise AssertionError(f"{SKIP_RULE} ({type(exc).__name__}: {exc})") from None
 
 
+def test_the_batch_snapshot_freezes_the_rows_this_exercise_compares():
+    """Exercise 3's part, not this one's: the skip compares the request's row with the one the batch
+    view froze at launch, so it needs a real snapshot (the student edition's stub of exercise 3 reads
+    the rows at the commit, and then nothing tells a retracted request's late result)."""
+    from minisgl.batch import BatchView, RunningBatch
+
+    live = RunningBatch()
+    assert isinstance(live.snapshot(), BatchView), (
+        "this check needs exercise 3 first: RunningBatch.snapshot() must return a BatchView frozen at launch, whose "
+        "rows and generations the skip compares with the request's own")
+
+
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     return run("normal", "reserve")[1]
@@ -72,3 +84,26 @@ def test_a_skipped_result_leaves_the_request_as_the_retraction_left_it(reference
     assert not negative and outs == reference, (
         "a skipped late result must leave the retracted request untouched: the retraction already set its samples in "
         f"flight to 0 and the re-prefill counts its own (requests {sorted(set(negative))} went below 0)")
+
+
+def test_the_generation_tells_a_row_given_back_to_the_same_request(qwen3):
+    """Retracted while its step is in flight, then admitted into the very row it had before: the row
+    alone cannot tell the late result from a current one, the row's generation can. Staged here by
+    moving the generation on while the request's decode step is in flight."""
+    from minisgl import SamplingParams
+
+    llm = LLM(qwen3, loop="overlap")
+    llm.scheduler.check_each_step = False
+    sched = llm.scheduler
+    llm.add_request("hello there", SamplingParams(max_new_tokens=8, ignore_eos=True))
+    while sched.last is None or sched.last.view.is_prefill:
+        llm.step()
+    req = sched.last.view.reqs[0]
+    sched.req_to_token.generation[req.row] += 1  # the row was given back and taken again by the same request
+    req.row_generation = sched.req_to_token.generation[req.row]
+    llm.step()  # commits the step launched before that
+    assert sched.stats.retracted_late_results == 1, (
+        "compare the request's (row, generation) with the batch's, not the row alone: a retracted request may be "
+        "admitted again into the very row it had, and only the generation says the late result is not its own "
+        f"(retracted_late_results {sched.stats.retracted_late_results}, stale_row_results "
+        f"{sched.stats.stale_row_results})")
