@@ -71,8 +71,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the two loops
     def step(self) -> list[Req]:
-        """One loop iteration; returns the requests that finished during it. Atomic
-        (interrupts.py): Ctrl-C lands after the step, any other error stops the scheduler."""
+        """One loop iteration; returns the requests that finished during it. Whole: the front
+        end holds Ctrl-C back around it, and an error stops the scheduler (interrupts.py)."""
         self.tracer.iteration += 1
         with atomic_step(self):
             match self.config.loop:
