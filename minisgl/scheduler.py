@@ -134,7 +134,7 @@ class Scheduler:
         self.kv_ledger.check_fits(req)
         self.waiting.append(req)
 
-    def has_work(self) -> bool:  # `finished`: a step ended by Ctrl-C has not handed them out yet
+    def has_work(self) -> bool:  # `finished`: a step that raised has not handed them out yet
         return bool(self.waiting or self.prefilling or self.running.reqs or self.releasing or self.last
                     or self.finished)
 

@@ -261,13 +261,15 @@ def sigint_at(moment: str):
     """A hook that sends one real SIGINT (the OS signal: the interpreter's own pending-signal
     check decides where the KeyboardInterrupt lands) at `moment`, and how to install it:
     - "as the handler goes back": as `_signal.signal` returns inside Lib/signal.py's wrapper,
-      called by guard.let_go(): the handler is back, the wrapper still runs Python code;
+      called by guard.Held.let_go(): the handler is back, the wrapper still runs Python code;
     - "after the guard returned": as let_go() returns into the call's frame, the call complete."""
     import _signal
     import os
     import sys
 
-    from minisgl.frontend.guard import let_go
+    from minisgl.frontend.guard import Held
+
+    let_go = Held.let_go
 
     armed = [True]
 

@@ -1,9 +1,8 @@
 """How LLM runs the scheduler for its callers and hands the results out (a mixin of LLM).
 
 A step's finished requests become results (`_store`), kept until a public call hands them out
-(`_take_results`: they go back should that call not complete, guard.py). generate() steps until
-its own requests are out (`_run_until_done`); a generate() that does not complete abandons its
-requests (`_abandon`): aborted, and their results dropped when they come.
+(`_take_results`). generate() steps until its own requests are out (`_run_until_done`); undone
+(guard.py), it abandons them: aborted, their results dropped when they come (`_abandon`).
 """
 
 from __future__ import annotations
@@ -15,15 +14,13 @@ from ..invariants import memory_report
 from ..kv_pool import KVAccountingError
 from ..request import Req
 from ..sampling_params import RequestOutput
-from .guard import checkpoint
 
 
 class DrivingMixin:
     """LLM's scheduler-driving half: needs `scheduler`, `_reqs`, `_results`, `_abandoned`, `_output`."""
 
     def _abandon(self, reqs: list[Req]) -> None:
-        """generate() did not complete: its requests are aborted and their results dropped
-        (the next drain gives back their rows and KV slots)."""
+        """generate() undone: its requests aborted (the next drain frees them), results dropped."""
         for req in reqs:
             self._results.pop(req.rid, None)
             if req.rid in self._reqs:  # not finished yet (and queued)
@@ -34,7 +31,7 @@ class DrivingMixin:
         mine = {req.rid for req in reqs}
         outputs: dict[int, RequestOutput] = {}
         while len(outputs) < len(mine):
-            checkpoint(self._guard)  # a held-back Ctrl-C is raised between two steps
+            self._guard.held.deliver()  # a held-back Ctrl-C goes to its handler between two steps
             if not self.scheduler.has_work():
                 # Only reachable with a mechanism switched off (e.g. batch_snapshot): results
                 # went to the wrong requests and some can never be scheduled again.
@@ -49,7 +46,7 @@ class DrivingMixin:
         # Every request is out, but an overshoot step may still be in flight: commit it, so that
         # memory_report() shows the pool whole, unless the caller has other requests queued.
         while self.scheduler.has_work() and not self._reqs:
-            checkpoint(self._guard)
+            self._guard.held.deliver()
             self._step()
         for rid in mine:  # handed out only now: a Ctrl-C before this point drops them (_abandon)
             del self._results[rid]

@@ -21,7 +21,7 @@ from ..sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from ..features import plug_in
 from ..scheduler import Scheduler
 from .driving import DrivingMixin
-from .guard import Guard, hold_back, let_go, whole
+from .guard import Guard, Held, whole
 from .tokenizer import check_tokenizer_fits, eos_ids, load_tokenizer
 from .validation import Prompt, check_params, params_list, prompt_list
 
@@ -56,15 +56,13 @@ class LLM(DrivingMixin):
         self._abandoned: set[int] = set()  # started by a generate() that raised: results dropped
         self._next_rid = 0
         self._rng = random.Random(0)
-        # Ctrl-C is held back while the engine starts: one landing between starting its worker
-        # thread and storing what stops it would leak the thread. Held back, it goes to its handler
-        # once the engine is up; if that raises, what was started is stopped (guard.py).
-        held = hold_back()
+        # Ctrl-C held back while the engine starts (its worker thread would leak); raised, it stops it.
+        held = Held()
         try:
             try:
                 self._start_engine()
             finally:
-                let_go(held)
+                held.let_go()
             return
         except BaseException:
             if hasattr(self, "_stop_engine"):
@@ -93,9 +91,7 @@ class LLM(DrivingMixin):
 
     # ---------------------------------------------------------------- lifecycle
     def _refuse(self, reentered: bool, closing: bool) -> None:
-        """Refuse a call (guard.whole) to a closed LLM, in a fork()ed child, from inside a call that
-        runs the scheduler (`reentered`: an on_step callback would take the outer call's results),
-        or after an error escaped a step (state may be half moved), unless `closing`."""
+        """guard.whole refuses a call; `reentered`: a driving call from on_step (see _REENTRANT)."""
         if self._closed:
             raise RuntimeError("this LLM is closed")
         if os.getpid() != self._pid:
@@ -236,8 +232,7 @@ class LLM(DrivingMixin):
         self._reqs[req.rid] = req
         self._next_rid = req.rid + 1
 
-    def _unqueue(self, req: Req) -> None:
-        """add_request() undone: nobody has its id to collect or abort it."""
+    def _unqueue(self, req: Req) -> None:  # add_request() undone: nobody has its id
         if req not in self.scheduler.waiting:  # given back late, after another thread's step admitted it
             self._abandon([req])
             return
