@@ -1,11 +1,12 @@
 """Every public call of `LLM` completes or leaves no trace, whatever line a Ctrl-C lands on.
 
-`@whole` runs a call in one frame: SIGINT held back (a handler that counts), the lock taken (one
-thread inside), the method run, listing in `guard.undo` how to give back what it hands its caller.
-Then the lock and the handler go back, and only then a held-back Ctrl-C goes to that handler: by
-default KeyboardInterrupt which, as any exception leaving the call, even as it returns, undoes it.
-The scheduler needs no guard of its own: only its step changes its state, always inside a call.
-A second Ctrl-C raises at once (a hung device), and the LLM refuses work until closed.
+`@whole` runs a call in one frame. It holds SIGINT back (`Held`, a handler that only counts),
+takes the lock (one thread inside at a time) and runs the method, which lists in `guard.undo` how
+to give back what it hands its caller (a request's id, results). Then the lock and the handler go
+back, and only then does a held-back Ctrl-C reach that handler. The default raises
+KeyboardInterrupt: like any exception leaving the call, even one landing as it returns, it runs
+the undo list. The scheduler needs no guard of its own: only its step changes its state, and every
+step runs inside a call. A second Ctrl-C raises at once (a hung device); the LLM then refuses work.
 """
 
 from __future__ import annotations
@@ -78,15 +79,16 @@ def whole(drives: bool = False, closing: bool = False) -> Callable:
                         finally:
                             guard.undo, guard.held = outer
                     except BaseException as exc:  # still locked and held back: give back what it took
-                        if exc.args == (SECOND_INTERRUPT,) and llm.scheduler.error is None:
-                            llm.scheduler.error = exc  # maybe half moved: refuse further work
+                        if exc.args == (SECOND_INTERRUPT,):  # state may be half moved: refuse further work,
+                            llm.scheduler.error = llm.scheduler.error or exc
+                            llm.engine.hung = True  # and let close() and the exit leave a hung device alone
                         while undo:
                             undo.pop()()
                         raise
                     finally:
-                        guard.lock.release()
+                        guard.lock.release()  # while held back: a Ctrl-C cannot keep the lock
                 finally:
-                    held.let_go()
+                    held.let_go()  # from here a Ctrl-C raises, and the except below undoes the call
                 return value
             except BaseException:
                 if undo:  # it completed, but a Ctrl-C came as it ended: the caller never gets the value

@@ -123,7 +123,6 @@ class LLM(DrivingMixin):
                 self.scheduler.close()  # commits the batch in flight
             except Exception as exc:  # noqa: BLE001 - closing must still stop the engine below
                 warnings.warn(f"LLM.close(): the batch in flight failed: {exc!r}", RuntimeWarning, stacklevel=4)
-        self.engine.hung |= isinstance(self.scheduler.error, KeyboardInterrupt)  # a second Ctrl-C: do not wait
         self._stop_engine()
         self._closed = True
 
