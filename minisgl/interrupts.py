@@ -1,6 +1,5 @@
-"""A step that raises (a device error, a second Ctrl-C) may leave the scheduler half moved: the
-error is latched in `owner.error`, and every later step refuses. A first Ctrl-C cannot cut a step
-short: the front end holds it back around every call (frontend/guard.py)."""
+"""An error that escapes a step (a device error, a second Ctrl-C) may leave the scheduler half moved:
+it is latched in `owner.error`, and every later step refuses. (frontend/guard.py holds Ctrl-C back.)"""
 
 
 class atomic_step:

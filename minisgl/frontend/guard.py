@@ -1,12 +1,11 @@
 """Every public call of `LLM` completes or leaves no trace, whatever line a Ctrl-C lands on.
 
-`@whole` runs a call in one frame. It holds SIGINT back (`Held`, a handler that only counts),
-takes the lock (one thread inside at a time) and runs the method, which lists in `guard.undo` how
-to give back what it hands its caller (a request's id, results). Then the lock and the handler go
-back, and only then does a held-back Ctrl-C reach that handler. The default raises
-KeyboardInterrupt: like any exception leaving the call, even one landing as it returns, it runs
-the undo list. The scheduler needs no guard of its own: only its step changes its state, and every
-step runs inside a call. A second Ctrl-C raises at once (a hung device); the LLM then refuses work.
+`@whole` runs a call in one frame: SIGINT held back (`Held`, a handler that only counts), the lock
+taken (one thread inside), the method run, which lists in `guard.undo` how to give back what it
+hands its caller (a request's id, results). Then the lock and the handler go back, and only then
+does a held-back Ctrl-C reach that handler. Its default KeyboardInterrupt, like any exception
+leaving the call (even one landing as it returns), runs the undo list. The scheduler needs no guard
+of its own: only its step changes its state, always inside a call. A second Ctrl-C raises at once.
 """
 
 from __future__ import annotations
@@ -17,12 +16,10 @@ import threading
 from typing import Callable
 
 SECOND_INTERRUPT = "second interrupt: the call was cut short"
-IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"
 
 
 class Guard:
-    """An LLM's lock (re-entrant: on_step may add_request), its innermost call's undo list (None
-    outside a call) and the Ctrl-Cs that call holds back."""
+    """An LLM's lock (re-entrant: on_step may add_request) and its innermost call's undo list and Held."""
 
     def __init__(self) -> None:
         self.lock, self.undo, self.held = threading.RLock(), None, None
@@ -70,7 +67,7 @@ def whole(drives: bool = False, closing: bool = False) -> Callable:
             try:
                 try:
                     if not guard.lock.acquire(blocking=False):
-                        raise RuntimeError(IN_USE)
+                        raise RuntimeError("this LLM is in use by another thread; one LLM serves one thread at a time")
                     try:
                         llm._refuse(drives and guard.undo is not None, closing)
                         outer, (guard.undo, guard.held) = (guard.undo, guard.held), (undo, held)
