@@ -1,8 +1,7 @@
 """minisgl: a teaching-oriented, minimal but real LLM inference engine.
 
 It exists to make SGLang's overlap scheduler understandable: read `minisgl/scheduler.py`
-(normal_loop and overlap_loop side by side), run the lessons, switch mechanisms off.
-"""
+(normal_loop and overlap_loop side by side), run the lessons, switch mechanisms off."""
 
 from importlib import import_module
 

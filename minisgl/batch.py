@@ -1,9 +1,7 @@
 """What crosses a step boundary in the scheduler: batch views, result-queue entries, counters.
 
-The result queue pairs each launched batch with a *view* of it: which requests sat in which row.
-`RunningBatch` is the live decode batch schedule() filters and merges in place; `BatchView` is a
-snapshot frozen at launch (lessons/readings §5: why the queue holds batch.copy(), not the batch).
-"""
+The result queue pairs each launched batch with a `BatchView` frozen at launch, never the live
+`RunningBatch` that schedule() filters and merges in place (lessons/readings §5)."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ class RunningBatch:
         self.is_prefill = False
         self.reqs: list[Req] = []
 
-    # Derived from the *current* members, which is exactly why the result queue must not hold
-    # this object (see "batch_snapshot" in overlap_loop).
+    # Derived from the *current* members: why the result queue must not hold this object (batch_snapshot).
     @property
     def rows(self) -> list[int]:
         return [r.row for r in self.reqs]

@@ -1,21 +1,10 @@
 """The engine's configuration: one frozen `EngineConfig`, resolved and checked once.
 
-`resolve_config(...)` turns `LLM(...)`'s keywords or the CLI's flags (the settings, settings.py),
-their defaults and what the checkpoint's config.json says into final values: every size is a
-number, `"auto"` is a concrete attention backend, the device exists, the memory check has passed.
-`Engine` and `Scheduler` take the result and never re-check or re-default anything.
-
-Each quantity has one name everywhere in minisgl:
-
-- `kv_tokens`             usable KV slots: the pool's size (the KV cache has one more, slot 0)
-- `max_running_requests`  the most requests decoding at once = the request table's rows
-- `model_window`          the checkpoint's `max_position_embeddings`
-- `max_seq_len`           the longest prompt + new tokens this engine holds
-- `table_width`           positions per row of the request table
-
-A bad value is one ValueError (TypeError for a wrong type) that names the argument, raised
-before anything is allocated; given sizes are checked (0 is an error, not "use the default").
-"""
+`resolve_config(...)` turns the settings (settings.py), their defaults and the checkpoint's config.json into
+final values; `Engine` and `Scheduler` never re-check or re-default anything. One name per quantity: `kv_tokens`
+(usable KV slots; the cache has one more, slot 0), `max_running_requests` (request-table rows), `model_window`
+(the checkpoint's `max_position_embeddings`), `max_seq_len` (longest prompt + new tokens), `table_width`
+(positions per row). A bad value is one ValueError/TypeError naming the argument, before any allocation."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
-"""The engine: model forward and sampling, queued on a dedicated stream.
+"""The engine: model forward and sampling, queued on a dedicated stream (lessons/readings §11).
 
-`Engine.launch(batch)` returns at once (lessons/readings §11: mini-SGLang's `_forward()` inside
-`engine_stream_ctx`) with a *handle*: the sampled tokens on the device (already published into
-the FutureMap for the next batch), a host tensor the device-to-host copy will fill, and
-`copy_done`, the event after that copy. Only after `copy_done.synchronize()` may the host read
-the tokens. `Engine.close()` gives every device resource back and stops the stream's thread.
-
-Keep-alive (lessons/readings §4): a tensor one stream creates and another reads must stay
-allocated until the reader ran. Every tensor the engine stream reads is created on that stream
-(the allocator orders reuse after it) or owned by a long-lived object (staging buffers, plans,
-CUDA-graph buffers) whose reuse the write-after-read waits and the plan parity protect.
-
-On CPU the "device" is the stream's worker thread; `device_delay_ms` adds a sleep at the start
-of every forward there (GIL released): device time becomes large and predictable, so the
-overlap and its race windows are visible and deterministic.
-"""
+`Engine.launch(batch)` returns at once with a handle: the sampled tokens on the device (already
+published into the FutureMap), a host tensor the device-to-host copy fills, and `copy_done`; the host
+reads the tokens only after `copy_done.synchronize()`. Keep-alive (lessons/readings §4): every tensor
+the engine stream reads is created on that stream, or owned by a long-lived object whose reuse the
+write-after-read waits and the plan parity protect. On CPU the device is the stream's worker thread."""
 
 from __future__ import annotations
 
@@ -50,8 +40,7 @@ class ForwardBatch:
     kv_lens: list[int]  # positions per request after this batch (prefix + new)
     staging: StagingBuffer  # device-bound metadata, written by the scheduler
     all_greedy: bool
-    # The feature seams (seams.py), all unset in a plain batch. A grammar in the batch: sampling
-    # waits for the host's masks (features/grammar.py launch_sample), or `mask` was built at planning.
+    # The feature seams (seams.py), all unset in a plain batch; `mask` is a grammar's, built at planning.
     delay_sample: bool = False
     mask: Any = None  # features/grammar.py TokenMask
     logprobs: Any = None  # features/logprobs.py LogprobsPlan: rows and output indices fixed at planning
@@ -68,8 +57,7 @@ class ForwardBatch:
 
 @dataclass
 class DelayedSample:
-    """A forward whose sampling waits for the host's masks: its logits (and staged inputs) stay
-    on the device, in `held`, until features/grammar.py launch_sample queues it."""
+    """A forward whose sampling waits for the host's masks: its logits stay in `held` until launch_sample."""
 
     batch: ForwardBatch
     held: list[tuple[torch.Tensor, DeviceInputs]]  # filled by the forward, on the engine stream
@@ -86,13 +74,11 @@ class ForwardResult:
 
 
 class Engine:
-    """Owns everything on the device: the weights, the KV cache, the request table, the
-    FutureMap, the attention backend and its CUDA graphs, and the stream they run on."""
+    """Owns everything on the device (weights, KV cache, request table, FutureMap, backend) and its stream."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.closed = False
-        # Set by the LLM when a second Ctrl-C gave up on the device (a hung forward): close()
-        # then leaves the work in progress running instead of waiting for it.
+        # Set when a second Ctrl-C gave up on a hung forward: close() then does not wait for it.
         self.hung = False
         device = config.device
         if device.type == "cuda":
@@ -109,17 +95,15 @@ class Engine:
             set_fixed_rows(self.model, DETERMINISTIC_ROWS if device.type == "cuda" else CPU_INVARIANT_ROWS)
         self.device_delay_s = config.device_delay_ms / 1000.0
         self.backend = self._make_backend()
-        # Device memory, allocated in one phase from the config; the scheduler receives the KV
-        # pool's free list and the request table, and close() frees them all.
+        # Device memory, allocated once from the config; close() frees it all.
         m = self.model
         self.kv_pool = KVPool(config.kv_tokens)
         self.kv = KVCache(m.num_layers, self.kv_pool.num_slots, m.num_kv_heads, m.head_dim, self.dtype, device)
         self.req_to_token = ReqToTokenPool(config.max_running_requests, config.table_width, device)
         self.future_map = FutureMap(config.max_running_requests, device)
         self.graphs: CudaGraphRunner | None = None
-        # Deterministic decode runs eagerly: FlashInfer's unsplit tensor-core decode inside the
-        # CUDA-graph wrappers crashed the warm-up of every engine after the first one in a process
-        # on the H200 ("illegal memory access"; benchmarks/RESULTS.md), so graphs are left out there.
+        # Deterministic decode runs eagerly: FlashInfer's unsplit tensor-core decode in CUDA graphs crashed
+        # every engine after the first in a process ("illegal memory access"; benchmarks/RESULTS.md).
         if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph") and not config.deterministic:
             self.graphs = CudaGraphRunner(m, self.kv, self.backend, config.max_running_requests,
                                           self.kv_pool.num_slots, device)
@@ -143,9 +127,8 @@ class Engine:
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
         """Queue batch's forward + sampling on the engine stream; return without waiting."""
         B = batch.num_reqs
-        # Allocated here, on the host's stream, written on the engine stream. Keep-alive by a
-        # kept reference: the ForwardResult holds both until commit, which waits for copy_done,
-        # the event after their last use (and close() synchronizes before anything is freed).
+        # Keep-alive: allocated on the host's stream, written on the engine stream; the ForwardResult
+        # holds both until commit, which waits for copy_done, the event after their last use.
         next_tokens = torch.empty(B, dtype=torch.int64, device=self.device)
         pinned = self.device.type == "cuda" and self.mechanisms.on("pinned_copy")
         next_tokens_host = torch.empty(B, dtype=torch.int64, pin_memory=pinned)
@@ -159,9 +142,8 @@ class Engine:
             self.tracer.batches.append(BatchRecord(batch.batch_id, batch.is_prefill, B, batch.num_tokens,
                                               sum(batch.kv_lens), sum(q * k for q, k in zip(batch.qo_lens, batch.kv_lens)),
                                               padded))
-        # The engine first waits for the scheduler's stream, so that everything the scheduler
-        # wrote for this batch (request-table rows of new requests) is visible
-        # (lessons/readings §3, §12: SGLang's forward stream waits on its schedule stream).
+        # The engine first waits for the scheduler's stream, so that what the scheduler wrote for this
+        # batch (request-table rows of new requests) is visible (lessons/readings §3, §12).
         # >>> exercise 8: the engine stream waits for the scheduler stream
         self.stream.wait_stream(after)
         # <<< exercise 8
@@ -187,11 +169,8 @@ class Engine:
                              DelayedSample(batch, held) if batch.delay_sample else None)
 
     def close(self) -> None:
-        """Give back everything this engine holds on the device, and stop the stream's thread.
-
-        Idempotent, and a close() cut short is finished by the next one. Waits for queued work
-        first (nothing freed here may still be read by a kernel), unless `hung`: a CPU worker
-        then finishes its closure on its own (daemon thread, its tensors kept alive by it)."""
+        """Give back everything this engine holds on the device and stop the stream's thread; idempotent.
+        Waits for queued work first (a kernel may still read what is freed), unless `hung`."""
         if self.closed:
             return
         cuda_ok = self.device.type == "cuda" and not self.hung
@@ -206,8 +185,7 @@ class Engine:
             self.graphs.close()
         if isinstance(self.backend, FlashInferBackend):
             self.backend.close()
-        # The scheduler still refers to the request table's object (host free list included):
-        # its device table is dropped here with the rest (a closed LLM is never used again).
+        # The scheduler still holds the request table's object: its device tensor is dropped here.
         self.req_to_token.table = self.req_to_token.table.new_empty(0)
         self.graphs = None
         self.model = self.kv = self.future_map = self.backend = None  # type: ignore[assignment]
@@ -225,12 +203,10 @@ class Engine:
     def _forward_and_sample(self, batch: ForwardBatch, inp: DeviceInputs, next_tokens: torch.Tensor,
                             next_tokens_host: torch.Tensor, logprobs: Any,
                             held: list[tuple[torch.Tensor, DeviceInputs]]) -> None:
-        """Runs on the engine stream (device side): the forward, then its sampling, unless the
-        batch delays it: then the logits wait in `held` for launch_sample."""
+        """Engine stream: the forward, then its sampling, unless delayed (the logits wait in `held`)."""
         table = self.req_to_token.table
         input_ids = self.future_map.resolve(inp.input_ids)
-        # The slots of this batch's new positions enter the request table on the device, in
-        # stream order. (Prefix slots of a new request were written by the scheduler.)
+        # New positions' slots enter the request table on the device, in stream order (prefix slots: the scheduler).
         table[inp.token_rows, inp.positions] = inp.out_slots
         meta = paged_metadata(batch.qo_lens, batch.kv_lens, batch.is_prefill, inp, table)
         parity = batch.batch_id % 2  # alternate plan buffers: see flashinfer_backend.py
@@ -254,18 +230,16 @@ class Engine:
                         batch.all_greedy)
         self.future_map.publish(inp.rows, tokens)  # materialized: batch n+1 may now read it
         next_tokens.copy_(tokens)
-        # Device-to-host into pinned memory, queued like a kernel: the host learns the values
-        # only at copy_done. Off ("pinned_copy", GPU only), the copy blocks the host right here,
-        # inside launch(), until the forward is done: no overlap is possible any more.
+        # Device-to-host into pinned memory, queued: the host learns the values only at copy_done. Off
+        # ("pinned_copy", GPU only) the copy blocks the host inside launch(): no overlap any more.
         non_blocking = self.mechanisms.on("pinned_copy")
         next_tokens_host.copy_(tokens, non_blocking=non_blocking)
         if logprobs is not None:  # of the raw logits: the model's distribution, not the mask's
             logprobs.copy_from_device(logits, tokens, self._to_device(logprobs.rows), non_blocking)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        """A host list as an int64 device tensor, on the engine stream. On CUDA through pinned
-        memory, so the copy is queued and the host does not wait for the stream (the caching
-        host allocator keeps the pinned block until the copy has run)."""
+        """A host list as an int64 device tensor; on CUDA through pinned memory, so the host does not wait
+        (the caching host allocator keeps the pinned block until the copy has run)."""
         host = torch.tensor(values, dtype=torch.int64)
         if self.device.type != "cuda":
             return host

@@ -1,18 +1,9 @@
-"""Who owns the memory: the report (`LLM.memory_report()`) and an audit anyone can run
-(`LLM.check_invariants()`).
+"""Who owns the memory: the report (`LLM.memory_report()`) and an audit anyone can run (`LLM.check_invariants()`).
 
-The overlap pipeline moves KV slots and request rows between owners one step late, and each
-mechanism in `minisgl.MECHANISMS` protects one of those moves. This audit checks the result
-from scratch, at any moment between two steps (a batch may be in flight):
-
-- every KV slot is exactly one of: free, held by the radix cache, held by a live request
-  (its private slots beyond the cached prefix), or the reserved slot 0;
-- every request-pool row is exactly one of: free, owned by a live request, or deferred
-  (its request is gone, a batch still in flight may write it);
-- no request sits in two queues.
-
-Set `MINISGL_CHECK_INVARIANTS=1` to run it after every scheduler step (the tests do).
-"""
+Between two steps (a batch may be in flight) the audit checks from scratch that every KV slot is exactly one of
+free, the radix cache's, a live request's or the reserved slot 0; that every request-pool row is free, a live
+request's, or deferred (a batch in flight may still write it); and that no request sits in two queues.
+`MINISGL_CHECK_INVARIANTS=1` runs it after every scheduler step (the tests do)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""KV accounting in one place: what a request is promised, what is available, allocation, release.
+"""KV accounting in one place: promises, availability, allocation, release (lessons/readings §9).
 
-Admission promises a request every slot it may still need (`promise`). The promise is counted
-against what is available (free slots plus what the radix cache could evict) until the request
-allocates its slots, one batch at a time; a release checkpoints the committed KV into the radix
-cache and frees the rest. Under reserve admission a running request never runs out of slots;
-optimistic admission (features/retraction.py) charges less and retracts when a step runs short.
-"""
+A promise counts against what is available (free slots plus the evictable cache) until allocated, so
+under reserve admission a running request never runs out of slots (optimistic: features/retraction.py)."""
 
 from __future__ import annotations
 
@@ -30,16 +26,14 @@ class KVLedger:
 
     @staticmethod
     def promise(req: Req, cached_len: int = 0, lookahead: int = 1) -> int:
-        """Slots a request may still need: its prefill beyond the cached prefix, the outputs it may
-        still produce, and the slots a step may write past its last token (`lookahead`: one, an overshoot)."""
+        """Slots a request may still need: uncached prefill, remaining outputs, and `lookahead` (the overshoot)."""
         return req.prefill_len - cached_len + req.max_new_tokens - len(req.output_ids) + lookahead
 
     def available(self) -> int:
         return self.kv_pool.free_count + self.cache.evictable_size
 
     def headroom(self, charged: int | None = None) -> int:
-        """Slots a new request may be promised: what is available, less what the admitted requests
-        are charged (everything they were promised, unless a policy charges less)."""
+        """Slots a new request may be promised: available, less what admitted requests are charged."""
         return self.available() - (self.reserved if charged is None else charged)
 
     def check_fits(self, req: Req) -> None:
@@ -68,7 +62,7 @@ class KVLedger:
     #   [present, written)   KV that committed batches wrote: handed to the tree (the checkpoint)
     #   [written, allocated) the tail no committed batch wrote (overshoot included): freed
     def release(self, req: Req) -> None:
-        """Give back every slot a finished, aborted or retracted request holds (lessons/readings §9)."""
+        """Give back every slot a finished, aborted or retracted request holds."""
         if req.released:
             raise KVAccountingError(f"double free: request {req.rid} released twice")
         req.released = True

@@ -1,8 +1,7 @@
 """KV memory: a pool of token slots and the request-to-token table (request-pool rows).
 
 Every usable slot is in exactly one place (lessons/readings §1): the free list, a request's
-row, or the radix cache. Page size 1: a slot holds one token's K and V in every layer.
-"""
+row, or the radix cache. Page size 1: a slot holds one token's K and V in every layer."""
 
 from __future__ import annotations
 
@@ -14,11 +13,8 @@ class KVAccountingError(RuntimeError):
 
 
 class KVPool:
-    """Free list of `kv_tokens` usable KV slots, numbered 1..kv_tokens.
-
-    Slot 0 is reserved: padded (dummy) tokens of a CUDA-graph batch read and write it, so
-    the KV cache has `num_slots = kv_tokens + 1` entries and no request ever owns slot 0.
-    """
+    """Free list of `kv_tokens` usable KV slots, numbered 1..kv_tokens: slot 0 is reserved for the
+    padded tokens of a CUDA-graph batch, so the cache has `kv_tokens + 1` slots and no request owns 0."""
 
     RESERVED_SLOT = 0
 
@@ -29,8 +25,7 @@ class KVPool:
         # A stack: the most recently freed slot is handed out first, so reuse is immediate and
         # deterministic and a switched-off safety mechanism shows its hazard every time (§9).
         self._free: list[int] = list(range(num_slots - 1, 0, -1))
-        # One byte per slot (1 = free), for double-free detection; a bytearray, because a tensor
-        # call per allocated slot would cost host time on every decode step.
+        # One byte per slot (1 = free) for double-free detection: a bytearray, cheaper than a tensor call per slot.
         self._is_free = bytearray([1]) * num_slots
         self._is_free[self.RESERVED_SLOT] = 0
 
@@ -65,12 +60,8 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """Request-pool rows: row r of `table` lists the KV slot of every position of one request.
-
-    A row is a request's stable address for its whole life: the KV page table, and the
-    FutureMap mailbox key (lessons/readings §6). Each reuse bumps the row's
-    generation so that a late reader can detect ABA reuse.
-    """
+    """Request-pool rows: row r of `table` lists the KV slot of every position of one request (its FutureMap
+    key too, lessons/readings §6). Each reuse bumps the row's generation, so a late reader detects ABA."""
 
     def __init__(self, max_running_requests: int, table_width: int, device: torch.device) -> None:
         self.max_running_requests = max_running_requests  # one row per running request

@@ -71,11 +71,7 @@ def check_disable(names: Iterable[str]) -> frozenset[str]:
 
 
 class Mechanisms:
-    """The switches of one engine: `on(name)` is True unless `name` was disabled.
-
-    Asking for a name that is not in MECHANISMS raises, so a misspelt check fails loudly
-    instead of quietly answering "on".
-    """
+    """The switches of one engine: `on(name)` is True unless disabled; a misspelt name raises, never reads "on"."""
 
     def __init__(self, disabled: Iterable[str] = ()) -> None:
         self.disabled = check_disable(disabled)

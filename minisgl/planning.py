@@ -1,9 +1,6 @@
-"""Building a planned batch: its number, its metadata in a staging buffer, and the ForwardBatch
-the engine launches (`BatchBuilder.build`, called by the scheduler's schedule()).
+"""Building a planned batch: its id, its metadata in a staging buffer, the ForwardBatch the engine launches.
 
-Planning reads committed state plus what is in flight, never a token the host has not
-committed: the input id of an in-flight token is a FutureMap placeholder (scheduler.py).
-"""
+Planning never reads a token the host has not committed: an in-flight input id is a FutureMap placeholder."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Radix cache: reuse the KV of shared prompt prefixes (lesson 0).
 
-A radix tree (a trie whose edges hold runs of tokens): each edge stores token ids (`key`) and
-the KV slot of each (`slots`). `match_prefix` finds the longest cached prefix of a prompt, so
-prefill runs only on the rest; `insert` adds a finished sequence; `lock`/`unlock` protect the
-nodes running requests use; `evict` frees the least recently used unlocked leaves.
-
-Every KV slot is owned by exactly one of: the pool's free list, a request, the tree. Slots
-handed to `insert` beyond the cached prefix become the tree's; it gives slots back only through
-`free_slots` (from `evict`/`flush`). Page size 1: one slot per token.
-"""
+A trie whose edges hold runs of token ids (`key`) and their KV slots (`slots`): `match_prefix` finds the
+longest cached prefix, `insert` adds a finished sequence, `lock` protects the nodes running requests use,
+`evict` frees the least recently used unlocked leaves. Slots handed to `insert` beyond the cached prefix
+become the tree's; it gives slots back only through `free_slots`. Page size 1: one slot per token."""
 
 from __future__ import annotations
 
@@ -105,8 +100,7 @@ class RadixCache:
             child.last_access = now
             runs.append(child.slots)
             node, pos = child, pos + n
-            # After a split the next token (if any) differs from the old edge's
-            # continuation, so the loop ends here on its own.
+            # After a split the next token (if any) differs from the old edge's continuation: the loop ends.
         self._offer(node)  # only the path's last node can be a leaf: its new age is queued
         return node, pos, runs
 
@@ -174,10 +168,9 @@ class RadixCache:
             node = node.parent
 
     # --------------------------------------------------------------- eviction
-    # The least recently used unlocked leaves go first, from a heap that insert, match and unlock
-    # keep up to date: an eviction costs a few heap operations, not a walk that grows with the
-    # cache. An entry is a hint, acted on only if its node is still an unlocked leaf with that
-    # last_access; an entry lost to a Ctrl-C is found again by the walk `evict` falls back to.
+    # Least recently used unlocked leaves first, from a heap insert, match and unlock keep current. An entry
+    # is a hint, acted on only if its node is still an unlocked leaf of that age; one lost to a Ctrl-C is
+    # found again by the walk `evict` falls back to.
     def _offer(self, node: TreeNode) -> None:
         """Queue `node` for eviction if it is an unlocked leaf (at its current age)."""
         if node is self.root or node.children or node.lock_ref:

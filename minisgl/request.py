@@ -1,15 +1,10 @@
-"""A request as the scheduler tracks it through one generation (its parameters: sampling_params.py).
+"""A request as the scheduler tracks it (its parameters: sampling_params.py; lessons/readings §1, §7).
 
-The overlap scheduler keeps four moments of a token apart (lessons/readings §1 and §7):
-
-- planned      the scheduler allocated a KV slot for it and built metadata (not launched)
-- in flight    its batch is queued on the engine stream; the host cannot read the result
-- materialized the sampled id sits in the FutureMap on the device; the next batch may use it
-- committed    copy_done passed and the host appended it to `output_ids`
-
-So a request carries several lengths, each a different moment, never mixed up: `allocated_len` (planned KV slots) >=
-`launched_len` (positions whose KV a launched batch writes) >= `kv_committed_len` (positions written by batches
-already committed), and `committed_len` (prompt + committed output ids) lags the device by `inflight_samples`."""
+Four moments of a token: planned (KV slot and metadata ready), in flight (its batch queued),
+materialized (in the FutureMap, usable by the next batch), committed (in `output_ids`, after copy_done).
+Each length is one moment, never mixed up: `allocated_len` (planned KV slots) >= `launched_len` (KV a
+launched batch writes) >= `kv_committed_len` (KV that committed batches wrote); `committed_len`
+(prompt + committed output ids) lags the device by `inflight_samples`."""
 
 from __future__ import annotations
 
@@ -24,15 +19,12 @@ if TYPE_CHECKING:
 
 
 class Req:
-    """One generation request, as the scheduler sees it."""
-
     def __init__(self, rid: int, prompt_ids: list[int], params: SamplingParams, eos_ids: frozenset[int],
                  model_window: int, sample_seed: int) -> None:
         self.rid = rid
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.sample_seed = sample_seed  # params.seed, or one drawn at arrival for unseeded sampling
-        # EOS ids (from the model's config) plus the request's own stop ids.
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         # The model's window caps generation: finishing there counts as "length".
         self.max_new_tokens = min(params.max_new_tokens, model_window - len(prompt_ids))
@@ -44,16 +36,13 @@ class Req:
         self.finish_reason: str | None = None
         self.abort_requested = False
 
-        # Request-pool row and its generation (bumped at every reuse, so late readers can
-        # tell a recycled row from the one they were launched with).
+        # Request-pool row and its generation (bumped at each reuse: a late reader detects a recycled row).
         self.row = -1  # assigned at admission, kept until released
         self.row_generation = -1
-        # KV slot of every planned position, host mirror of this row of the req-to-token table.
-        self.slot_ids: list[int] = []
+        self.slot_ids: list[int] = []  # KV slot of every planned position (host mirror of the row's table)
         self.prefix_node: TreeNode | None = None  # radix-cache node locked for the matched prefix
         self.cached_len = 0  # prompt positions taken from the radix cache at admission
-        # Committed ids that a prefill must cover: the prompt, or after a retraction the prompt
-        # and every output committed before it (re-prefilled, through the radix cache where it can).
+        # Ids a prefill must cover: the prompt, plus (after a retraction) every output committed before it.
         self.prefill_len = len(self.prompt_ids)
         self.retractions = 0  # times this request gave its KV back and went back to waiting
 
@@ -101,9 +90,8 @@ class Req:
         return ids[start:start + n]
 
     def reset_for_retract(self) -> None:
-        """Back to waiting, resources released: the next prefill covers everything committed, so
-        its sample is output index len(output_ids), the seeded sampler's step anyway. The sample
-        in flight is forgotten: its result is skipped at its commit (retract_skip_inflight)."""
+        """Back to waiting, resources released: the next prefill covers everything committed; the
+        sample in flight is forgotten, its result skipped at its commit (retract_skip_inflight)."""
         self.prefill_len = self.committed_len
         self.inflight_samples = 0
         self.row = self.row_generation = -1
@@ -120,8 +108,7 @@ class Req:
         return len(self.output_ids) + self.inflight_samples - 1
 
     def commit_token(self, token: int, logprob: tuple[int, TokenLogprob] | None = None) -> None:
-        """Append a committed token, store its logprob (at the output index it came with), advance
-        the grammar, and decide whether the request is finished."""
+        """Append a committed token and its logprob, advance the grammar, decide whether it finished."""
         self.output_ids.append(token)
         if logprob is not None:
             index, entry = logprob

@@ -1,10 +1,7 @@
 """Request rows and the batches in flight that still use them (lesson 7).
 
-A row is a request's address on the device: its line of the request table and its FutureMap
-mailbox. A batch in flight may still write the row of a request that is already gone (an
-overshoot step records its new slot in the table), so a row is reused only after the last
-batch that launched it has been committed. `in_flight` is the one test of that in minisgl.
-"""
+A row (request-table line and FutureMap mailbox) is reused only after the last batch that launched it
+was committed: an overshoot step may still write it. `in_flight` is the one test of that in minisgl."""
 
 from __future__ import annotations
 
@@ -44,8 +41,8 @@ class RowTracker:
 
     def free(self, row: int) -> None:
         self.owner[row] = None
-        # Reusing the row while a batch in flight may still write it would let the old request's
-        # late write land in the new request's row (ABA; lessons/readings §9).
+        # Reusing a row a batch in flight may still write lets the old request's late write land in the new
+        # request's row (ABA; lessons/readings §9).
         # >>> exercise 6: deferred row free
         if self.on("deferred_row_free") and self.in_flight(row):
             self.deferred_rows.append(row)

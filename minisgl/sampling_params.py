@@ -38,8 +38,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in self.stop_token_ids))
 
     def validate(self, vocab: int | None = None) -> None:
-        """Raise one clear TypeError/ValueError for a bad parameter (the engine keeps running).
-        With `vocab`, stop token ids must also be in [0, vocab)."""
+        """One clear TypeError/ValueError for a bad parameter; with `vocab`, token ids must be in [0, vocab)."""
         check_int("max_new_tokens", self.max_new_tokens, 1, INT64_MAX)
         check_real("temperature", self.temperature, 0.0, FLOAT32_MAX)  # staged as float32
         check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
@@ -86,8 +85,7 @@ class RequestOutput:
 
 @dataclass
 class RequestTimes:
-    """When a request arrived and when each of its output tokens was committed (seconds,
-    time.perf_counter() clock). What TTFT, TPOT and the online bench's ITL are computed from."""
+    """When a request arrived and each output token was committed (perf_counter seconds): TTFT, TPOT, ITL."""
 
     arrival: float
     token_times: list[float] = field(default_factory=list)

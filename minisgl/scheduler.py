@@ -1,18 +1,10 @@
 """The scheduler: continuous batching, and the two event loops side by side.
 
-Read `normal_loop` and `overlap_loop` first: they share every other method and differ only in
-*when* a batch is committed. Batch n is the one being launched, n-1 the one being committed.
-
-- normal_loop  (lessons/readings §2, SGLang's event_loop_normal): schedule batch n, launch it,
-  wait for it, commit it. The device idles while the host commits and schedules: the bubble.
-- overlap_loop (lessons/readings §3 and §11, mini-SGLang's overlap_loop): schedule and launch
-  batch n while batch n-1 still runs, then commit n-1: results are committed one step late.
-
+Read `normal_loop` (lessons/readings §2) and `overlap_loop` (§3, §11) first: they share every other
+method and differ only in *when* batch n-1 is committed, before batch n launches or while it runs.
 The lag must never change a token, leak a slot or corrupt a cache entry: every place that protects that is marked
-`self.on("<mechanism>")`. The scheduler owns the request queues; its parts own the rest: `kv_ledger` (kv_ledger.py)
-KV accounting and the radix cache, `rows` (rows.py) the request rows and the batches in flight that use them,
-`batch_builder` (planning.py) staging buffers and batch ids. Features plug in through `features` (seams.py).
-"""
+`self.on("<mechanism>")`. Parts: `kv_ledger` (KV accounting, radix cache), `rows` (request rows and the batches
+in flight using them), `batch_builder` (staging, batch ids); features plug in through `features` (seams.py)."""
 
 from __future__ import annotations
 
@@ -114,12 +106,10 @@ class Scheduler:
         return inflight
 
     def _must_commit_first(self, last: InFlight | None, planned: Planned | None) -> bool:
-        """The sync boundaries: must batch n-1 (`last`) be committed before batch n? Asked before
-        schedule() (`planned` None) and after it. True
-        - before planning, with the FutureMap off: batch n's input ids must be committed host
-          tokens, so the bubble is back (lesson 4; lessons/readings §6);
-        - after planning, when n-1 and n are both prefills and prefill_sync is on: n-1's first
-          tokens are out one batch sooner (lesson 8; lessons/readings §3, §14)."""
+        """Must batch n-1 (`last`) be committed before batch n? Asked before schedule() (`planned` None)
+        and after it. True before planning with the FutureMap off: n's input ids must be committed tokens
+        (lesson 4; lessons/readings §6); after planning when n-1 and n are both prefills and prefill_sync
+        is on: n-1's first tokens are out one batch sooner (lesson 8; lessons/readings §3, §14)."""
         if last is None:
             return False
         if planned is None:
@@ -249,8 +239,7 @@ class Scheduler:
         return placeholder(req.row)  # batch n gathers what batch n-1 published in the FutureMap
 
     def _admit(self, req: Req) -> bool:
-        """Admit if the KV pool can promise the request all it may still need (KVLedger.promise,
-        less a cached prefix); else it waits."""
+        """Admit if the KV pool can promise all the request may still need (less a cached prefix); else wait."""
         if self.req_to_token.free_count == 0 or \
                 len(self.running.reqs) + len(self.prefilling) >= self.config.max_running_requests:
             return False
@@ -365,8 +354,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ release
     def _release(self, req: Req) -> None:
-        """Give back what a finished, aborted or retracted request holds, at the safe point:
-        its KV (checkpointed into the radix cache, the tail freed), then its row."""
+        """Give back a finished, aborted or retracted request's KV (checkpointed, tail freed), then its row."""
         self.kv_ledger.release(req)
         self.rows.free(req.row)
 

@@ -1,19 +1,8 @@
 """The named seams: where a feature plugs into the lesson core.
 
-A plain step (reserve admission, no grammar, no logprobs) runs only lesson-core code: at each
-seam it checks one attribute, finds nothing plugged in, and goes on. The features live in
-`minisgl/features/`; the core never imports them (tests/test_fence.py, tests/test_layout.py).
-
-| seam                    | asked in                         | used for                            |
-| ----------------------- | -------------------------------- | ----------------------------------- |
-| `Features.admission`    | admission, each decode step      | admission="optimistic" (retraction) |
-| `Features.prefill_gate` | admission                        | min_prefill_tokens > 0 (the GPU)    |
-| `Features.grammar`      | planning, after launch or commit | a batch with a grammar              |
-| `Features.logprobs`     | planning, commit                 | a batch asking for logprobs         |
-| `Features.speculation`  | planning (prefill and decode)    | speculative_algorithm               |
-| `Features.mixed_chunk`  | planning a prefill batch         | enable_mixed_chunk                  |
-| `constraint.Constraint` | a request's commit               | `SamplingParams.grammar`            |
-"""
+A plain step (reserve admission, no grammar, no logprobs) checks each seam of `Features`, finds nothing
+plugged in and goes on, running only lesson-core code; the core never imports `minisgl/features/`
+(tests/test_fence.py, tests/test_layout.py). A request's grammar is a `constraint.Constraint`."""
 
 from __future__ import annotations
 

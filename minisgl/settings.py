@@ -1,10 +1,6 @@
-"""The engine's settings: one table of its knobs, each an `LLM(...)` keyword, a CLI flag
-(`--name-with-dashes`, frontend/options.py) and an `EngineConfig` field (config.py), with its
-default, its range and its help. Nothing else writes a default or a range again.
-
-Kept apart from config.py, and free of torch, so that the command line builds its flags from
-it without importing torch.
-"""
+"""The engine's settings: one table of knobs, each an `LLM(...)` keyword, a CLI flag and an `EngineConfig`
+field, with its default, range and help (nothing else repeats them). Free of torch, so that the command
+line builds its flags without importing it."""
 
 from __future__ import annotations
 
@@ -85,8 +81,7 @@ SETTINGS: tuple[Setting, ...] = (
     # batch wide; on the CPU every request costs compute, and 64 already saturates a laptop core.
     Setting("max_running_requests", None, "the most requests decoding at once (the request table's rows)",
             low=1, high=MAX_RUNNING_REQUESTS, per_device=(64, 256)),
-    # Large on a GPU to fill it, small on the CPU so that a long prompt does not stall the decodes
-    # behind it for long.
+    # Large on a GPU to fill it, small on the CPU so that a long prompt does not stall the decodes behind it.
     Setting("chunk_size", None, "prompt tokens per prefill batch (chunked prefill)", low=1, high=MAX_TOKENS,
             per_device=(512, 8192)),
     # The smallest pool: a one-token prompt, one new token, and the slot an overshoot step writes.
@@ -102,11 +97,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("admission", "reserve", "reserve: promise prompt + max_new_tokens per request; optimistic: estimate "
             "what running requests still need (new-token ratio) and retract when a decode step runs short",
             kind=str, choices=get_args(Admission)),
-    # The prefill gate (admission.PrefillGate). An eager prefill batch costs its Python-launched
-    # kernels on the host whatever its size, so on a GPU small batches are launch-bound: the gate
-    # waits for about one chunk of prompt tokens, leaving room under chunk_size for one more
-    # request (measured: benchmarks/RESULTS.md). On the CPU prefill is compute-bound and the
-    # lessons count batches: 0, the gate is off.
+    # The prefill gate: on a GPU a small eager prefill batch is launch-bound, so the gate waits for about one
+    # chunk of prompt tokens (benchmarks/RESULTS.md). On the CPU prefill is compute-bound and the lessons
+    # count batches: 0, the gate is off.
     Setting("min_prefill_tokens", None, "while requests decode, admit new ones only when their prefill reaches "
             "this many tokens (0: as soon as they fit; at most chunk_size)", low=0, high=MAX_TOKENS,
             per_device=(0, 7168)),
@@ -121,16 +114,13 @@ SETTINGS: tuple[Setting, ...] = (
             "(features/mixed_chunk.py)", kind=bool),
     Setting("fused_kernels", True, "FlashInfer's fused norm, rotary and activation kernels and the Triton qkv "
             "epilogue on CUDA in bf16/fp16 (False: the torch reference kernels)", kind=bool),
-    # Once a batch fills the GPU, the plain decode kernel splits no request, and with spread lengths
-    # a few long requests finish last, alone; the tensor-core plan splits them, for more host
-    # work per step, which the overlap loop hides (measured: `bash benchmarks/h200.sh decode-plan`,
-    # benchmarks/RESULTS.md).
+    # Once a batch fills the GPU, the plain decode kernel splits no request and a few long ones finish last,
+    # alone; the tensor-core plan splits them, for host work the overlap loop hides (benchmarks/RESULTS.md).
     Setting("tensor_core_decode_min_batch", 128, "FlashInfer decodes batches of this many requests and more "
             "with its tensor-core kernel (grouped heads)", low=1, high=MAX_RUNNING_REQUESTS,
             none="never (the deterministic mode always does)"),
-    # FlashInfer's own plan() takes Python's max over the lengths, one tensor element at a time:
-    # host work per step that grows with the batch (measured: `bash benchmarks/h200.sh ab`,
-    # benchmarks/RESULTS.md). The fast plan skips it and schedules the same work.
+    # FlashInfer's plan() takes Python's max over the lengths element by element, host work that grows with
+    # the batch (benchmarks/RESULTS.md); the fast plan skips it and schedules the same work.
     Setting("fast_decode_plan", True, "plan decode attention with FlashInfer's fast_decode_plan after each "
             "wrapper's first plan() (False: plan() every time)", kind=bool),
 )

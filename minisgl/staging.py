@@ -1,13 +1,8 @@
 """Host staging buffers for one batch's metadata, and their write-after-read protection.
 
-The scheduler writes a batch's metadata (input ids, positions, KV slots, sampling parameters)
-into host buffers; the engine stream copies them to the device when it reaches the batch. In the
-overlap loop the host writes batch n+1 while batch n may not be copied yet. Two protections, each
-a switch (lessons/readings §4): `staging_double_buffer`, two buffers alternate; `staging_war_wait`,
-before a rewrite the host waits for the event recorded after the device read the buffer. Either
-alone keeps the tokens right here (batch n is committed, so read, before n+2 is planned).
-`unread_overwrites` counts rewrites of a buffer the device had not read: the hazard itself.
-"""
+The host writes batch n+1's metadata while the device may not have copied batch n's yet (lessons/readings
+§4): `staging_double_buffer` (two buffers alternate) or `staging_war_wait` (wait for the event recorded
+after the device read) each keeps the tokens right; `unread_overwrites` counts the hazard itself."""
 
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ def column(length: Length, dtype: torch.dtype = torch.int64):
 
 @dataclass
 class DeviceInputs:
-    """A batch's metadata after the host-to-device copy, as the forward reads it. Every field
-    is a staging column (`column`): the buffers, write() and to_device() are built from these."""
+    """A batch's metadata on the device, as the forward reads it; every field is a staging column."""
 
     input_ids: torch.Tensor = column(Length.TOKENS)  # token ids, or FutureMap placeholders
     positions: torch.Tensor = column(Length.TOKENS)
@@ -61,10 +55,10 @@ COLUMN_DTYPES: dict[str, torch.dtype] = {f.name: f.metadata["dtype"] for f in fi
 class TokenColumns:
     """One batch's per-token metadata, built by the scheduler (the TOKENS columns of a buffer)."""
 
-    input_ids: list[int] = field(default_factory=list)  # token ids, or FutureMap placeholders
+    input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    out_slots: list[int] = field(default_factory=list)  # KV slot each token's K/V is written to
-    token_rows: list[int] = field(default_factory=list)  # request-pool row of each token
+    out_slots: list[int] = field(default_factory=list)
+    token_rows: list[int] = field(default_factory=list)
 
     def add(self, row: int, input_ids: list[int], start: int, out_slots: list[int]) -> None:
         """Append the tokens at positions start, start+1, ... of the request in `row`."""
@@ -83,8 +77,7 @@ def batch_length(length: Length, num_tokens: int, num_reqs: int) -> int:
 
 
 class StagingBuffer:
-    """One set of host columns, big enough for the largest batch: views into one block per dtype
-    (int64, float32), so that the device copy is two transfers, not one per column."""
+    """Host columns for the largest batch: views into one block per dtype, so the device copy is two transfers."""
 
     def __init__(self, max_tokens: int, max_running_requests: int, device: torch.device) -> None:
         self.device = device
@@ -96,8 +89,7 @@ class StagingBuffer:
                      if COLUMN_DTYPES[name] == dtype}
             self.blocks[dtype] = torch.zeros(sum(sizes.values()), dtype=dtype, pin_memory=pin)
             self.host.update(zip(sizes, self.blocks[dtype].split(list(sizes.values()))))
-        # numpy views of the same (pinned) memory: a list is written into them faster than
-        # through torch.tensor(list), and a decode step writes every column.
+        # numpy views of the same memory: a list is written into them faster than through torch.tensor(list).
         self._host_np = {f: t.numpy() for f, t in self.host.items()}
         self.consumed: Event | None = None  # recorded on the engine stream after the device copy
 

@@ -1,12 +1,7 @@
 """Streams and events: the device model of the articles, on CUDA and on a laptop CPU.
 
-A *stream* is an ordered queue of device work the host does not wait for; an *event* marks a
-point in it: "launch returned" only means "queued" (lessons/readings §3). On CUDA,
-`gpu/cuda_stream.py` wraps `torch.cuda.Stream`; on CPU, `CpuStream` is a worker thread draining
-an ordered queue of closures (the main thread plays the host, the worker the device). Both have
-the five verbs `launch(fn)`, `record_event()`, `wait_event(ev)`, `wait_stream(other)`,
-`synchronize()`; events have `synchronize()` and `query()`.
-"""
+A *stream* is an ordered queue of device work the host does not wait for ("launch returned" only means
+"queued", lessons/readings §3); an *event* marks a point in it. CUDA: gpu/cuda_stream.py; CPU: `CpuStream`."""
 
 from __future__ import annotations
 
@@ -63,15 +58,10 @@ class CpuEvent:
 class CpuStream:
     """A worker thread that runs queued closures in order: a CUDA stream, emulated.
 
-    - `inference_mode` is thread-local: the worker enters it itself.
-    - torch kernels release the GIL, Python does not: with CPython's default 5 ms switch
-      interval host and worker convoy and the overlap loses (benchmarks/RESULTS.md); a 50 us
-      interval lets the host run while the worker is inside a kernel.
-    - torch's intra-op pool would let one forward take every core: 1 thread while a stream lives.
-    Both settings are process-wide: `_HostSettings` takes them for the first live stream and
-    puts the caller's values back when the last one closes. `device_delay_ms` (a sleep here,
-    GIL released) makes device time large and predictable: an emulation, not a model of a GPU.
-    """
+    The worker enters `inference_mode` itself (it is thread-local). torch kernels release the GIL, Python
+    does not: at CPython's default 5 ms switch interval host and worker convoy and the overlap loses; at
+    50 us the host runs while the worker is inside a kernel. torch's intra-op pool is held to 1 thread while
+    a stream lives (one forward would take every core). Both settings are process-wide (`_HostSettings`)."""
 
     SWITCH_INTERVAL_S = 5e-5
 
@@ -123,9 +113,8 @@ class CpuStream:
         self.record_event().synchronize()
 
     def close(self, wait: bool = True) -> None:
-        """Stop the worker: it finishes the closure it is in, skips the rest; with `wait`, wait
-        for that. Idempotent (a second call still waits), never raises (an error of queued work
-        was the host's to read earlier)."""
+        """Stop the worker: it finishes the closure it is in and skips the rest; with `wait`, wait for that.
+        Idempotent, never raises (an error of queued work was the host's to read earlier)."""
         if not self._closed:
             self._closed = True
             self._queue.put(None)
@@ -135,8 +124,7 @@ class CpuStream:
 
 
 class _HostSettings:
-    """The process-wide settings a CPU stream needs (its class doc says why), taken by the first
-    live stream and given back, as the caller had them, when the last one closes."""
+    """The process-wide settings a CPU stream needs, taken by the first live stream, restored by the last."""
 
     def __init__(self) -> None:
         self.streams = 0

@@ -1,13 +1,7 @@
 """Recording where time goes: host spans on the scheduler, device spans on the engine stream.
 
-Recording is off unless asked for (`LLM(..., trace=True)`), and cheap when on: a span is
-one tuple appended to a list. Host spans are timed on the scheduler thread. Device spans
-are timed where the work really runs: on the CPU stream's worker thread, or, on CUDA, by a
-pair of CUDA events each (gpu/cuda_spans.py: recording never syncs the device).
-
-Reading a finished trace (Perfetto export, G and C, the terminal timeline, the run-level
-breakdown) is the business of `minisgl/observe/`, which reads what is recorded here.
-"""
+Off unless asked for (`LLM(..., trace=True)`); device spans are timed where the work runs (the CPU
+worker thread, or CUDA event pairs that never sync the device). `minisgl/observe/` reads the trace."""
 
 from __future__ import annotations
 

@@ -141,8 +141,66 @@ def test_every_reference_and_known_wrong_region_may_run_and_code_that_reaches_ou
                  "open('/tmp/x', 'w').write('x')", "import os\nos.fork()", "x = self.__class__",
                  "t = torch.load('/etc/passwd')", "e = RuntimeError()\nf = e.__traceback__.tb_frame.f_globals",
                  "s = '{0.__globals__}'.format(self.commit)", "from .course import runner", "g = getattr(self, 'x')",
-                 "import subprocess", "x = self.engine._thread"):
+                 "import subprocess", "x = self.engine._thread", *REACHES_OUTSIDE.values()):
         assert region_policy.region_problems(code), code
+    for code in ("x: torch.Tensor = torch.zeros(1)", "def f(v: BatchView) -> torch.Tensor:\n    return v.mask",
+                 "ok = isinstance(x, (torch.Tensor, BatchView))", "s = SpanName['SAMPLE']", "same = x is InFlight",
+                 "try:\n    pass\nexcept (ValueError, KVAccountingError):\n    pass", "raise KVAccountingError('x')",
+                 "import collections\nq = collections.deque()", "from collections import deque\nq = deque()",
+                 "import torch\ntorch.cuda.synchronize()", "n = max(len(r.output_ids) for r in self.reqs)"):
+        assert region_policy.region_problems(code) == [], code  # what a student may well write
+
+
+# What a hostile region tried (issue 36), or might: each reaches the interpreter, a file or a
+# process through something a region may name, or changes what the tests call.
+REACHES_OUTSIDE = {
+    "a package module's gc": "from . import config as cfg\nobjs = cfg.gc.get_objects()",
+    "a package module's Path": "from . import config as cfg\ncfg.Path('/tmp/escaped').touch()",
+    "what a package module imported": "from .config import gc",
+    "an import renamed": "from .scheduler import os as o\no.system('id')",
+    "a package module": "from . import scheduler\nscheduler.time.sleep(0)",
+    "torch's save imported": "from torch import save\nsave([1], '/tmp/x.pt')",
+    "a torch module imported": "from torch import serialization as s",
+    "torch's os": "torch.os.system('touch /tmp/x')",
+    "torch's sys": "r = torch.sys.modules.get('_pytest.reports')",
+    "torch's exit": "torch.os._exit(0)",
+    "torch reads a file": "t = torch.from_file('/etc/passwd', size=4, dtype=torch.uint8)",
+    "tunable writes a file": "torch.cuda.tunable.set_filename('/tmp/x')\ntorch.cuda.tunable.write_file()",
+    "gds opens a file": "torch.cuda.gds.GdsFile('/tmp/x', 66)",
+    "an allocator from a library": "torch.cuda.memory.CUDAPluggableAllocator('/lib/libc.so.6', 'system', 'free')",
+    "a graph dumped": "torch.cuda.CUDAGraph().debug_dump('/tmp/x')",
+    "numpy writes a file": "torch.zeros(1).numpy().tofile('/tmp/x')",
+    "a library loaded": "torch.ops.load_library('/tmp/x.so')",
+    "a module renamed": "t = torch\nt.equal = lambda *a: True",
+    "a module passed": "import functools\nfunctools.update_wrapper(self, torch, assigned=('os',), updated=())",
+    "a module in a list": "ms = [torch]",
+    "a module as a default": "f = lambda m=torch: m",
+    "a submodule handed around": "m = torch.cuda\nm.synchronize = None",
+    "torch patched": "torch.equal = lambda *a: True",
+    "a torch class patched": "torch.Tensor.tolist = lambda self: []",
+    "time patched": "import time\ntime.monotonic = lambda: 0.0",
+    "a package class patched": "BatchView.snapshot = lambda self: self",
+    "a package class renamed": "c = BatchView\nc.snapshot = lambda self: self",
+    "a package class attribute deleted": "del InFlight.view",
+    "copy's types": "import copy\nf = copy.types.FunctionType",
+    "copy's weakref": "import copy\nr = copy.weakref.ref",
+    "a private module": "import collections\ns = collections._sys",
+    "a generator's frame": "g = (i for i in [1])\nf = g.gi_frame.f_back.f_globals",
+    "a frame's builtins": "g = (i for i in [1])\nb = g.gi_frame.f_builtins",
+    "an error's object": "try:\n    torch.nope\nexcept AttributeError as e:\n    m = e.obj",
+    "print to a file": "print('x', file=self)",
+    "format on an object": "s = format(self, '')",
+    "type": "t = type(self)",
+    "classmethod": "c = classmethod(len)",
+    "a global of the file": "os._exit(0)",
+    "warnings of the file": "w = warnings.showwarning",
+    "builtins by name": "b = __builtins__",
+    "from builtins": "from builtins import open",
+    "__future__": "from __future__ import annotations",
+    "a thread": "torch.multiprocessing.Process(target=len)",
+    "a package function that writes a file": "from .observe.trace import write_chrome_trace\n"
+                                             "write_chrome_trace([], '/tmp/x')",
+}
 
 
 def records(nonce_ok: bool = True, **outcomes: str) -> list[dict]:
@@ -220,3 +278,52 @@ def test_identical_region_code_shares_one_check_and_a_code_change_does_not():
         assert grade.fingerprint(number, restyled) == grade.fingerprint(number, bodies), number
         assert grade.fingerprint(number, changed) != grade.fingerprint(number, bodies), number
     assert grade.fingerprint(1, reference[1]) != grade.fingerprint(2, reference[1])
+
+
+def test_the_checkout_watch_sees_a_file_written_changed_or_removed_and_no_byte_code(tmp_path):
+    root = tmp_path / "checkout"
+    for rel in ("minisgl/batch.py", "lessons/TEACHER.md", ".git/hooks/pre-commit.sample", ".git/objects/ab/cd",
+                "grades/grades.csv"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x")
+    watch = judge.CheckoutWatch(root, [root / "grades"])
+    before = watch.listing()
+    assert watch.changed(before, watch.listing()) == []
+    (root / "minisgl" / "__pycache__").mkdir()
+    (root / "minisgl" / "__pycache__" / "batch.cpython-311.pyc").write_bytes(b"\0")  # the grader's own imports
+    (root / ".git" / "objects" / "ab" / "ef").write_text("y")  # git at work
+    (root / "grades" / "grades.csv").write_text("written by the grader")
+    assert watch.changed(before, watch.listing()) == []
+    (root / "ESCAPED.txt").write_text("x")
+    (root / ".git" / "hooks" / "pre-commit").write_text("#!/bin/sh\n")
+    os.utime(root / "lessons" / "TEACHER.md", ns=(1, 1))
+    (root / "minisgl" / "batch.py").unlink()
+    assert watch.changed(before, watch.listing()) == sorted(
+        str(root / rel) for rel in ("ESCAPED.txt", ".git/hooks/pre-commit", "lessons/TEACHER.md", "minisgl/batch.py"))
+
+
+def test_a_check_is_confined_and_named_apart_from_the_teachers_checkout():
+    """The zygote runs from the run's scratch (its argv names no file of the checkout); the
+    interpreter is named through the venv's real folder; PATH drops the checkout's folders."""
+    hidden = [str(ROOT)]
+    path = os.pathsep.join([str(ROOT / ".venv" / "bin"), "/usr/bin"])
+    old = os.environ.get("PATH")
+    os.environ["PATH"] = path
+    try:
+        assert judge._path_without(hidden) == {"PATH": "/usr/bin"}
+    finally:
+        os.environ["PATH"] = old
+    if Path(os.path.realpath(sys.prefix)) != ROOT / ".venv":
+        assert not judge._interpreter().startswith(str(ROOT) + os.sep)
+
+
+def test_a_marked_file_missing_costs_only_its_exercises(base, reference, tmp_path):
+    """A tree handed in from an older edition lacks the newer exercises' files: those exercises
+    are lost, the others graded (issue 36's trial class was all "not gradable" for this)."""
+    entry = grade.put_regions(reference, {}, tmp_path / "older")
+    marked = grade.marked_files(base / "minisgl")
+    rel, numbers = next((rel, n) for rel, n in marked.items() if rel.as_posix() == "features/mixed_chunk.py")
+    (entry / "minisgl" / rel).unlink()
+    sub = read(entry, base, tmp_path)
+    assert not sub.not_gradable and set(sub.costs) == set(numbers), (sub.costs, sub.not_gradable)
+    assert all("missing" in why for n in numbers for why in sub.costs[n])

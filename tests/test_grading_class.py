@@ -7,8 +7,12 @@ Exercises 2 and 3 only (a check is a fresh process: seconds each). The class:
   batch.py and a scratch script): full marks;
 - known-wrong: exercise 3 a known-wrong solution, exercise 2 the reference: 1 and 0;
 - forger (patches pytest's report through sys.modules), contaminator (writes into the teacher's
-  checkout and the grading output), reader (puts TEACHER.md into its failure message), forker: 0 on
-  exercise 3, 1 on exercise 2;
+  checkout and the grading output), reader (puts TEACHER.md into its failure message), forker, and
+  the attacks of issue 36's trial: gc-escaper (reaches gc and Path through a module of the package,
+  `from . import config`, to find the builtins and write into the teacher's checkout), torch-writer
+  (torch.save and torch.os.system), torch-leaker (torch.from_file of TEACHER.md into its message),
+  report-patcher (pytest's reports through torch.sys), exit0 (torch.os._exit(0) before the report),
+  monkeypatcher (torch.equal and a class of the package patched): 0 on exercise 3, 1 on exercise 2;
 - spinner: `while True: pass` in exercise 2's publish, which runs on the engine stream's worker
   thread: a hang on exercise 2, 1 on exercise 3;
 - twice (a folder and a patch of one name), a FIFO, a symlink loop, a broken patch: one
@@ -40,6 +44,7 @@ GRADED = ["2", "3"]
 LIMIT_S = 120
 REFERENCE = grade.written_regions(ROOT)
 ESCAPED = ROOT / "ESCAPED_BY_A_SUBMISSION.txt"
+TEACHER = ROOT / "lessons" / "TEACHER.md"
 SNAPSHOT = REFERENCE[3]["snapshot"]
 HOSTILE_EX3 = {
     "forger": """
@@ -66,6 +71,41 @@ if os.fork() == 0:
     while True:
         pass
 """ + SNAPSHOT,
+    "gc-escaper": f"""
+from . import config as cfg
+cfg.Path({str(ESCAPED)!r}).touch()
+found = [o for o in cfg.gc.get_objects() if isinstance(o, dict) and "open" in o and "len" in o]
+found[0]["open"]({str(ESCAPED)!r}, "w").write("x")
+""" + SNAPSHOT,
+    "torch-writer": f"""
+import torch
+torch.save([1], {str(ESCAPED)!r})
+torch.os.system("touch " + {str(ESCAPED)!r})
+""" + SNAPSHOT,
+    "torch-leaker": f"""
+import torch
+t = torch.from_file({str(TEACHER)!r}, size=400, dtype=torch.uint8)
+assert False, "LEAK:" + bytes(t.tolist()).decode("utf-8", "replace")
+""",
+    "report-patcher": """
+import torch
+r = torch.sys.modules.get("_pytest.reports")
+if r is not None:
+    r.BaseReport.passed = property(lambda s: True)
+    r.BaseReport.failed = property(lambda s: False)
+return self
+""",
+    "exit0": """
+import torch
+torch.os._exit(0)
+""",
+    "monkeypatcher": """
+import torch
+torch.equal = lambda *a: True
+t = BatchView
+t.snapshot = lambda self: self
+return self
+""",
 }
 
 
@@ -153,8 +193,7 @@ def test_every_mark_of_the_class_is_right(graded):
     marks = {name: (row["ex2"], row["ex3"]) for name, row in rows.items()}
     assert marks == {
         "reference": ("1", "1"), "crlf": ("1", "1"), "powershell": ("1", "1"), "added-import": ("1", "1"),
-        "known-wrong": ("1", "0"), "forger": ("1", "0"), "contaminator": ("1", "0"), "reader": ("1", "0"),
-        "forker": ("1", "0"), "spinner": ("0", "1"),
+        "known-wrong": ("1", "0"), **{name: ("1", "0") for name in HOSTILE_EX3}, "spinner": ("0", "1"),
         "twice": ("0", "0"), "fifo": ("0", "0"), "loop": ("0", "0"), "broken": ("0", "0"),
     }, marks
     assert rows["added-import"]["notes"] and "batch.py" in rows["added-import"]["notes"]
@@ -164,16 +203,20 @@ def test_every_mark_of_the_class_is_right(graded):
     assert spin and all(d["status"] == "hang" for d in spin)
     for name in ("twice", "fifo", "loop", "broken"):
         assert {d["status"] for d in details if d["student"] == name} == {"not gradable"}, name
+    for name in HOSTILE_EX3:  # stopped before they ran, with the rule they broke
+        rows = [d for d in details if d["student"] == name and d["exercise"] == "3"]
+        assert rows and {d["status"] for d in rows} == {"refused"} and all("a region may" in d["rule"] for d in rows)
 
 
 def test_nothing_was_written_outside_the_copies_and_no_teacher_text_reached_a_message(graded):
     done, out, _, changed_in_checkout, changed_in_home, _ = graded
     assert not ESCAPED.exists() and changed_in_checkout == [] and changed_in_home == []
     assert sorted(p.name for p in out.iterdir()) == ["grade-details.csv", "grades.csv", "grades.json"]
-    guide = (ROOT / "lessons" / "TEACHER.md").read_text()
+    guide = TEACHER.read_text()
     lines = {line.strip() for line in guide.splitlines() if len(line.strip()) > 40}
     messages = (out / "grades.csv").read_text() + (out / "grade-details.csv").read_text()
-    assert not [line for line in lines if line in messages]
+    assert not [line for line in lines if line in messages] and guide[:200].strip() not in messages
+    assert "LEAK" not in messages and "LEAK" not in done.stdout + done.stderr
     for code in REFERENCE.values():
         for body in code.values():
             assert not [line for line in body.splitlines() if len(line.strip()) > 30 and line.strip() in messages]
@@ -194,22 +237,70 @@ def _grading_process(proc: Path, folder: str) -> bool:
 
 
 def test_a_report_forged_past_the_region_check_is_caught_by_the_judge(tmp_path):
-    """With the region check off, the forger's code runs and rewrites pytest's reports: the judge's
-    canary (a test that must fail) comes back passed, and the check earns nothing. The forker's
-    child, moved to a session of its own, does not outlive its check."""
+    """With the region check off, the hostile code runs: the forger rewrites pytest's reports, and
+    the judge's canary (a test that must fail) comes back passed: no marks. The escapers' writes
+    into the teacher's checkout are refused by the OS (Landlock) or, where it has none, seen by the
+    judge's listing of the checkout: no marks either way. The leaker's text never reaches its
+    message; exit(0) before the report is a crash. The forker's child, moved to a session of its
+    own, and a stray that also left the copy for / do not outlive their checks."""
     base = edition.write_student_edition(tmp_path / "edition")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    j = judge.Judge(base, scratch, REFERENCE, LIMIT_S, "forged-test", vet=lambda code: [])
-    j.learn_expected(3)
-    verdict = j.check(3, {"snapshot": textwrap.dedent(HOSTILE_EX3["forger"])})
-    assert verdict.status == "forged" and verdict.mark == 0.0, verdict
-    forker = ("import os\nif 'FORKED' not in os.environ:\n    os.environ['FORKED'] = '1'\n"
-              "    if os.fork() == 0:\n        os.setsid()\n        while True:\n            pass\n" + SNAPSHOT)
-    forked = j.check(3, {"snapshot": forker})
-    assert forked.status == "passed", forked  # its own code is right (it forks once); what it forked is gone
-    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p, str(scratch) + "/")]
-    j.close()
+    j = judge.Judge(base, scratch, REFERENCE, LIMIT_S, "forged-test", vet=lambda code: [], guard=ROOT)
+    try:
+        j.learn_expected(3)
+        verdict = j.check(3, {"snapshot": textwrap.dedent(HOSTILE_EX3["forger"])})
+        assert verdict.status == "forged" and verdict.mark == 0.0, verdict
+        guide = TEACHER.read_text()
+        for name in ("gc-escaper", "torch-writer", "torch-leaker", "exit0"):
+            verdict = j.check(3, {"snapshot": textwrap.dedent(HOSTILE_EX3[name])})
+            confined = j.starter.confinement["landlock"] > 0
+            assert verdict.mark == 0.0 and verdict.status in (("failed", "crash") if confined else (
+                "failed", "crash", "escaped")), (name, verdict)
+            assert not [t.rule for t in verdict.tests if "LEAK" in t.rule or guide[:80] in t.rule], name
+            assert not confined or not ESCAPED.exists(), name
+            ESCAPED.unlink(missing_ok=True)
+        (tmp_path / "scratch2").mkdir()
+        unconfined = judge.Judge(base, tmp_path / "scratch2", REFERENCE, LIMIT_S, "unconfined-test",
+                                 vet=lambda code: [], guard=ROOT, confine=False)
+        try:  # without the wall (a kernel with no Landlock): the write lands, the watch sees it, no marks
+            unconfined.expected[3] = j.expected[3]
+            verdict = unconfined.check(3, {"snapshot": textwrap.dedent(HOSTILE_EX3["gc-escaper"])})
+            assert ESCAPED.exists() and verdict.status == "escaped" and verdict.mark == 0.0, verdict
+            assert all(str(ROOT) not in t.rule for t in verdict.tests) and str(ROOT) not in verdict.summary
+        finally:
+            unconfined.close()
+            ESCAPED.unlink(missing_ok=True)
+        looker = f"""
+import os, sys
+root, venv = {str(ROOT)!r}, os.path.realpath(sys.prefix)
+seen = [*os.environ.values(), *sys.argv, os.getcwd(), *open("/proc/self/cmdline").read().split(chr(0))[1:],
+        *(p for p in sys.path if not os.path.realpath(p or ".").startswith(venv))]
+assert not [s for s in seen if root in s], "the teacher's checkout is named in the check's process"
+""" + SNAPSHOT
+        clean = j.check(3, {"snapshot": looker})
+        assert clean.status == "passed", clean  # no path of the checkout in its env, argv, cwd or import path
+        marker = f"stray{os.getpid() % 10**6}"
+        forker = ("import os\nif 'FORKED' not in os.environ:\n    os.environ['FORKED'] = '1'\n"
+                  "    if os.fork() == 0:\n        os.setsid()\n        while True:\n            pass\n"
+                  "    if os.fork() == 0:\n        os.setsid()\n        os.chdir('/')\n        import ctypes\n"
+                  f"        ctypes.CDLL(None).prctl(15, b'{marker}', 0, 0, 0)\n        while True:\n"
+                  "            pass\n" + SNAPSHOT)
+        forked = j.check(3, {"snapshot": forker})
+        assert forked.status == "passed", forked  # its own code is right (it forks twice); what it forked is gone
+        assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p, str(scratch) + "/")]
+        time.sleep(1.5)  # the zygote sweeps its strays on each check's end, and every second when idle
+        assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _named(p, marker)]
+    finally:
+        j.close()
+        ESCAPED.unlink(missing_ok=True)
+
+
+def _named(proc: Path, name: str) -> bool:
+    try:
+        return (proc / "comm").read_text().strip() == name
+    except OSError:
+        return False
 
 
 def test_an_interrupted_grading_records_no_mark_and_exits_non_zero(tmp_path):

@@ -16,8 +16,11 @@ How an exercise is checked (judge.py): in a fresh process, in a throw-away copy 
 edition with the submission's code between that exercise's markers and the reference code
 between the others, with a limit per check (a hang is reported as one). The verdict is the
 judge's, not the child's: a forged report, a crash or a hang earns nothing. Submissions with the
-same code in an exercise's regions (comments and spacing aside) share one check. Nothing a check
-writes outside its copy survives it, and nothing it starts outlives it.
+same code in an exercise's regions (comments and spacing aside) share one check. A check may
+not write outside its copy (Landlock, on Linux; the run's first lines say whether this machine
+has it); without that wall, a write into the teacher's checkout is seen by a listing before
+and after each check and costs the check its marks (status escaped); nothing a check starts
+outlives it.
 
 Writes, only when every check has run:
 - DIR/grades.csv: one row per student, a column per exercise (1 when every check passes, the
@@ -181,7 +184,7 @@ def read_class(submissions: Path, edition: Path, scratch: Path) -> list[Submissi
 class ExerciseGrade:
     exercise: int
     mark: float  # 1.0: every check passed and no edit around the region
-    status: str  # passed, failed, hang, crash, forged, refused, edited, not gradable
+    status: str  # passed, failed, hang, crash, forged, refused, escaped, edited, not gradable
     rules: tuple[str, ...]  # why not 1.0, one short line each
     tests: tuple[tuple[str, bool, str], ...] = ()  # (test, passed, rule)
 
@@ -243,12 +246,13 @@ def write_sheet(grades: list[StudentGrade], numbers: list[int], out: Path) -> No
 # --------------------------------------------------------------------------- the class
 
 def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, limit_s: float,
-                scratch: Path) -> list[StudentGrade]:
+                scratch: Path, confine: bool = True) -> list[StudentGrade]:
     start = time.monotonic()
     edition = write_student_edition(scratch / "edition", exclude=(submissions, out))
     subs = read_class(submissions, edition, scratch)
     reference = written_regions(ROOT)
-    judge = Judge(edition, scratch, reference, limit_s, scratch.name)
+    judge = Judge(edition, scratch, reference, limit_s, scratch.name, guard=ROOT, guard_skip=[submissions, out],
+                  confine=confine)
     checks: dict[CheckKey, dict[str, str]] = {}
     sharing: Counter[CheckKey] = Counter()
     for sub in subs:
@@ -265,6 +269,7 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
     try:
         for future in as_completed([pool.submit(judge.learn_expected, n) for n in numbers]):
             future.result()  # the reference must pass here, or no mark would be right
+        print(confinement_line(judge.starter.confinement if confine else {}), flush=True)
         begun, done = time.monotonic(), 0
         futures = {pool.submit(judge.check, key[0], bodies): key for key, bodies in checks.items()}
         for future in as_completed(futures):
@@ -289,6 +294,16 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
     return grades
 
 
+def confinement_line(word: dict | None) -> str:
+    """What the OS does to keep a check in its copy, for the teacher's console."""
+    abi = (word or {}).get("landlock", 0)
+    walls = (f"writes confined to their copies by Landlock (ABI {abi}{', no TCP' if abi >= 4 else ''}"
+             f"{', no signal outside' if abi >= 6 else ''})" if abi else
+             "not confined by the OS (no Landlock here): a write outside a copy is only detected")
+    reaper = "; what a check leaves running is re-parented and killed" if (word or {}).get("subreaper") else ""
+    return f"checks run in their own copies, {walls}{reaper}; the teacher's checkout is listed around each check"
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -303,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exercises", type=int, nargs="+", default=sorted(EXERCISES), choices=sorted(EXERCISES))
     ap.add_argument("--check-limit", type=count(3600), default=180, metavar="SECONDS",
                     help="a check that runs longer is a hang (default 180)")
+    ap.add_argument("--unconfined", action="store_true",
+                    help="no Landlock wall around the checks (only if the reference fails behind it, e.g. a GPU "
+                         "driver that writes elsewhere): writes into this checkout are then only detected")
     args = ap.parse_args(argv)
     if not args.submissions.is_dir():
         ap.error(f"{args.submissions} is not a folder of submissions")
@@ -313,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = new_run_folder()
     try:
         grades = grade_class(args.submissions.resolve(), args.out.resolve(), sorted(set(args.exercises)), args.jobs,
-                             args.check_limit, scratch)
+                             args.check_limit, scratch, confine=not args.unconfined)
     except ValueError as exc:
         ap.error(str(exc))
     except RuntimeError as exc:

@@ -5,9 +5,17 @@ Each check gets:
   submission's code between exercise N's markers and the reference code between the others
   (`fill`: a mistake in one exercise costs no marks in another);
 - a fresh process in a session of its own (forked by judge_zygote.py, which imported torch and
-  pytest once and nothing of the teacher's), its working folder, HOME and TMPDIR inside the copy,
-  and an environment holding nothing of the teacher's;
+  pytest once and nothing of the teacher's, and runs from a copy in the run's scratch), its
+  working folder, HOME and TMPDIR inside the copy, and an environment, argv and import path
+  holding no path of the teacher's checkout;
+- on Linux with Landlock, a kernel wall: it may write only inside its copy, may not use TCP, nor
+  signal a process outside its own check (judge_zygote.confine);
 - a limit in seconds: past it, every process of the session is killed and the check is a hang.
+  Whatever it started is killed when it ends: its session, any process working in its copy, and
+  any stray re-parented to the zygote (a child subreaper);
+- a listing of the teacher's checkout before and after (CheckoutWatch): where no Landlock wall
+  stood, a change there while it ran is a check that wrote outside its copy (status escaped, no
+  marks); behind the wall a change cannot be a check's, and is only reported to the console.
 
 The verdict is decided here, not in the child. The child (judge_child.py) reports each test's
 outcome on a pipe, each record tagged with a nonce it read from stdin before any submission code
@@ -61,7 +69,7 @@ class TestVerdict:
 @dataclass(frozen=True)
 class CheckVerdict:
     exercise: int
-    status: str  # passed, failed, hang, crash, forged, refused
+    status: str  # passed, failed, hang, crash, forged, refused, escaped
     tests: tuple[TestVerdict, ...]
     seconds: float
     summary: str = ""  # one line for the status other than passed/failed
@@ -160,16 +168,78 @@ def _child_limits() -> None:
 ZYGOTE = Path(__file__).resolve().with_name("judge_zygote.py")
 
 
+def _interpreter() -> str:
+    """This interpreter, named through its virtual environment's real folder where there is one
+    (a venv is often a link into, or a folder of, the teacher's checkout)."""
+    if sys.prefix != sys.base_prefix:
+        real = Path(os.path.realpath(sys.prefix)) / "bin" / Path(sys.executable).name
+        if real.exists():
+            return str(real)
+    return sys.executable
+
+
+def _path_without(hidden: list[str]) -> dict[str, str]:
+    """PATH without the folders of the teacher's checkout (an activated venv inside it, say)."""
+    if "PATH" not in os.environ:
+        return {}
+    def inside(p: str) -> bool:
+        return any((q + os.sep).startswith(h + os.sep) for q in (os.path.abspath(p), os.path.realpath(p))
+                   for h in hidden)
+
+    kept = [p for p in os.environ["PATH"].split(os.pathsep) if not inside(p)]
+    return {"PATH": os.pathsep.join(kept)}
+
+
+class CheckoutWatch:
+    """The teacher's checkout, listed (path -> mtime, size) before and after each check: a file
+    that appeared, changed or vanished there while a check ran means the check wrote outside its
+    copy, or ran beside one that did (grade with --jobs 1 to tell which). Byte-code caches,
+    git's object store and a virtual environment are left out; its hooks and config are not."""
+
+    SKIPPED = frozenset({"__pycache__", ".git", ".venv", "venv", ".pytest_cache", ".mypy_cache", ".ruff_cache"})
+
+    def __init__(self, root: Path, skip: list[Path]):
+        self.root = root
+        self.skip = {os.path.realpath(p) for p in skip}
+
+    def listing(self) -> dict[str, tuple[int, int]]:
+        found: dict[str, tuple[int, int]] = {}
+        extra = [self.root / ".git" / "config", *sorted((self.root / ".git" / "hooks").glob("*"))]
+        for folder, dirs, files in os.walk(self.root):
+            dirs[:] = [d for d in dirs if d not in self.SKIPPED
+                       and os.path.realpath(os.path.join(folder, d)) not in self.skip]
+            for name in files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]:
+                self._add(found, os.path.join(folder, name))
+        for path in extra:
+            self._add(found, str(path))
+        return found
+
+    @staticmethod
+    def _add(found: dict[str, tuple[int, int]], path: str) -> None:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        found[path] = (st.st_mtime_ns, st.st_size)
+
+    @staticmethod
+    def changed(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
+        return sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+
+
 class ProcessStarter:
     """The judge's side of judge_zygote.py: a process that imported torch, transformers and pytest
     once, and forks each check's fresh process from there."""
 
-    def __init__(self, scratch: Path) -> None:
+    def __init__(self, scratch: Path, hidden: list[str] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.hidden = sorted({f(h) for h in hidden for f in (os.path.abspath, os.path.realpath)})
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
-        env.update(OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")  # no BLAS thread in the process that forks
+        env.update(_path_without(self.hidden), OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")  # no BLAS thread
+        zygote = scratch / ZYGOTE.name  # run from the scratch: no path of the teacher's checkout in any argv
+        shutil.copyfile(ZYGOTE, zygote)
         with open(scratch / "zygote.log", "wb") as log:
-            self.process = subprocess.Popen([sys.executable, str(ZYGOTE), str(theirs.fileno())], cwd=scratch, env=env,
+            self.process = subprocess.Popen([_interpreter(), zygote.name, str(theirs.fileno())], cwd=scratch, env=env,
                                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_child_limits)
         theirs.close()
@@ -177,6 +247,7 @@ class ProcessStarter:
         self.pids: dict[int, int] = {}  # request -> the pid of its process
         self.exits: dict[int, int] = {}  # pid -> exit code (negative: the signal that ended it)
         self.requests, self.dead = 0, False
+        self.confinement: dict | None = None  # the zygote's first word: Landlock's ABI, a subreaper or not
         threading.Thread(target=self._listen, daemon=True).start()
 
     def _listen(self) -> None:
@@ -193,6 +264,8 @@ class ProcessStarter:
             with self.cond:
                 if message is None:
                     self.dead = True
+                elif "landlock" in message:
+                    self.confinement = message
                 elif "pid" in message:
                     self.pids[message["id"]] = message["pid"]
                 else:
@@ -201,13 +274,16 @@ class ProcessStarter:
             if message is None:
                 return
 
-    def start(self, copy: Path, env: dict[str, str], tests: list[str], nonce: str, report_fd: int) -> int:
-        """Start a check's process in `copy`; its pid (the id of its session too)."""
+    def start(self, copy: Path, env: dict[str, str], tests: list[str], nonce: str, report_fd: int,
+              confine: bool = True) -> int:
+        """Start a check's process in `copy`; its pid (the id of its session too). `confine`:
+        behind Landlock where the kernel has it (off only in a test of what the judge sees without)."""
         with self.cond:
             self.requests += 1
             request = self.requests
         socket.send_fds(self.sock, [json.dumps({"id": request, "copy": str(copy), "env": env, "tests": tests,
-                                                "nonce": nonce}).encode()], [report_fd])
+                                                "nonce": nonce, "hide": self.hidden, "confine": confine}).encode()],
+                        [report_fd])
         with self.cond:
             self.cond.wait_for(lambda: request in self.pids or self.dead, timeout=120)
             if request not in self.pids:
@@ -235,15 +311,19 @@ class Judge:
     markers, `limit_s` the teacher's limit per check."""
 
     def __init__(self, edition: Path, scratch: Path, fill: dict[int, dict[str, str]], limit_s: float, token: str,
-                 vet: Callable[[str], list[str]] = region_problems):
+                 vet: Callable[[str], list[str]] = region_problems, guard: Path | None = None,
+                 guard_skip: list[Path] = (), confine: bool = True):
         self.edition, self.scratch, self.fill, self.limit_s, self.token = edition, scratch, fill, limit_s, token
         self.vet = vet  # region code -> why it may not run (tests switch it off to reach the judge's own checks)
+        # the teacher's checkout: kept out of each check's import path, PATH and argv, and watched
+        self.watch = CheckoutWatch(guard, [scratch, *guard_skip]) if guard is not None else None
+        self.confine = confine  # tests switch the Landlock wall off to reach the watch behind it
         self.exercise_tests = edition / "lessons" / "exercises" / "tests"
         self.texts = TestTexts([edition / "tests", self.exercise_tests])
         self.expected: dict[int, dict[str, str]] = {}  # exercise -> test -> its outcome on the reference
         self._running: set[int] = set()
         self._stopped = False
-        self.starter = ProcessStarter(scratch)
+        self.starter = ProcessStarter(scratch, [str(guard)] if guard is not None else [])
         self._lock = threading.Lock()
         self._serial = 0
 
@@ -288,6 +368,7 @@ class Judge:
         """Run the child; its records (nonce checked later), how it ended, and its wall time."""
         nonce = secrets.token_hex(16)
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+        env.update(_path_without(self.starter.hidden))
         token = f"{self.token}:{copy.name}:"  # this check's processes, and no other check's
         env.update(HOME=str(copy / "home"), TMPDIR=str(copy / "tmp"), TEMP=str(copy / "tmp"), TMP=str(copy / "tmp"),
                    XDG_CACHE_HOME=str(copy / "home" / ".cache"), PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1",
@@ -299,7 +380,7 @@ class Judge:
                 os.close(read_fd), os.close(write_fd)
                 raise RuntimeError("grading was stopped")
             try:
-                pid = self.starter.start(copy, env, tests, nonce, write_fd)
+                pid = self.starter.start(copy, env, tests, nonce, write_fd, self.confine)
             finally:
                 os.close(write_fd)
             self._running.add(pid)
@@ -391,7 +472,9 @@ class Judge:
                     if r["_nonce_ok"] and r.get("event") == "outcome" and r.get("id") != canary}
         if ended != "exited" or not outcomes or "failed" in outcomes.values():
             bad = sorted(t for t, o in outcomes.items() if o == "failed")
-            raise RuntimeError(f"the reference does not pass exercise {number}'s checks here ({ended}; "
+            walled = " behind the Landlock wall (if it passes with --unconfined, the wall needs a path)" if (
+                self.confine and (self.starter.confinement or {}).get("landlock")) else ""
+            raise RuntimeError(f"the reference does not pass exercise {number}'s checks here{walled} ({ended}; "
                                f"failed: {bad[:3]}): no marks would be right")
         self.expected[number] = outcomes
 
@@ -404,8 +487,20 @@ class Judge:
             return CheckVerdict(number, "refused", tuple(TestVerdict(t, False, rule) for t in expected), 0.0,
                                 f"not run: {rule}")
         copy, canary, secret = self._copy(number, bodies)
+        before = self.watch.listing() if self.watch else {}
         try:
             records, ended, seconds = self._run(copy, [*EXERCISES[number].tests, canary.split("::")[0]])
         finally:
             shutil.rmtree(copy, ignore_errors=True)
+        changed = self.watch.changed(before, self.watch.listing()) if self.watch else []
+        confined = self.confine and bool((self.starter.confinement or {}).get("landlock"))
+        if changed:  # the paths go to the teacher's console only: no name of the teacher's reaches a sheet
+            print(f"warning: the teacher's checkout changed while a check of exercise {number} ran: "
+                  f"{', '.join(changed[:5])}" + (" (the checks are confined by Landlock: not a check's doing; "
+                                                 "was the checkout edited during grading?)" if confined else ""),
+                  file=sys.stderr, flush=True)
+        if changed and not confined:  # no wall kept the check in its copy: it, or one beside it, wrote here
+            rule = "wrote outside its copy (into the teacher's checkout)"
+            return CheckVerdict(number, "escaped", tuple(TestVerdict(t, False, rule) for t in expected), seconds,
+                                f"escaped: {rule}")
         return self._verdict(number, records, ended, seconds, canary, secret, expected)

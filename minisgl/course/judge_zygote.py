@@ -9,6 +9,15 @@ end of the check's report pipe attached. The zygote forks; the child starts a se
 own, moves into the copy and runs judge_child there exactly as a fresh interpreter would, only
 without paying for `import torch`, transformers and pytest again (seconds of CPU a check). The
 zygote answers with the child's pid, and with its exit status once it is reaped.
+
+Defence in depth, where the OS offers it (Linux): the zygote is a child subreaper, so whatever a
+check leaves behind (a daemon that left its session, its working folder and its environment) is
+re-parented to the zygote and killed once no check runs; and each child confines itself with
+Landlock before any submission code runs: it may write, create, remove or rename files only in
+its copy (and a few devices), may not signal or connect to processes outside its own checks'
+domain, and may not open TCP connections. The zygote's first datagram tells the judge which
+Landlock ABI the kernel offers (0: none, the checks run unconfined). This file is run from a copy
+in the run's scratch folder: no path of the teacher's checkout is in any process's argv.
 """
 
 import ctypes
@@ -18,6 +27,7 @@ import select
 import signal
 import socket
 import sys
+import time
 import traceback
 
 sys.path.pop(0)  # this file's folder (the teacher's package) is no place to import from
@@ -29,11 +39,76 @@ for library in ("torch", "numpy", "pytest", "_pytest.assertion.rewrite", "transf
         pass
 
 
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
 try:
-    PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+    LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+    PRCTL = LIBC.prctl if LIBC is not None else None
 except (OSError, AttributeError):
-    PRCTL = None
+    LIBC = PRCTL = None
+
+# Landlock (linux/landlock.h); the syscall numbers are the same on x86_64 and arm64
+SYS_CREATE_RULESET, SYS_ADD_RULE, SYS_RESTRICT_SELF = 444, 445, 446
+WRITE_FILE, MAKE_ALL, REFER, TRUNCATE = 1 << 1, sum(1 << b for b in range(4, 13)), 1 << 13, 1 << 14
+NET_TCP = (1 << 0) | (1 << 1)  # bind and connect
+SCOPES = (1 << 0) | (1 << 1)  # abstract unix sockets and signals outside the domain
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
+
+
+def landlock_abi() -> int:
+    """The Landlock ABI this kernel offers (0: none)."""
+    if LIBC is None or os.uname().machine not in ("x86_64", "aarch64"):
+        return 0
+    abi = LIBC.syscall(SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(abi, 0)
+
+
+def confine(abi: int, writable: str) -> None:
+    """Let this process (and all it starts) write only under `writable` and to a few devices, and,
+    as far as the ABI goes, neither use TCP nor signal or reach processes outside its domain.
+    Reads are left alone (the judge's messages show only the tests' own text). Raises OSError."""
+    if abi <= 0:
+        return
+
+    class Ruleset(ctypes.Structure):
+        _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    handled = WRITE_FILE | MAKE_ALL | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0)
+    ruleset = Ruleset(handled, NET_TCP if abi >= 4 else 0, SCOPES if abi >= 6 else 0)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+
+    def check(result: int) -> int:
+        if result < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"landlock: {os.strerror(err)}")
+        return result
+
+    fd = check(LIBC.syscall(SYS_CREATE_RULESET, ctypes.byref(ruleset), ctypes.c_size_t(size), ctypes.c_uint32(0)))
+    try:
+        file_rights = WRITE_FILE | (TRUNCATE if abi >= 3 else 0)
+        paths = [(writable, handled), ("/dev/shm", handled)]
+        paths += [(d, file_rights) for d in DEVICES]
+        paths += [(os.path.join(folder, n), file_rights) for folder in ("/dev", "/dev/dri") if os.path.isdir(folder)
+                  for n in sorted(os.listdir(folder)) if n.startswith(("nvidia", "card", "renderD"))]
+        for path, rights in paths:
+            try:
+                target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # a device this machine lacks
+            try:
+                if not os.path.isdir(path):
+                    rights &= file_rights
+                rule = PathBeneath(rights, target)
+                check(LIBC.syscall(SYS_ADD_RULE, fd, ctypes.c_int(1), ctypes.byref(rule), ctypes.c_uint32(0)))
+            finally:
+                os.close(target)
+        check(PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
+        check(LIBC.syscall(SYS_RESTRICT_SELF, fd, ctypes.c_uint32(0)))
+    finally:
+        os.close(fd)
 
 
 def child(request: dict, report_fd: int, control: socket.socket) -> None:
@@ -52,7 +127,16 @@ def child(request: dict, report_fd: int, control: socket.socket) -> None:
         os.dup2(null, 0), os.dup2(output, 1), os.dup2(output, 2)
         os.environ.clear()
         os.environ.update(request["env"])
+        # the teacher's checkout: nothing of it on the import path (the interpreter's own folders kept)
+        hidden = tuple(os.path.join(h, "") for h in request.get("hide", ()))
+        own = tuple(os.path.join(os.path.realpath(p), "") for p in (sys.prefix, sys.base_prefix))
+        sys.path[:] = [p for p in sys.path if os.path.join(os.path.realpath(p or "."), "").startswith(own)
+                       or not os.path.join(os.path.realpath(p or "."), "").startswith(hidden)]
+        sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+        sys.path_importer_cache.clear()
+        sys.dont_write_bytecode = True
         sys.path.insert(0, request["copy"])  # the copy's minisgl, as PYTHONPATH does for an interpreter
+        confine(request.get("landlock", 0), request["copy"])
         sys.argv = ["judge_child", str(report_fd), *request["tests"]]
         from minisgl.course.judge_child import run  # the copy's (the student edition's) harness
 
@@ -64,17 +148,48 @@ def child(request: dict, report_fd: int, control: socket.socket) -> None:
         os._exit(code)
 
 
+def kill_strays(children: set[int]) -> None:
+    """Kill every process re-parented to this subreaper that is not a check it started: what a
+    check left behind (Linux: /proc)."""
+    me = str(os.getpid())
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit() and int(e) not in children]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = f.read().rsplit(")", 1)[1].split()[1]
+            if parent == me:
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            continue
+
+
 def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
+    subreaper = PRCTL is not None and PRCTL(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    abi = landlock_abi()
+    control.send(json.dumps({"landlock": abi, "subreaper": subreaper}).encode())
     children: set[int] = set()
+    swept = time.monotonic()
     while True:
         ready, _, _ = select.select([control], [], [], 0.05)
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
             if pid == 0:
                 break
-            children.discard(pid)
-            control.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+            if pid in children:  # a check ended; a stray re-parented here is not reported
+                children.discard(pid)
+                if subreaper:  # what it left behind goes with it (before the judge hears it ended)
+                    kill_strays(children)
+                control.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        if subreaper and not children and time.monotonic() > swept + 1:
+            kill_strays(children)
+            swept = time.monotonic()
         if not ready:
             continue
         message, fds, _, _ = socket.recv_fds(control, 1 << 20, 1)
@@ -83,6 +198,7 @@ def main() -> None:
                 os.killpg(pid, signal.SIGKILL)
             return
         request = json.loads(message)
+        request["landlock"] = abi if request.get("confine", True) else 0  # off only where a test asks
         pid = os.fork()
         if pid == 0:
             child(request, fds[0], control)

@@ -2,81 +2,422 @@
 
 The grader runs a submission's region code inside the process that runs the exercise's tests, so
 code that reached the interpreter (its modules, frames, files, processes) could rewrite the test
-report or read files it must not. No exercise needs any of that: a region works on the engine's
-own objects (`self`, the batch, tensors). So a region may not import anything but a few harmless
-modules, name a dunder or a builtin that reaches the interpreter, or use an attribute that leads to
-the file system, the process or the interpreter. A region that does is not run; its exercise gets
-no marks, with the rule it broke.
+report, change what the tests call, or read and write files it must not. No exercise needs any
+of that: a region works on the engine's own objects (`self`, the batch, tensors), calls torch and
+a few harmless modules, and makes or reads the package's classes. So a region is held to this:
+
+- names: no dunder; of the builtins only the harmless ones (no getattr, vars, type, open, ...);
+  no module or foreign object that a file of the package imported (`os`, `gc`, `Path`, ...);
+- attributes: no dunder, no private one except on `self`, none on the deny lists below, and
+  every name a region may not use bare is an attribute it may not use either (`cfg.gc`,
+  `torch.os`, `x.getattr`);
+- imports: `import M` of a few harmless modules; `from M import NAME` with NAME held to the
+  attribute rules; from the package only a class, function or constant it defines itself
+  (`from .grammar import TokenMask`), never a module (`from . import config`) nor what a module
+  of the package imported;
+- modules stay put: a module is used only as `module.name` (never stored, passed or returned),
+  what a module holds is never assigned or deleted (`torch.equal = ...`), a name that resolves to
+  a module is never handed around (`m = torch.cuda`);
+- classes stay put: a class of the package or of a module is only called, read from, compared,
+  subscripted, raised, caught or given to isinstance/issubclass (`BatchView.snapshot = ...` and
+  `c = BatchView` are refused); a type hint may name any class or module;
+- no `global`, `nonlocal`, class definition, async code, nor `file=` argument.
+
+A region that breaks a rule is not run; its exercise gets no marks, with the rule it broke.
 
 This is a check on the source, not a sandbox: the judge (judge.py) still runs every check in a
-fresh process in a throw-away copy, and trusts no report the child could forge.
+fresh process in a throw-away copy, confined to that copy where the OS allows, and trusts no
+report the child could forge.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
+import functools
+import importlib
+import sys
 import textwrap
+import types
+from pathlib import Path
 
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the package whose regions are checked
 ALLOWED_IMPORTS = frozenset({"torch", "copy", "math", "time", "itertools", "functools", "collections",
                              "heapq", "bisect"})
+# modules a file of the package may take names from that a region may use bare (a dataclass's
+# `replace`, typing's names); everything imported from any other module is out of reach
+HARMLESS_SOURCES = ALLOWED_IMPORTS | {"__future__", "typing", "dataclasses", "enum", "numbers", "abc"}
+SAFE_BUILTINS = frozenset({
+    "abs", "all", "any", "ascii", "bin", "bool", "bytearray", "bytes", "callable", "chr", "complex", "dict",
+    "divmod", "enumerate", "filter", "float", "frozenset", "hasattr", "hash", "hex", "id", "int", "isinstance",
+    "issubclass", "iter", "len", "list", "map", "max", "min", "next", "oct", "ord", "pow", "print", "range", "repr",
+    "reversed", "round", "set", "slice", "sorted", "str", "sum", "tuple", "zip", "NotImplemented", "Ellipsis",
+})  # and the exception classes (capitalized builtins)
 DENIED_NAMES = frozenset({
     # builtins that reach the interpreter, its objects by name, or the files
     "eval", "exec", "compile", "open", "getattr", "setattr", "delattr", "globals", "locals", "vars", "dir",
     "breakpoint", "input", "help", "memoryview", "type", "object", "super", "exit", "quit", "classmethod",
-    "staticmethod", "property",
+    "staticmethod", "property", "format", "aiter", "anext", "copyright", "credits", "license",
     # modules a file of the package may have imported
     "os", "sys", "subprocess", "gc", "inspect", "ctypes", "importlib", "builtins", "signal", "socket", "shutil",
     "pathlib", "Path", "io", "pickle", "marshal", "faulthandler", "multiprocessing", "tempfile", "threading",
     "pytest", "_pytest", "runpy", "atexit", "resource", "weakref", "traceback", "linecache", "site", "typing",
-    "operator", "logging", "json", "contextlib", "dataclasses",
+    "operator", "logging", "json", "contextlib", "dataclasses", "types", "copyreg", "platform", "glob", "codecs",
+    "warnings", "asyncio", "concurrent", "selectors", "mmap", "fcntl", "pty", "shlex", "string", "sysconfig",
+    "zipfile", "tarfile", "urllib", "http", "code", "codeop", "pdb", "cProfile", "profile", "tracemalloc",
+    "_thread", "posix", "nt", "fileinput", "filecmp", "uuid", "webbrowser", "ssl", "select", "queue",
 })
 DENIED_ATTRIBUTES = frozenset({
-    # the interpreter and its frames
-    "os", "sys", "modules", "builtins", "f_globals", "f_locals", "f_back", "f_code", "tb_frame", "tb_next",
-    "gi_frame", "gi_code", "cr_frame", "ag_frame", "mro", "format", "format_map", "settrace", "setprofile",
-    "attrgetter", "methodcaller", "get_type_hints", "environ", "putenv",
+    # the interpreter, its frames and code
+    "modules", "f_globals", "f_locals", "f_back", "f_code", "f_builtins", "f_trace", "tb_frame", "tb_next",
+    "gi_frame", "gi_code", "gi_yieldfrom", "cr_frame", "cr_code", "cr_await", "ag_frame", "ag_code", "co_consts",
+    "mro", "format_map", "vformat", "settrace", "setprofile", "attrgetter", "methodcaller", "get_type_hints",
+    "environ", "putenv", "obj", "with_traceback",
     # processes
     "system", "popen", "fork", "forkpty", "kill", "killpg", "setsid", "spawnv", "execv", "execve", "Thread",
-    "Process", "Popen",
+    "Process", "Popen", "start_new_thread",
     # files
-    "open", "load", "loads", "save", "dump", "dumps", "tofile", "fromfile", "from_file", "memmap", "savetxt",
+    "load", "loads", "save", "dump", "dumps", "tofile", "fromfile", "from_file", "memmap", "savetxt",
     "savez", "loadtxt", "write_text", "write_bytes", "read_text", "read_bytes", "unlink", "rmdir", "rmtree",
-    "rename", "chmod", "symlink", "mkdir", "makedirs", "export_chrome_trace", "export_stacks",
-    # torch's doors to compiled code, other processes and files
-    "ops", "library", "utils", "hub", "jit", "compile", "serialization", "multiprocessing", "distributed",
-    "package", "testing", "fx", "overrides", "export", "classes", "profiler", "autograd", "onnx", "np",
-    "numpy", "import_module",
+    "rename", "chmod", "symlink", "mkdir", "makedirs", "touch", "export_chrome_trace", "export_stacks",
+    "export_memory_timeline", "debug_dump", "read_file", "write_file", "set_filename", "tune_gemm_in_file",
+    "download_url_to_file", "load_state_dict_from_url", "to_folder", "load_nvprof", "metal_capture",
+    "load_compiled_function", "GdsFile",
+    # torch's doors to compiled code, other processes, native libraries and files
+    "ops", "library", "utils", "hub", "jit", "serialization", "distributed", "package", "testing", "fx",
+    "overrides", "export", "classes", "profiler", "autograd", "onnx", "np", "numpy", "import_module",
+    "compiler", "tunable", "gds", "cudart", "CUDAPluggableAllocator", "change_current_allocator", "load_library",
+    "load_inline", "cpp_extension", "prepare_multiprocessing_environment", "monitor",
 })
-DENIED_NODES = (ast.Global, ast.Nonlocal, ast.ClassDef, ast.AsyncFunctionDef, ast.Await)
+# modules whose names make a function of the package one a region may not import
+REACHING_MODULES = frozenset({
+    "os", "sys", "subprocess", "pathlib", "io", "pickle", "marshal", "shutil", "tempfile", "socket", "ctypes",
+    "importlib", "builtins", "multiprocessing", "threading", "_thread", "signal", "gc", "inspect", "runpy",
+    "faulthandler", "resource", "mmap", "fcntl", "pty", "asyncio", "urllib", "http", "zipfile", "tarfile", "glob",
+    "codecs", "webbrowser", "ssl", "select", "selectors", "pdb", "code", "platform", "logging", "csv", "sqlite3",
+    "safetensors", "uvicorn", "zmq", "starlette", "concurrent", "tracemalloc", "cProfile", "profile",
+})
+# builtins that make a function of the package one a region may not import
+REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",
+                               "locals", "vars"})
+DENIED_NODES = (ast.Global, ast.Nonlocal, ast.ClassDef, ast.AsyncFunctionDef, ast.Await, ast.AsyncFor,
+                ast.AsyncWith)
+_MISSING = object()
 
 
 def _is_dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
-def region_problems(code: str) -> list[str]:
+# --------------------------------------------------------------------------- what the package holds
+
+class PackageNames:
+    """What the package's files bind at their top level, read from their source: the names a region
+    may find there bare (its file's globals) and the package modules it may import from."""
+
+    def __init__(self, package: Path):
+        self.package = package
+        self.defined: dict[str, set[str]] = {}  # module path (a/b.py) -> names it defines (class, def, =)
+        self.imported: dict[str, set[str]] = {}  # module path -> names it binds by import
+        self.classes: set[str] = set()  # names of the package's classes (and classes it imports)
+        self.foreign: set[str] = set()  # names bound to modules, or imported from modules not harmless
+        self.modules: set[str] = set()  # names bound to modules (`import x`, `from . import module`)
+        for path in sorted(package.rglob("*.py")):
+            rel = path.relative_to(package).as_posix()
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, OSError):
+                continue
+            defined, imported = self.defined.setdefault(rel, set()), self.imported.setdefault(rel, set())
+            for node in _top_level(tree.body):
+                if isinstance(node, ast.ClassDef):
+                    defined.add(node.name)
+                    self.classes.add(node.name)
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    defined.add(node.name)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+                elif isinstance(node, ast.Import):
+                    for alias in node.names:
+                        bound = alias.asname or alias.name.split(".")[0]
+                        imported.add(bound)
+                        self.foreign.add(bound)
+                        self.modules.add(bound)
+                elif isinstance(node, ast.ImportFrom):
+                    for alias in node.names:
+                        bound = alias.asname or alias.name
+                        imported.add(bound)
+                        if node.level == 0 and (node.module or "").split(".")[0] != package.name:
+                            if (node.module or "").split(".")[0] not in HARMLESS_SOURCES:
+                                self.foreign.add(bound)
+                            elif alias.name[:1].isupper():
+                                self.classes.add(bound)
+                        elif self.is_module(path.parent, node.level, node.module, alias.name):
+                            self.foreign.add(bound)
+                            self.modules.add(bound)
+                        elif alias.name[:1].isupper():
+                            self.classes.add(bound)
+        self.foreign -= ALLOWED_IMPORTS  # `import torch` in a file: a region may use torch.name
+        self.modules -= ALLOWED_IMPORTS
+        self.unsafe = self._unsafe_definitions(package)
+
+    def _unsafe_definitions(self, package: Path) -> dict[str, set[str]]:
+        """module path -> its top-level functions and classes whose code reaches outside the engine:
+        a name its module took from outside the harmless modules (`Path`, `json`), a denied builtin
+        (`open`) or attribute (`.write_text`), or a function or class of the package that does.
+        A region may not import these (`write_chrome_trace(spans, path)` writes a file)."""
+        uses: dict[tuple[str, str], tuple[bool, set[tuple[str, str]]]] = {}
+        for path in sorted(package.rglob("*.py")):
+            rel = path.relative_to(package).as_posix()
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, OSError):
+                continue
+            origin: dict[str, tuple[str, str]] = {}  # a name imported from the package -> (module, name)
+            foreign: set[str] = set()  # names from the modules that reach files, processes or the interpreter
+            for node in _top_level(tree.body):
+                if isinstance(node, ast.Import):
+                    foreign.update(a.asname or a.name.split(".")[0] for a in node.names
+                                   if a.name.split(".")[0] in REACHING_MODULES)
+                elif isinstance(node, ast.ImportFrom):
+                    local = node.level > 0 or (node.module or "").split(".")[0] == package.name
+                    for alias in node.names:
+                        if not local:
+                            if (node.module or "").split(".")[0] in REACHING_MODULES:
+                                foreign.add(alias.asname or alias.name)
+                            continue
+                        files = self.candidates(node.level, node.module, path.parent) if node.level else [
+                            p for p in self.candidates(1, ".".join((node.module or "").split(".")[1:]) or None)]
+                        if files:
+                            origin[alias.asname or alias.name] = (files[0], alias.name)
+            top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            for node in tree.body:
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    continue
+                bad, calls = False, set()
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.Name):
+                        if sub.id in foreign or sub.id in REACHING_BUILTINS:
+                            bad = True
+                        elif sub.id in origin:
+                            calls.add(origin[sub.id])
+                        elif sub.id in top and sub.id != node.name:
+                            calls.add((rel, sub.id))
+                    elif isinstance(sub, ast.Attribute) and sub.attr in DENIED_ATTRIBUTES:
+                        bad = True
+                uses[(rel, node.name)] = (bad, calls)
+        unsafe = {key for key, (bad, _) in uses.items() if bad}
+        grew = True
+        while grew:
+            grew = False
+            for key, (_, calls) in uses.items():
+                if key not in unsafe and calls & unsafe:
+                    unsafe.add(key)
+                    grew = True
+        found: dict[str, set[str]] = {}
+        for rel, name in unsafe:
+            found.setdefault(rel, set()).add(name)
+        return found
+
+    def is_module(self, folder: Path, level: int, module: str | None, name: str) -> bool:
+        """Whether `from <level dots><module> import name` in a file of `folder` names a module."""
+        base = folder
+        for _ in range(max(level - 1, 0)):
+            base = base.parent
+        target = base.joinpath(*(module or "").split(".")) if module else base
+        return (target / f"{name}.py").exists() or (target / name / "__init__.py").exists()
+
+    def candidates(self, level: int, module: str | None, folder: Path | None = None) -> list[str]:
+        """The files of the package that `from <level dots><module> import ...` may mean, from
+        `folder` or else from any folder of the package (a region does not say which file it is in)."""
+        found = []
+        folders = {folder} if folder is not None else {self.package,
+                                                       *(p.parent for p in self.package.rglob("__init__.py"))}
+        for folder in sorted(folders):
+            base = folder
+            for _ in range(level - 1):
+                base = base.parent
+            if not base.is_relative_to(self.package):
+                continue
+            target = base.joinpath(*module.split(".")) if module else base
+            for path in (target.with_name(target.name + ".py"), target / "__init__.py"):
+                if path.is_file() and path.is_relative_to(self.package):
+                    found.append(path.relative_to(self.package).as_posix())
+        return sorted(set(found))
+
+
+def _top_level(body: list[ast.stmt]):
+    """A module's top-level statements, those under `if`/`try` included (TYPE_CHECKING imports)."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If):
+            yield from _top_level(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            yield from _top_level(node.body + node.orelse + node.finalbody + [s for h in node.handlers
+                                                                             for s in h.body])
+
+
+@functools.lru_cache(maxsize=4)
+def package_names(package: Path = PACKAGE_DIR) -> PackageNames:
+    return PackageNames(package)
+
+
+def _resolve(root: str, attrs: list[str]):
+    """The object `root.attrs...` names in this process (the one the child will see), or _MISSING."""
+    try:
+        obj = sys.modules.get(root) or importlib.import_module(root)
+        for attr in attrs:
+            obj = getattr(obj, attr)
+        return obj
+    except Exception:  # noqa: BLE001 - a name the module does not hold: the region fails at run time
+        return _MISSING
+
+
+# --------------------------------------------------------------------------- the check
+
+def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
     """Why the code of one region may not run, one short rule each (empty: it may)."""
     try:
         tree = ast.parse("def region():\n" + textwrap.indent(code or "pass\n", "    "))
     except SyntaxError as exc:
         return [f"not valid Python (line {max((exc.lineno or 2) - 1, 1)})"]
-    problems: list[str] = []
+    known = package_names(package)
+    denied_everywhere = DENIED_NAMES | known.foreign
+    denied_attributes = DENIED_ATTRIBUTES | DENIED_NAMES | known.modules
+    parents: dict[ast.AST, ast.AST] = {}
     for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            parents[child] = node
+    modules: dict[str, str] = {m: m for m in ALLOWED_IMPORTS}  # a name in the region -> the module it is
+    classes = set(known.classes)
+    problems: list[str] = []
+
+    def attribute_problem(attr: str) -> str | None:
+        if _is_dunder(attr) or attr in denied_attributes:
+            return f"a region may not use the attribute `.{attr}` (it reaches outside the engine)"
+        return None
+
+    # imports first: they decide which names are modules and classes
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] not in ALLOWED_IMPORTS or "." in alias.name:
+                    problems.append(f"a region may import only {', '.join(sorted(ALLOWED_IMPORTS))} (or a class or "
+                                    f"function of the package), not `{alias.name}`")
+                else:
+                    modules[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            module = node.module or ""
+            if module.split(".")[0] not in ALLOWED_IMPORTS or "." in module:
+                problems.append(f"a region may import only {', '.join(sorted(ALLOWED_IMPORTS))} (or a class or "
+                                f"function of the package), not `{module}`")
+                continue
+            for alias in node.names:
+                why = attribute_problem(alias.name) if alias.name != "*" else "a region may not import `*`"
+                if why or alias.name.startswith("_"):
+                    problems.append(why or f"a region may not import the private `{alias.name}`")
+                    continue
+                value = _resolve(module, [alias.name])
+                if isinstance(value, types.ModuleType):
+                    problems.append(f"a region may not import the module `{module}.{alias.name}` (use "
+                                    f"`{module}.{alias.name}.NAME` after `import {module}`)")
+                elif isinstance(value, type):
+                    classes.add(alias.asname or alias.name)
+        elif isinstance(node, ast.ImportFrom):  # from the package
+            for alias in node.names:
+                name = alias.name
+                files = known.candidates(node.level, node.module)
+                parts = (node.module or "").split(".") + [name]
+                if (name == "*" or any(_is_dunder(p) or p.startswith("_") or p in denied_everywhere | {"course"}
+                                       for p in parts if p)):
+                    problems.append(f"a region may not import `{name}` from the package")
+                elif not files or any(name in known.imported[f] for f in files) or not any(
+                        name in known.defined[f] for f in files):
+                    problems.append(f"a region may import from the package only a class, function or constant that "
+                                    f"a module defines, not `{name}` (a module, or what a module imported)")
+                elif any(name in known.unsafe.get(f, ()) for f in files):
+                    problems.append(f"a region may not import `{name}` from the package (its code reaches files, "
+                                    f"processes or the interpreter)")
+                elif name in known.classes:
+                    classes.add(alias.asname or name)
+
+    annotations = {id(n) for holder in ast.walk(tree) for part in (
+        [holder.annotation] if isinstance(holder, (ast.AnnAssign, ast.arg)) and holder.annotation else
+        [holder.returns] if isinstance(holder, (ast.FunctionDef, ast.Lambda)) and getattr(holder, "returns", None)
+        else []) for n in ast.walk(part)}  # a type hint names a class or module without using it
+    for node in ast.walk(tree):
+        parent = parents.get(node)
         if isinstance(node, DENIED_NODES):
             problems.append(f"a region may not use `{type(node).__name__.lower()}`")
-        elif isinstance(node, ast.ImportFrom) and node.level > 0:  # the package's own modules
-            names = [node.module or "", *(alias.name for alias in node.names)]
-            problems += [f"a region may not import `{name}` from the package" for name in names
-                         if name.split(".")[0] in DENIED_NAMES | {"course"} or _is_dunder(name) or name == "*"]
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or "."]
-            problems += [f"a region may import only {', '.join(sorted(ALLOWED_IMPORTS))} (or from the package), "
-                         f"not `{m}`" for m in modules if m.split(".")[0] not in ALLOWED_IMPORTS or "." in m]
-        elif isinstance(node, ast.Name) and (node.id in DENIED_NAMES or _is_dunder(node.id)):
-            problems.append(f"a region may not use the name `{node.id}` (it reaches outside the engine)")
+        elif isinstance(node, ast.keyword) and node.arg == "file":
+            problems.append("a region may not pass `file=` (it reaches outside the engine)")
+        elif isinstance(node, ast.Name):
+            problems += _name_problems(node, parent, parents, modules, classes, denied_everywhere,
+                                       hint=id(node) in annotations)
         elif isinstance(node, ast.Attribute):
-            if _is_dunder(node.attr) or node.attr in DENIED_ATTRIBUTES:
-                problems.append(f"a region may not use the attribute `.{node.attr}` (it reaches outside the engine)")
+            why = attribute_problem(node.attr)
+            if why:
+                problems.append(why)
             elif node.attr.startswith("_") and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
                 problems.append(f"a region may use a private attribute only on `self`, not `.{node.attr}`")
     return list(dict.fromkeys(problems))
+
+
+def _name_problems(node: ast.Name, parent: ast.AST | None, parents: dict, modules: dict[str, str],
+                   classes: set[str], denied: frozenset[str] | set[str], hint: bool = False) -> list[str]:
+    name = node.id
+    if name in denied or _is_dunder(name):
+        return [f"a region may not use the name `{name}` (it reaches outside the engine)"]
+    if hint:  # inside a type hint: named, never used
+        return []
+    if hasattr(builtins, name) and name not in SAFE_BUILTINS and not (
+            name[:1].isupper() and isinstance(getattr(builtins, name), type)
+            and issubclass(getattr(builtins, name), BaseException)):
+        return [f"a region may not use the builtin `{name}`"]
+    if name in modules:
+        if not isinstance(node.ctx, ast.Load):
+            return [f"a region may not rebind the module name `{name}`"]
+        if not (isinstance(parent, ast.Attribute) and parent.value is node):
+            return [f"a region may use the module `{name}` only as `{name}.NAME` (not store, pass or return it)"]
+        chain, top = [], parent
+        while isinstance(top, ast.Attribute):
+            chain.append(top.attr)
+            up = parents.get(top)
+            if not (isinstance(up, ast.Attribute) and up.value is top):
+                break
+            top = up
+        if not isinstance(top.ctx, ast.Load):
+            return [f"a region may not change what a module holds (`{name}.{'.'.join(chain)}`)"]
+        value = _resolve(modules[name], chain)
+        if isinstance(value, types.ModuleType):
+            return [f"a region may use the module `{name}.{'.'.join(chain)}` only as `{name}.{'.'.join(chain)}.NAME`"]
+        if isinstance(value, type) and not _class_use_ok(top, parents):
+            return [f"a region may only call, read from or test with isinstance the class `{name}.{'.'.join(chain)}`"]
+        return []
+    if name in classes and (not isinstance(node.ctx, ast.Load) or not _class_use_ok(node, parents)):
+        return [f"a region may only call, read from or test with isinstance the class `{name}`"]
+    return []
+
+
+def _class_use_ok(node: ast.expr, parents: dict) -> bool:
+    """A class used as a value only to call it, read an attribute (not assign or delete it) or in
+    isinstance/issubclass's second argument (a tuple of classes too)."""
+    parent = parents.get(node)
+    if (isinstance(parent, ast.Call) and parent.func is node) or (
+            isinstance(parent, ast.ExceptHandler) and parent.type is node) or isinstance(parent, (ast.Raise,
+                                                                                                 ast.Compare)):
+        return True
+    if isinstance(parent, ast.Subscript) and parent.value is node and isinstance(parent.ctx, ast.Load):
+        return True  # SpanName["SAMPLE"], list[BatchView]
+    if isinstance(parent, ast.Attribute) and parent.value is node:
+        top = parent
+        while isinstance(parents.get(top), ast.Attribute) and parents[top].value is top:
+            top = parents[top]
+        return isinstance(top.ctx, ast.Load)
+    if isinstance(parent, ast.Tuple) and isinstance(parent.ctx, ast.Load):
+        node, parent = parent, parents.get(parent)
+        if isinstance(parent, ast.ExceptHandler) and parent.type is node:
+            return True
+    return (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name)
+            and parent.func.id in ("isinstance", "issubclass") and parent.args[1:2] == [node])

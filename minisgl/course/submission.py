@@ -7,7 +7,8 @@ normalized (a BOM dropped, CRLF and CR ends made LF), and what laptops add (`.DS
 `Thumbs.db`, `__pycache__`, editor folders) left out. A symlink, FIFO or device is never
 followed or opened. A malformed submission (the entry a symlink or a FIFO, a patch that does not
 apply or is too big, a marked file that is not a regular file) raises NotGradable: one row of the
-grade sheet, never the end of the class.
+grade sheet, never the end of the class. A marked file that is missing (a tree from an older
+edition) costs only the exercises whose regions it holds.
 
 What is graded is the code between the markers (`regions`). Edits elsewhere are weighed by
 `outside_edits`: one inside a function that holds exercise N's region costs exercise N (the code
@@ -108,7 +109,8 @@ def copy_tree_safely(source: Path, dest: Path) -> list[str]:
             if stat.S_ISDIR(mode):
                 if len(child_rel.parts) > 32:
                     raise NotGradable(f"{child_rel.as_posix()} is nested too deep")
-                stack.append(child_rel)
+                (dest / child_rel).mkdir(parents=True, exist_ok=True)  # kept, empty too: a folder where a file
+                stack.append(child_rel)  # is expected is not the same as a missing file
             elif stat.S_ISREG(mode):
                 size = child.stat(follow_symlinks=False).st_size
                 count, total = count + 1, total + size
@@ -192,8 +194,11 @@ def read_tree(sub: Submission, edition: Path, tree: Path, marked: dict[str, list
 
     for rel, numbers in marked.items():
         path = tree / rel
+        if not os.path.lexists(path):  # handed in from an older edition, say: only its exercises are lost
+            cost(numbers, f"{rel} is missing")
+            continue
         if not path.is_file() or path.is_symlink():
-            raise NotGradable(f"{rel} is missing or not a regular file")
+            raise NotGradable(f"{rel} is not a regular file")
         try:
             after = path.read_text()
             after_regions = regions(after.splitlines())

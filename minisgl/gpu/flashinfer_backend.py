@@ -27,8 +27,7 @@ from ..models.attention import AttentionMetadata, KVCache, TorchAttentionBackend
 
 WORKSPACE_BYTES = 256 << 20
 # FlashInfer has no kernels for head sizes as small as the demo model's 32 (its decode kernels
-# refuse them: benchmarks/history/2026-12-03.md names the errors). "auto" takes the torch
-# backend below this (config.py).
+# refuse them; benchmarks/history/ records the errors). "auto" takes the torch backend below this (config.py).
 FLASHINFER_MIN_HEAD_DIM = 64
 
 

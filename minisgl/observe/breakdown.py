@@ -71,8 +71,8 @@ class ModelCost:
 
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
     """(memory bytes/s, matmul FLOP/s) measured now: a 1 GiB copy and an 8192^3 bf16 matmul on a GPU;
-    on the CPU, where those took about 4 minutes before the run began, 64 MiB and a 1024^3 float32
-    matmul (the CPU engine's dtype; bf16 matmuls are emulated there, 100 times slower)."""
+    on the CPU, where those would take minutes before the run began, 64 MiB and a 1024^3 float32
+    matmul (the CPU engine's dtype; bf16 matmuls are emulated there, far slower)."""
     cuda = device.type == "cuda"
     copy_bytes, n, dtype = (1 << 30, 8192, torch.bfloat16) if cuda else (64 << 20, 1024, torch.float32)
     x = torch.empty(copy_bytes, dtype=torch.uint8, device=device)

@@ -97,18 +97,28 @@ def test_sampling_before_the_previous_batch_is_committed_is_refused(qwen3):
     for _ in range(2):  # batch 0 samples at its launch (nothing earlier); batch 1's sampling waits
         planned = scheduler.schedule()
         launched.append(InFlight(planned.view.snapshot(), scheduler.launch(planned)))
-    refused = False
+    refused, unrefused_error, cleanup_error = False, None, None
     try:
         scheduler.features.grammar.launch(launched[1])  # batch 0 is in flight: its tokens are not in the states
     except (AssertionError, RuntimeError):
         refused = True
-    finally:
+    except Exception as exc:  # noqa: BLE001 - not a refusal: reported below, with the rule
+        unrefused_error = exc
+    try:
         scheduler.commit(launched[0])  # launches batch 1's delayed sampling
         scheduler.commit(launched[1])
+    except Exception as exc:  # noqa: BLE001 - sampled too early, batch 1 cannot be committed: the rule says why
+        cleanup_error = exc
+    finally:
         llm.close()
+    # the rule first: the commits above fail too when the sampling was not refused, and would hide it
     assert refused, ("refuse to sample a batch before every earlier batch is committed (assert it: the last batch "
                      "committed must be the one just before this batch); the grammar states then lack the previous "
-                     "batch's tokens, and the masks would be one token behind")
+                     "batch's tokens, and the masks would be one token behind") + (
+        f" [then: {type(unrefused_error or cleanup_error).__name__}: {unrefused_error or cleanup_error}]"
+        if unrefused_error or cleanup_error else "")
+    if cleanup_error is not None:
+        raise cleanup_error
 
 
 def test_switched_off_the_masks_are_built_at_planning(qwen3):
