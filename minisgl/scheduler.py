@@ -63,8 +63,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the two loops
     def step(self) -> list[Req]:
-        """One loop iteration; returns the requests that finished during it. Atomic
-        (interrupts.py): Ctrl-C lands after the step, any other error stops the scheduler."""
+        """One loop iteration; returns the requests that finished during it. Whole: the front
+        end holds Ctrl-C back around it, and an error stops the scheduler (interrupts.py)."""
         self.tracer.iteration += 1
         with atomic_step(self):
             match self.config.loop:
@@ -124,7 +124,7 @@ class Scheduler:
         self.kv_ledger.check_fits(req)
         self.waiting.append(req)
 
-    def has_work(self) -> bool:  # `finished`: a step ended by Ctrl-C has not handed them out yet
+    def has_work(self) -> bool:  # `finished`: a step that raised has not handed them out yet
         return bool(self.waiting or self.prefilling or self.running.reqs or self.releasing or self.last
                     or self.finished)
 

@@ -261,14 +261,15 @@ def sigint_at(moment: str):
     """A hook that sends one real SIGINT (the OS signal: the interpreter's own pending-signal
     check decides where the KeyboardInterrupt lands) at `moment`, and how to install it:
     - "as the handler goes back": as `_signal.signal` returns inside Lib/signal.py's wrapper,
-      called by Deferral.close(): the handler is back, the wrapper still runs Python code;
-    - "after the guard returned": as Call.__exit__ returns into the public method's frame."""
+      called by guard.Held.let_go(): the handler is back, the wrapper still runs Python code;
+    - "after the guard returned": as let_go() returns into the call's frame, the call complete."""
     import _signal
     import os
     import sys
 
-    from minisgl import interrupts
-    from minisgl.frontend.guard import Call
+    from minisgl.frontend.guard import Held
+
+    let_go = Held.let_go
 
     armed = [True]
 
@@ -279,12 +280,12 @@ def sigint_at(moment: str):
     if moment == "as the handler goes back":
         def hook(frame, event, arg):
             if (armed[0] and event == "c_return" and arg is _signal.signal and frame.f_back is not None
-                    and frame.f_back.f_code is interrupts.Deferral.close.__code__):
+                    and frame.f_back.f_code is let_go.__code__):
                 fire()
         return hook, sys.setprofile, armed
 
     def trace(frame, event, arg):
-        if armed[0] and event == "return" and frame.f_code is Call.__exit__.__code__:
+        if armed[0] and event == "return" and frame.f_code is let_go.__code__:
             fire()
         return trace if event == "call" else None
     return trace, sys.settrace, armed

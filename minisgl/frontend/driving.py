@@ -1,9 +1,8 @@
 """How LLM runs the scheduler for its callers and hands the results out (a mixin of LLM).
 
 A step's finished requests become results (`_store`), kept until a public call hands them out
-(`_take_results`, registered to go back should that call not complete). generate() steps until
-its own requests are out (`_run_until_done`); a generate() that does not complete abandons its
-requests (`_abandon`): aborted, and their results dropped when they come.
+(`_take_results`). generate() steps until its own requests are out (`_run_until_done`); undone
+(guard.py), it abandons them: aborted, their results dropped when they come (`_abandon`).
 """
 
 from __future__ import annotations
@@ -15,27 +14,24 @@ from ..invariants import memory_report
 from ..kv_pool import KVAccountingError
 from ..request import Req
 from ..sampling_params import RequestOutput
-from .guard import Call
 
 
 class DrivingMixin:
     """LLM's scheduler-driving half: needs `scheduler`, `_reqs`, `_results`, `_abandoned`, `_output`."""
 
     def _abandon(self, reqs: list[Req]) -> None:
-        """generate() did not complete: its requests are aborted and their results dropped
-        (the next drain gives back their rows and KV slots)."""
+        """generate() undone: its requests aborted (the next drain frees them), results dropped."""
         for req in reqs:
             self._results.pop(req.rid, None)
             if req.rid in self._reqs:  # not finished yet (and queued)
                 self._abandoned.add(req.rid)
                 self.scheduler.abort(req)
 
-    def _run_until_done(self, reqs: list[Req], on_step: Callable[[int], None] | None,
-                        call: Call) -> list[RequestOutput]:
+    def _run_until_done(self, reqs: list[Req], on_step: Callable[[int], None] | None) -> list[RequestOutput]:
         mine = {req.rid for req in reqs}
         outputs: dict[int, RequestOutput] = {}
         while len(outputs) < len(mine):
-            call.checkpoint()  # a held-back Ctrl-C is raised between two steps
+            self._guard.held.deliver()  # a held-back Ctrl-C goes to its handler between two steps
             if not self.scheduler.has_work():
                 # Only reachable with a mechanism switched off (e.g. batch_snapshot): results
                 # went to the wrong requests and some can never be scheduled again.
@@ -50,7 +46,7 @@ class DrivingMixin:
         # Every request is out, but an overshoot step may still be in flight: commit it, so that
         # memory_report() shows the pool whole, unless the caller has other requests queued.
         while self.scheduler.has_work() and not self._reqs:
-            call.checkpoint()
+            self._guard.held.deliver()
             self._step()
         for rid in mine:  # handed out only now: a Ctrl-C before this point drops them (_abandon)
             del self._results[rid]
@@ -60,7 +56,7 @@ class DrivingMixin:
         """One scheduler iteration; the requests that finished go to self._results (the public
         call around it holds Ctrl-C back until they are stored). An error (not a held-back
         Ctrl-C) stops the scheduler: it is raised here once, and every later call refuses (see
-        _call); what finished before it is still stored, for collect(). Returns their ids."""
+        _refuse); what finished before it is still stored, for collect(). Returns their ids."""
         nothing_in_flight, launched = self.scheduler.last is None, self.scheduler.stats.batches
         try:
             done = self.scheduler.step()
@@ -114,8 +110,8 @@ class DrivingMixin:
                                f"rows_free {mem['rows_free']} of {mem['rows_total']}): leaked, see check_invariants() "
                                f"(disabled: {sorted(s.mechanisms.disabled)})")
 
-    def _take_results(self, call: Call) -> list[RequestOutput]:
+    def _take_results(self) -> list[RequestOutput]:
         """Hand out every stored result; should the call not complete, they go back."""
         taken, self._results = self._results, {}
-        call.on_failure(lambda: self._results.update(taken))
+        self._guard.undo.append(lambda: self._results.update(taken))
         return list(taken.values())

@@ -1,167 +1,99 @@
-"""The per-call guard of `LLM`: every public call is entered and left whole.
+"""Every public call of `LLM` completes or leaves no trace, whatever line a Ctrl-C lands on.
 
-A public call (add_request, step, generate, collect, abort, flush_cache, close...) takes the
-LLM's lock, moves requests and results between the caller and the scheduler, and gives the
-lock back. A KeyboardInterrupt landing between two of those moves would leave the lock held
-forever, a request queued whose id never reached its caller, or finished outputs taken and
-dropped. So the whole call runs with Ctrl-C held back (interrupts.Deferral), from the first
-line of __enter__ to the last line of __exit__, and a held-back Ctrl-C is raised at one of two
-places only:
-
-- a safe point inside a long call (`Call.checkpoint()`, between two steps of generate()), or
-- at the exit, after the call's hand-back was undone (`Call.on_failure`): the results go back
-  to the LLM, the request leaves the queue. The call then either completed, or left no trace.
-
-A second Ctrl-C during a call still raises at once (the way out of a hung device); state may
-then be half moved, so the LLM refuses further work (`Call` reports it to `on_second_interrupt`).
-Only the main thread receives signals: on other threads the guard is the lock alone.
+`@whole` runs a call in one frame: SIGINT held back (`Held`, a handler that only counts), the lock
+taken (one thread inside), the method run, which lists in `guard.undo` how to give back what it
+hands its caller (a request's id, results). Then the lock and the handler go back, and only then
+does a held-back Ctrl-C reach that handler. Its default KeyboardInterrupt, like any exception
+leaving the call (even one landing as it returns), runs the undo list. The scheduler needs no guard
+of its own: only its step changes its state, always inside a call. A second Ctrl-C raises at once.
 """
 
 from __future__ import annotations
 
 import functools
+import signal
 import threading
-from typing import Callable, TypeVar
+from typing import Callable
 
-from ..interrupts import SECOND_INTERRUPT, Deferral
+SECOND_INTERRUPT = "second interrupt: the call was cut short"
 
 
-class CallGuard:
-    """One thread inside an LLM at a time; `driving`: a call that runs the scheduler is open."""
+class Guard:
+    """An LLM's lock (re-entrant: on_step may add_request) and its innermost call's undo list and Held."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()  # re-entrant: an on_step callback may add_request() inside generate()
-        self.driving = False
-        self.claims = threading.local()  # .box: where this thread's next Call made goes (see hands_back)
+        self.lock, self.undo, self.held = threading.RLock(), None, None
 
 
-class Call:
-    """One public call: `with Call(guard, drives, check, on_second_interrupt) as call: ...`."""
+class Held(list):
+    """SIGINT held back while a call runs: installed as the handler, it counts Ctrl-Cs (the second
+    raises at once). Inert off the main thread (no signal reaches it), inside a call (the outer one
+    holds) and under SIG_IGN."""
 
-    def __init__(self, guard: CallGuard, drives: bool, check: Callable[[bool], None],
-                 on_second_interrupt: Callable[[BaseException], None]) -> None:
-        self.guard = guard
-        self.drives = drives
-        self.check = check  # raises if the LLM cannot take this call (closed, failed, re-entered)
-        self.on_second_interrupt = on_second_interrupt
-        self.undo: list[Callable[[], None]] = []  # what to give back if the call does not complete
-        self.deferral = Deferral()
-        self.outer_driving = False
+    def __init__(self) -> None:
+        super().__init__()
+        current, self.previous = signal.getsignal(signal.SIGINT), None
+        if threading.current_thread() is threading.main_thread() and not isinstance(current, Held) and \
+                current not in (signal.SIG_IGN, None):
+            self.previous = signal.signal(signal.SIGINT, self)
 
-    def __enter__(self) -> "Call":
-        self.deferral.open()  # first: anything taken below is given back by __exit__
-        try:
-            if not self.guard.lock.acquire(blocking=False):
-                raise RuntimeError(IN_USE)
+    def __call__(self, signum: int, frame: object) -> None:
+        if self:
+            raise KeyboardInterrupt(SECOND_INTERRUPT)
+        self.append(signum)
+
+    def deliver(self) -> None:
+        """Hand a held-back Ctrl-C to the handler it was held back from (also between two steps)."""
+        if self:
+            self.clear()
+            (self.previous if callable(self.previous) else signal.default_int_handler)(signal.SIGINT, None)
+
+    def let_go(self) -> None:
+        """Put the handler back, then hand it a Ctrl-C held back before (one after goes to it directly)."""
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.deliver()
+
+
+def whole(drives: bool = False, closing: bool = False) -> Callable:
+    """Make a method of LLM a whole call. `drives`: it runs the scheduler (refused inside another
+    call: from on_step); `closing`: it runs after the engine failed (LLM._refuse)."""
+
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def call(llm, *args, **kwargs):
+            guard, undo = llm._guard, []
+            held = Held()
             try:
-                self.check(self.drives)
+                try:
+                    if not guard.lock.acquire(blocking=False):
+                        raise RuntimeError("this LLM is in use by another thread; one LLM serves one thread at a time")
+                    try:
+                        llm._refuse(drives and guard.undo is not None, closing)
+                        outer, (guard.undo, guard.held) = (guard.undo, guard.held), (undo, held)
+                        try:
+                            value = method(llm, *args, **kwargs)
+                        finally:
+                            guard.undo, guard.held = outer
+                    except BaseException as exc:  # still locked and held back: give back what it took
+                        if exc.args == (SECOND_INTERRUPT,):  # state may be half moved: refuse further work,
+                            llm.scheduler.error = llm.scheduler.error or exc
+                            llm.engine.hung = True  # and let close() and the exit leave a hung device alone
+                        while undo:
+                            undo.pop()()
+                        raise
+                    finally:
+                        guard.lock.release()  # while held back: a Ctrl-C cannot keep the lock
+                finally:
+                    held.let_go()  # from here a Ctrl-C raises, and the except below undoes the call
+                return value
             except BaseException:
-                self.guard.lock.release()
+                if undo:  # it completed, but a Ctrl-C came as it ended: the caller never gets the value
+                    with guard.lock:
+                        while undo:
+                            undo.pop()()
                 raise
-        except BaseException:
-            if self.deferral.close():
-                self.deferral.deliver()  # a Ctrl-C held back meanwhile wins over the refusal
-            raise
-        self.outer_driving, self.guard.driving = self.guard.driving, self.drives or self.guard.driving
-        return self
 
-    def on_failure(self, undo: Callable[[], None]) -> None:
-        """Register how to give back what this call took, should it not complete."""
-        self.undo.append(undo)
+        return call
 
-    def checkpoint(self) -> None:
-        """A safe point of a long call: a held-back Ctrl-C goes to its handler here. The default
-        raises KeyboardInterrupt (undone by __exit__); a handler of the user's may take it, and
-        the call goes on."""
-        if self.deferral.pending():
-            self.deferral.deliver_held()
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
-        delivered = None  # a held-back Ctrl-C, raised by its handler here
-        if exc is None and self.deferral.pending():
-            # Under the lock and the deferral: the handler it was held back from decides. The
-            # default raises (the call did not complete: undone below); a handler of the user's
-            # that takes it without raising lets the call complete, with its value.
-            try:
-                self.deferral.deliver_held()
-            except BaseException as raised:
-                exc = delivered = raised
-        if exc is not None:
-            self._give_back()
-        if isinstance(exc, KeyboardInterrupt) and exc.args == (SECOND_INTERRUPT,):
-            self.on_second_interrupt(exc)
-        self.guard.driving = self.outer_driving
-        self.guard.lock.release()  # before the handler is restored: a Ctrl-C after that must not keep it
-        try:
-            # Deferral.close() puts the handler back and says whether a Ctrl-C was held back since
-            # the check above. If none was, the call is done: return (or raise what was delivered).
-            # This is inside the `try` because the handler is back by then: a Ctrl-C on these lines
-            # (or inside `signal.signal`, which runs Python code after installing the handler, and
-            # pending handlers run there) raises here, and a completed call is then undone instead
-            # of losing its id or its outputs (the every-line sweep, tests/test_ctrl_c_sweep.py,
-            # and a real-signal attack found both).
-            if not self.deferral.close():
-                if delivered is not None:
-                    raise delivered
-                return False
-        except KeyboardInterrupt:
-            if exc is None:
-                self.give_back_late()
-            raise
-        # A Ctrl-C came after the check above. Its handler decides again, now the previous handler
-        # is back; should it raise, the call is undone first (a further Ctrl-C here is a second
-        # one, which gets out at once, as anywhere).
-        if exc is None:
-            try:
-                self.deferral.deliver()
-            except BaseException:
-                self.give_back_late()
-                raise
-        if delivered is not None:
-            raise delivered
-        return False
-
-    def give_back_late(self) -> None:
-        """The call completed, but a Ctrl-C reached Python in the public method's own frame,
-        after __exit__ returned (see hands_back): undo it after all, under the lock. A call that
-        did not complete was undone by __exit__ already, and this does nothing."""
-        with self.guard.lock:
-            self._give_back()
-
-    def _give_back(self) -> None:
-        undo, self.undo = self.undo, []
-        for step in reversed(undo):
-            step()
-
-
-Method = TypeVar("Method", bound=Callable)
-
-
-def hands_back(method: Method) -> Method:
-    """For a public call that hands something back (an id, results): the last moment of the
-    call is not covered by its guard. `__exit__` returns into the method's frame with the
-    handler back, and the interpreter runs pending signal handlers right after a call returns
-    (the GIL may have been handed to another thread at the last such point inside __exit__, so
-    a Ctrl-C sent meanwhile is handled there). A KeyboardInterrupt raised there leaves a
-    completed call whose caller never got its value: a queued request under an unknown id, or
-    a step's outputs lost (a real-signal attack saw 14 in 1,649 SIGINTs). This wrapper catches
-    it one frame up and undoes the call, as if it had not completed, before raising it.
-
-    The method's own first Call is found through `guard.claims.box`: a box set here, filled by
-    the `LLM._call()` that the method opens first (a nested call, from an on_step callback, sets
-    its own box before its method runs; another thread has its own box)."""
-
-    @functools.wraps(method)
-    def call_that_hands_back(self, *args, **kwargs):
-        box = self._guard.claims.box = []
-        try:
-            return method(self, *args, **kwargs)
-        except KeyboardInterrupt:
-            for call in box:
-                call.give_back_late()
-            raise
-
-    return call_that_hands_back  # type: ignore[return-value]
-
-
-IN_USE = "this LLM is in use by another thread; one LLM serves one thread at a time"
+    return decorate

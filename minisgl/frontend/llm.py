@@ -14,7 +14,6 @@ import torch
 from ..checks import INT64_MAX, check_int, check_token_ids
 from ..config import EngineConfig, resolve_config
 from ..engine import Engine
-from ..interrupts import Deferral
 from ..invariants import check_invariants, memory_report
 from ..mechanisms import Mechanisms
 from ..request import Req
@@ -22,7 +21,7 @@ from ..sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from ..features import plug_in
 from ..scheduler import Scheduler
 from .driving import DrivingMixin
-from .guard import Call, CallGuard, hands_back
+from .guard import Guard, Held, whole
 from .tokenizer import check_tokenizer_fits, eos_ids, load_tokenizer
 from .validation import Prompt, check_params, params_list, prompt_list
 
@@ -50,34 +49,24 @@ class LLM(DrivingMixin):
         self.device = self.config.device
         self.model_path = self.config.model_path
         self._closed = False
-        self._guard = CallGuard()  # the one thread inside a call (see the class doc and guard.py)
-        self._pid = os.getpid()  # the process whose threads run the engine (see _call)
+        self._guard = Guard()  # the one thread inside a call (see the class doc and guard.py)
+        self._pid = os.getpid()  # the process whose threads run the engine (see _refuse)
         self._reqs: dict[int, Req] = {}  # queued or running
         self._results: dict[int, RequestOutput] = {}  # finished, not yet handed to the caller
         self._abandoned: set[int] = set()  # started by a generate() that raised: results dropped
         self._next_rid = 0
         self._rng = random.Random(0)
-        # Ctrl-C is held back while the engine starts: one landing between starting its worker
-        # thread and storing what stops it would leak the thread. Held back, it cancels the
-        # construction at the end; a second one gets out at once, and the except clause (still
-        # under the deferral) stops what was started.
-        deferral = Deferral()
-        deferral.open()
+        # Ctrl-C held back while the engine starts (its worker thread would leak); raised, it stops it.
+        held = Held()
         try:
-            self._start_engine()
+            try:
+                self._start_engine()
+            finally:
+                held.let_go()
+            return
         except BaseException:
             if hasattr(self, "_stop_engine"):
                 self._stop_engine()
-            deferral.close()
-            raise
-        try:
-            if not deferral.close():
-                return
-            # A Ctrl-C came while the engine was built: its handler decides. The default raises,
-            # and the construction is cancelled; a handler of the user's may take it.
-            deferral.deliver()
-        except BaseException:  # (also one that came as the handler went back: see guard.Call.__exit__)
-            self._stop_engine()
             raise
 
     def _start_engine(self) -> None:
@@ -101,39 +90,18 @@ class LLM(DrivingMixin):
         return self.config.max_seq_len
 
     # ---------------------------------------------------------------- lifecycle
-    def _call(self, drives: bool = False, closing: bool = False) -> Call:
-        """Enter a public call (guard.py): refuse another thread, a closed engine, a failed one
-        (unless closing), a fork()ed child, each at once; give back what the call took if it
-        does not complete.
-
-        `drives`: the call runs the scheduler (generate, step, close). From inside a running one
-        (an on_step callback) it would hand the outer call's results to the inner one: refused."""
-
-        def check(drives: bool) -> None:
-            if self._closed:
-                raise RuntimeError("this LLM is closed")
-            if os.getpid() != self._pid:
-                raise RuntimeError(_FORKED)
-            if drives and self._guard.driving:
-                raise RuntimeError(_REENTRANT)
-            error = self.scheduler.error  # an exception escaped a step: the state may be half moved
-            if error is not None and not closing:
-                raise RuntimeError(f"the engine failed earlier ({type(error).__name__}: {error}) and refuses "
-                                   f"further work; close() it and build a new LLM") from error
-
-        call = Call(self._guard, drives, check, self._latch)
-        claims = self._guard.claims
-        box, claims.box = getattr(claims, "box", None), None
-        if box is not None:  # the first Call of a method wrapped in hands_back: its undo, should a Ctrl-C come late
-            box.append(call)
-        return call
-
-    def _latch(self, error: BaseException) -> None:
-        """A second Ctrl-C cut a call short: refuse further work, and let close() and the
-        interpreter's exit leave the device work in progress alone (a hung device)."""
-        if self.scheduler.error is None:
-            self.scheduler.error = error
-        self.engine.hung = True
+    def _refuse(self, reentered: bool, closing: bool) -> None:
+        """guard.whole refuses a call; `reentered`: a driving call from on_step (see _REENTRANT)."""
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError(_FORKED)
+        if reentered:
+            raise RuntimeError(_REENTRANT)
+        error = self.scheduler.error
+        if error is not None and not closing:
+            raise RuntimeError(f"the engine failed earlier ({type(error).__name__}: {error}) and refuses "
+                               f"further work; close() it and build a new LLM") from error
 
     def close(self) -> None:
         """Commit the batch in flight, stop the engine and free its memory. Idempotent: a close()
@@ -146,15 +114,17 @@ class LLM(DrivingMixin):
         if os.getpid() != self._pid:  # a fork()ed child: the engine's threads live in the parent only
             self._closed = True
             return
-        with self._call(drives=True, closing=True):
-            if self.scheduler.error is None:
-                try:
-                    self.scheduler.close()  # commits the batch in flight
-                except Exception as exc:  # noqa: BLE001 - closing must still stop the engine below
-                    warnings.warn(f"LLM.close(): the batch in flight failed: {exc!r}", RuntimeWarning, stacklevel=3)
-            self.engine.hung |= isinstance(self.scheduler.error, KeyboardInterrupt)
-            self._stop_engine()
-            self._closed = True
+        self._close()
+
+    @whole(drives=True, closing=True)
+    def _close(self) -> None:
+        if self.scheduler.error is None:
+            try:
+                self.scheduler.close()  # commits the batch in flight
+            except Exception as exc:  # noqa: BLE001 - closing must still stop the engine below
+                warnings.warn(f"LLM.close(): the batch in flight failed: {exc!r}", RuntimeWarning, stacklevel=4)
+        self._stop_engine()
+        self._closed = True
 
     def __enter__(self) -> "LLM":
         if self._closed:
@@ -165,58 +135,57 @@ class LLM(DrivingMixin):
         self.close()
 
     # ---------------------------------------------------------------- incremental interface
-    @hands_back
+    @whole()
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Bad input raises ValueError/TypeError and changes nothing."""
-        with self._call() as call:
-            req = self._new_req(prompt, check_params(params), self._next_rid)
-            self._queue(req, call)
-            return req.rid
+        req = self._new_req(prompt, check_params(params), self._next_rid)
+        self._queue(req)
+        self._guard.undo.append(lambda: self._unqueue(req))  # its id never reached the caller
+        return req.rid
 
-    @hands_back
+    @whole(drives=True)
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; return the requests that finished in it, plus any
         finished earlier (during a generate()) and not collected yet."""
-        with self._call(drives=True) as call:
-            self._step()
-            return self._take_results(call)
+        self._step()
+        return self._take_results()
 
-    @hands_back
+    @whole(closing=True)
     def collect(self) -> list[RequestOutput]:
         """The finished requests not handed out yet, without running the engine. Also after the
         engine failed: what finished before the failure is still handed out."""
-        with self._call(closing=True) as call:
-            return self._take_results(call)
+        return self._take_results()
 
+    @whole()
     def abort(self, rid: int) -> None:
         """Stop request `rid`; it finishes with reason "abort" at the next step. A request that
         already finished (its result not collected yet) is left as it is."""
-        with self._call() as call:
-            check_int("rid", rid, 0, INT64_MAX)
-            if rid in self._reqs:
-                req, before = self._reqs[rid], self._reqs[rid].abort_requested
-                self.scheduler.abort(req)
-                call.on_failure(lambda: setattr(req, "abort_requested", before))
-            elif rid not in self._results:
-                raise ValueError(f"unknown or finished request id {rid}")
+        check_int("rid", rid, 0, INT64_MAX)
+        if rid in self._reqs:
+            req, before = self._reqs[rid], self._reqs[rid].abort_requested
+            self.scheduler.abort(req)  # only marks it: the scheduler acts on it in its next step
+            self._guard.undo.append(lambda: setattr(req, "abort_requested", before))
+        elif rid not in self._results:
+            raise ValueError(f"unknown or finished request id {rid}")
 
+    @whole()
     def new_output(self, sent: dict[int, int]) -> dict[int, tuple[list[int], list[TokenLogprob | None]]]:
         """Read-only, for streaming: for each queued or running request id in `sent`, the output
         tokens committed beyond the first sent[rid] (with their logprobs, empty unless asked for),
         where there are any. Finished requests come out of step() whole instead."""
-        with self._call():
-            new = {}
-            for rid, start in sent.items():
-                req = self._reqs.get(rid)
-                if req is not None and len(req.output_ids) > start:
-                    new[rid] = (req.output_ids[start:], req.logprobs[start:])
-            return new
+        new = {}
+        for rid, start in sent.items():
+            req = self._reqs.get(rid)
+            if req is not None and len(req.output_ids) > start:
+                new[rid] = (req.output_ids[start:], req.logprobs[start:])
+        return new
 
+    @whole()
     def has_unfinished(self) -> bool:
         """True while a request is queued or running, or a result waits to be collected."""
-        with self._call():
-            return self.scheduler.has_work() or bool(self._results)
+        return self.scheduler.has_work() or bool(self._results)
 
+    @whole(drives=True)
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_step: Callable[[int], None] | None = None) -> list[RequestOutput]:
@@ -227,17 +196,16 @@ class LLM(DrivingMixin):
         this call started are aborted: the next drain gives back their rows and KV slots.
         `on_step(n_done)` runs after every step; it may add_request(), abort(), read memory,
         but not step(), generate() or close() (RuntimeError)."""
-        with self._call(drives=True) as call:
-            if on_step is not None and not callable(on_step):
-                raise TypeError(f"on_step must be callable, got {type(on_step).__name__}")
-            prompts = prompt_list(prompts)
-            params = params_list(sampling_params, len(prompts))
-            # Validate every request before queueing any, so bad input leaves nothing half-started.
-            reqs = [self._new_req(p, sp, self._next_rid + i) for i, (p, sp) in enumerate(zip(prompts, params))]
-            call.on_failure(lambda: self._abandon(reqs))
-            for req in reqs:
-                self._queue(req, call=None)  # the abandon above covers them
-            return self._run_until_done(reqs, on_step, call)
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step must be callable, got {type(on_step).__name__}")
+        prompts = prompt_list(prompts)
+        params = params_list(sampling_params, len(prompts))
+        # Validate every request before queueing any, so bad input leaves nothing half-started.
+        reqs = [self._new_req(p, sp, self._next_rid + i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        self._guard.undo.append(lambda: self._abandon(reqs))
+        for req in reqs:
+            self._queue(req)
+        return self._run_until_done(reqs, on_step)
 
     def _new_req(self, prompt: Prompt, params: SamplingParams, rid: int) -> Req:
         """Validate everything about one request (raises ValueError/TypeError) without queueing it."""
@@ -258,16 +226,12 @@ class LLM(DrivingMixin):
             self.scheduler.features.speculation.check_params(params)
         return req
 
-    def _queue(self, req: Req, call: Call | None) -> None:
-        """Queue req under its id; with `call`, the call's failure takes it out again (its id
-        never reached the caller, so nobody could collect or abort it)."""
+    def _queue(self, req: Req) -> None:
         self.scheduler.add(req)
         self._reqs[req.rid] = req
         self._next_rid = req.rid + 1
-        if call is not None:
-            call.on_failure(lambda: self._unqueue(req))
 
-    def _unqueue(self, req: Req) -> None:
+    def _unqueue(self, req: Req) -> None:  # add_request() undone: nobody has its id
         if req not in self.scheduler.waiting:  # given back late, after another thread's step admitted it
             self._abandon([req])
             return
@@ -276,29 +240,29 @@ class LLM(DrivingMixin):
         self._next_rid = req.rid
 
     # ---------------------------------------------------------------- memory
+    @whole()
     def memory_report(self) -> dict[str, int]:
-        with self._call():
-            return memory_report(self.scheduler)
+        return memory_report(self.scheduler)
 
+    @whole()
     def flush_cache(self) -> int:
-        with self._call():
-            return self.scheduler.cache.flush()
+        return self.scheduler.cache.flush()
 
+    @whole()
     def check_invariants(self) -> None:
         """Raise InvariantError unless every KV slot, request row and request is owned exactly once
         (see minisgl/invariants.py). Cheap enough to call between any two steps."""
-        with self._call():
-            check_invariants(self.scheduler)
+        check_invariants(self.scheduler)
 
     @property
     def stats(self):
         return self.scheduler.stats
 
+    @whole()
     def reset_stats(self) -> None:
         """Zero the scheduler's counters and drop recorded spans (e.g. after a warm-up)."""
-        with self._call():
-            self.scheduler.stats = type(self.scheduler.stats)()
-            self.engine.tracer.clear()  # its batch records too
+        self.scheduler.stats = type(self.scheduler.stats)()
+        self.engine.tracer.clear()  # its batch records too
 
     @property
     def mechanisms(self) -> Mechanisms:
