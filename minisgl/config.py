@@ -85,6 +85,9 @@ class EngineConfig:
     model_window: int
     kv_bytes_per_token: int  # K and V of one position, every layer, in `dtype`
     weight_bytes: int  # the model's weights in `dtype`
+    # a standalone draft: its cache has a row per slot of the target's pool, so each slot costs both
+    draft_kv_bytes_per_token: int = 0
+    draft_weight_bytes: int = 0
 
     @property
     def lookahead_slots(self) -> int:
@@ -142,17 +145,21 @@ def resolve_config(model_path: str | os.PathLike, settings: Mapping[str, Any]) -
     checkpoint, _ = load_config(Path(model_path), dtype)
     backend = resolve_attention_backend(given["attention_backend"], device, dtype, head_dim_of(checkpoint))
     kv_bytes_per_token, weight_bytes = model_bytes(checkpoint, dtype)
+    draft_kv_bytes, draft_weight_bytes = draft_bytes(given["speculative_algorithm"],
+                                                     given["speculative_draft_model_path"], dtype)
     if device.type == "cuda":
         # An earlier engine dropped without close() may still hold device memory in reference
         # cycles: collect it, so that the free memory measured below is what this engine gets.
         gc.collect()
         torch.cuda.empty_cache()
-    kv_tokens = given["kv_tokens"] or KV_BUDGET.kv_tokens(device, kv_bytes_per_token, weight_bytes)
+    kv_tokens = given["kv_tokens"] or KV_BUDGET.kv_tokens(device, kv_bytes_per_token + draft_kv_bytes,
+                                                          weight_bytes + draft_weight_bytes)
     resolved = {**given, **per_device, "device": device, "dtype": dtype, "disable": mechanisms,
                 "attention_backend": backend, "kv_tokens": kv_tokens}
     config = EngineConfig(**{s.field or s.name: resolved[s.name] for s in SETTINGS}, model_path=Path(model_path),
                           model_window=int(checkpoint.max_position_embeddings), kv_bytes_per_token=kv_bytes_per_token,
-                          weight_bytes=weight_bytes)
+                          weight_bytes=weight_bytes, draft_kv_bytes_per_token=draft_kv_bytes,
+                          draft_weight_bytes=draft_weight_bytes)
     check_memory(config, free_memory_bytes(device))
     return config
 
@@ -253,12 +260,24 @@ def model_bytes(checkpoint: PretrainedConfig, dtype: torch.dtype) -> tuple[int, 
     return 2 * layers * kv_size * element_bytes, weights * element_bytes
 
 
+def draft_bytes(algorithm: str | None, draft_model_path: Path | None, dtype: torch.dtype) -> tuple[int, int]:
+    """The standalone draft's KV bytes per slot and its weight bytes, in `dtype`; (0, 0) without one."""
+    if algorithm != "standalone":
+        return 0, 0
+    from .demo.paths import DEMO_DRAFT_DIR
+    from .models.checkpoint import load_config
+
+    draft, _ = load_config(Path(draft_model_path or DEMO_DRAFT_DIR), dtype)
+    return model_bytes(draft, dtype)
+
+
 def check_memory(config: EngineConfig, free: int | None) -> None:
     """Refuse sizes the device cannot hold (`free` bytes; None: unknown) before allocating them: a
     KV cache larger than the host's memory is not an error on Linux, it is the out-of-memory killer, later."""
     rows, chunk = config.max_running_requests, config.chunk_size
-    # Weights, KV cache, the int64 request table, and two staging buffers of about 8 int64 columns.
-    need = (config.weight_bytes + (config.kv_tokens + 1) * config.kv_bytes_per_token
+    # Weights and KV cache (a draft's too), the int64 request table, two staging buffers of about 8 int64 columns.
+    need = (config.weight_bytes + config.draft_weight_bytes
+            + (config.kv_tokens + 1) * (config.kv_bytes_per_token + config.draft_kv_bytes_per_token)
             + rows * config.table_width * 8 + 2 * 8 * 8 * max(chunk, rows))
     if free is not None and need > free:
         raise ValueError(f"kv_tokens={config.kv_tokens}, max_running_requests={rows} and chunk_size={chunk} need "

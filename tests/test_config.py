@@ -87,7 +87,8 @@ def test_llm_keywords_are_the_settings_in_order_with_their_defaults():
 
 def test_every_setting_is_an_engine_config_field():
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    from_checkpoint = {"model_path", "model_window", "kv_bytes_per_token", "weight_bytes"}
+    from_checkpoint = {"model_path", "model_window", "kv_bytes_per_token", "weight_bytes", "draft_kv_bytes_per_token",
+                       "draft_weight_bytes"}
     assert {s.field or s.name for s in SETTINGS} == fields - from_checkpoint
 
 

@@ -245,3 +245,24 @@ def test_rejection_sampling_keeps_the_targets_distribution(qwen3, other_draft):
     greedy = sampled_pairs(qwen3, n, temperature=0.0)
     a, d = marginals(plain_samples, 1), marginals(greedy, 1)
     assert total_variation(a, d) > permutation_threshold(a, d, 0.999)
+
+
+def test_the_drafts_cache_and_weights_count_in_the_memory_check(qwen3):
+    """The standalone draft's cache has a row for every slot of the target's pool: the automatic pool
+    size and the memory check count both models (on a GPU the draft's cache did not fit otherwise)."""
+    from minisgl.config import check_memory
+
+    with LLM(qwen3, device="cpu", kv_tokens=2048, speculative_algorithm="standalone",
+             speculative_draft_model_path=qwen3) as llm:
+        config = llm.config
+        assert config.draft_kv_bytes_per_token == config.kv_bytes_per_token  # the target as its own draft
+        assert config.draft_weight_bytes == config.weight_bytes
+        drafts_share = config.draft_weight_bytes + (config.kv_tokens + 1) * config.draft_kv_bytes_per_token
+        alone = config.weight_bytes + (config.kv_tokens + 1) * config.kv_bytes_per_token
+        table_and_staging = 2 * 8 * 8 * max(config.chunk_size, config.max_running_requests) + \
+            config.max_running_requests * config.table_width * 8
+        check_memory(config, free=alone + drafts_share + table_and_staging)  # fits exactly
+        with pytest.raises(ValueError, match="kv_tokens=2048"):
+            check_memory(config, free=alone + table_and_staging + drafts_share // 2)
+    with LLM(qwen3, device="cpu", kv_tokens=2048) as llm:
+        assert llm.config.draft_kv_bytes_per_token == llm.config.draft_weight_bytes == 0
