@@ -42,21 +42,32 @@ def main() -> None:
                    "standalone": dict(speculative_algorithm="standalone", speculative_num_steps=K,
                                       speculative_draft_model_path=args.model),
                    "mixed chunk": dict(enable_mixed_chunk=True, chunk_size=64)}
-    print("1. bf16, deterministic=True: tokens against plain decoding (16 prompts x 32 tokens)")
     plain, _, _ = run(args.model, args.device, 16, 32, deterministic=True, **common)
-    for name, settings in speculative.items():
-        for loop in ("overlap", "normal"):
-            tokens, _, stats = run(args.model, args.device, 16, 32, deterministic=True, loop=loop, **common, **settings)
-            same = sum(a == b for a, b in zip(tokens, plain))
-            print(f"   {name:12} {loop:8} {same}/16 identical; verify rows {stats.get('spec_verify_rows', 0)}, "
-                  f"accepted {stats.get('spec_accepted_tokens', 0)}")
-    print(f"2. TPOT, overlap loop, 128 tokens per request, plain / standalone K={K} (draft = target)")
+    exactness(args, plain, "standalone", speculative["standalone"])
+    tpot(args, speculative["standalone"])
+    for name in ("mixed chunk", "ngram"):
+        exactness(args, plain, name, speculative[name])
+
+
+def exactness(args, plain: list[list[int]], name: str, settings: dict) -> None:
+    """bf16, deterministic=True: both loops against plain decoding (16 prompts x 32 tokens)."""
+    for loop in ("overlap", "normal"):
+        tokens, _, stats = run(args.model, args.device, 16, 32, deterministic=True, loop=loop,
+                               attention_backend=args.attention_backend, **settings)
+        same = sum(a == b for a, b in zip(tokens, plain))
+        print(f"bf16 deterministic, 16 x 32 tokens: {name:12} {loop:8} {same}/16 identical to plain; "
+              f"verify rows {stats.get('spec_verify_rows', 0)}, accepted {stats.get('spec_accepted_tokens', 0)}")
+
+
+def tpot(args, standalone: dict) -> None:
+    """TPOT, overlap loop, 128 tokens per request: plain against the standalone draft."""
     for batch in (1, 16):
-        _, plain_tpot, _ = run(args.model, args.device, batch, 128, **common)
-        _, spec_tpot, stats = run(args.model, args.device, batch, 128, **common, **speculative["standalone"])
+        _, plain_tpot, _ = run(args.model, args.device, batch, 128, attention_backend=args.attention_backend)
+        _, spec_tpot, stats = run(args.model, args.device, batch, 128, attention_backend=args.attention_backend,
+                                  **standalone)
         per_verify = stats["spec_accepted_tokens"] / max(stats["spec_verify_rows"], 1)
-        print(f"   batch {batch:2}: {plain_tpot * 1e3:.2f} / {spec_tpot * 1e3:.2f} ms "
-              f"({per_verify:.2f} tokens per verify row)")
+        print(f"TPOT, overlap, 128 tokens, batch {batch:2}: plain {plain_tpot * 1e3:.2f} ms, standalone K={K} "
+              f"(draft = target) {spec_tpot * 1e3:.2f} ms ({per_verify:.2f} tokens per verify row)")
 
 
 if __name__ == "__main__":
