@@ -327,3 +327,15 @@ def test_a_marked_file_missing_costs_only_its_exercises(base, reference, tmp_pat
     sub = read(entry, base, tmp_path)
     assert not sub.not_gradable and set(sub.costs) == set(numbers), (sub.costs, sub.not_gradable)
     assert all("missing" in why for n in numbers for why in sub.costs[n])
+
+
+def test_a_killed_grading_runs_scratch_is_removed_by_the_next_run(tmp_path):
+    """A grader killed outright (SIGKILL) cannot clean up: the next run removes the scratch folders
+    whose owner is gone, and leaves a live run's alone."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed, live = tmp_path / f"{grade.RUN_PREFIX}killed", tmp_path / f"{grade.RUN_PREFIX}live"
+    for folder, owner in ((killed, dead.stdout.strip()), (live, str(os.getpid()))):
+        (folder / "edition").mkdir(parents=True)
+        (folder / "owner.pid").write_text(owner)
+    assert grade.remove_stale_runs(tmp_path) == [killed]
+    assert not killed.exists() and live.exists()
