@@ -311,7 +311,9 @@ def test_an_interrupted_grading_records_no_mark_and_exits_non_zero(tmp_path):
     run = subprocess.Popen([sys.executable, "-m", "minisgl.course.grade", str(subs), "--out", str(tmp_path / "out"),
                             "--exercises", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
-    time.sleep(15)  # into the checks
+    for line in run.stdout:  # into the checks: the class is read, the reference's check starts next
+        if "submissions read" in line:
+            break
     os.killpg(run.pid, signal.SIGINT)  # as a script's Ctrl-C reaches the whole group
     _, err = run.communicate(timeout=120)
     assert run.returncode == grade.INTERRUPTED and "no marks were recorded" in err, err[-2000:]
