@@ -34,6 +34,15 @@ def server():
         yield url, proc
 
 
+@pytest.fixture
+def fresh_server():
+    """A server of its own: on a loaded 2-core machine, this module's shared server has left raw
+    requests unanswered for a while after the vanishing clients' test (an open finding, not yet
+    explained); the malformed-HTTP checks must not depend on that."""
+    with launcher.running_server("--kv-tokens", "16384") as (url, proc):
+        yield url, proc
+
+
 @pytest.fixture(scope="module")
 def llm():
     with LLM(demo_model_path(), loop="normal") as engine:
@@ -140,8 +149,8 @@ def send_raw(url: str, data: bytes, wait_reply: bool = True, half_close: bool = 
         return b"".join(chunks)
 
 
-def test_malformed_and_oversized_http(server, llm):
-    url, _ = server
+def test_malformed_and_oversized_http(fresh_server, llm):
+    url, _ = fresh_server
     expected = llm.generate(["count 3 to 9:"], SamplingParams(max_new_tokens=16)).pop().text
     head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
     for data in (b"GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/9.9\r\n\r\n",
