@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from minisgl.course import ROOT, grade, judge, region_policy, submission
+from minisgl.course import ROOT, grade, judge, judge_process, region_policy, submission
 from minisgl.course import student_edition as edition
 from minisgl.course.make_exercise import WRONG
 
@@ -286,7 +286,7 @@ def test_the_checkout_watch_sees_a_file_written_changed_or_removed_and_no_byte_c
                 "grades/grades.csv"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("x")
-    watch = judge.CheckoutWatch(root, [root / "grades"])
+    watch = judge_process.CheckoutWatch(root, [root / "grades"])
     before = watch.listing()
     assert watch.changed(before, watch.listing()) == []
     (root / "minisgl" / "__pycache__").mkdir()
@@ -310,11 +310,11 @@ def test_a_check_is_confined_and_named_apart_from_the_teachers_checkout():
     old = os.environ.get("PATH")
     os.environ["PATH"] = path
     try:
-        assert judge._path_without(hidden) == {"PATH": "/usr/bin"}
+        assert judge_process.path_without(hidden) == {"PATH": "/usr/bin"}
     finally:
         os.environ["PATH"] = old
     if Path(os.path.realpath(sys.prefix)) != ROOT / ".venv":
-        assert not judge._interpreter().startswith(str(ROOT) + os.sep)
+        assert not judge_process._interpreter().startswith(str(ROOT) + os.sep)
 
 
 def test_a_marked_file_missing_costs_only_its_exercises(base, reference, tmp_path):

@@ -53,7 +53,8 @@ from pathlib import Path
 
 from minisgl.course import PACKAGE, ROOT
 from minisgl.course.catalog import EXERCISES
-from minisgl.course.judge import CheckVerdict, Judge, kill_run_processes
+from minisgl.course.judge import CheckVerdict, Judge
+from minisgl.course.judge_process import kill_run_processes
 from minisgl.course.make_exercise import Wrong, marked_files, regions, replace_regions
 from minisgl.course.student_edition import write_student_edition
 from minisgl.course.submission import NotGradable, Submission, is_submission, read_tree, student_name, tree_from_entry

@@ -38,6 +38,7 @@ TEACHER_ONLY = frozenset({
     "minisgl/course/grade.py",
     "minisgl/course/judge.py",
     "minisgl/course/judge_zygote.py",
+    "minisgl/course/judge_process.py",
     "minisgl/course/submission.py",
     "minisgl/course/region_policy.py",
     "tests/test_exercises.py",
