@@ -122,12 +122,9 @@ class PackageNames:
         self.classes: set[str] = set()  # names of the package's classes (and classes it imports)
         self.foreign: set[str] = set()  # names bound to modules, or imported from modules not harmless
         self.modules: set[str] = set()  # names bound to modules (`import x`, `from . import module`)
-        for path in sorted(package.rglob("*.py")):
-            rel = path.relative_to(package).as_posix()
-            try:
-                tree = ast.parse(path.read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError, OSError):
-                continue
+        trees = dict(_parsed_modules(package))  # module path (a/b.py) -> its tree, parsed once for both passes
+        for rel, tree in trees.items():
+            path = self.package / rel
             defined, imported = self.defined.setdefault(rel, set()), self.imported.setdefault(rel, set())
             for node in _top_level(tree.body):
                 if isinstance(node, ast.ClassDef):
@@ -160,20 +157,16 @@ class PackageNames:
                             self.classes.add(bound)
         self.foreign -= ALLOWED_IMPORTS  # `import torch` in a file: a region may use torch.name
         self.modules -= ALLOWED_IMPORTS
-        self.unsafe = self._unsafe_definitions(package)
+        self.unsafe = self._unsafe_definitions(trees)
 
-    def _unsafe_definitions(self, package: Path) -> dict[str, set[str]]:
+    def _unsafe_definitions(self, trees: dict[str, ast.Module]) -> dict[str, set[str]]:
         """module path -> its top-level functions and classes whose code reaches outside the engine:
         a name its module took from outside the harmless modules (`Path`, `json`), a denied builtin
         (`open`) or attribute (`.write_text`), or a function or class of the package that does.
         A region may not import these (`write_chrome_trace(spans, path)` writes a file)."""
         uses: dict[tuple[str, str], tuple[bool, set[tuple[str, str]]]] = {}
-        for path in sorted(package.rglob("*.py")):
-            rel = path.relative_to(package).as_posix()
-            try:
-                tree = ast.parse(path.read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError, OSError):
-                continue
+        for rel, tree in trees.items():
+            path = self.package / rel
             origin: dict[str, tuple[str, str]] = {}  # a name imported from the package -> (module, name)
             foreign: set[str] = set()  # names from the modules that reach files, processes or the interpreter
             for node in _top_level(tree.body):
@@ -181,7 +174,7 @@ class PackageNames:
                     foreign.update(a.asname or a.name.split(".")[0] for a in node.names
                                    if a.name.split(".")[0] in REACHING_MODULES)
                 elif isinstance(node, ast.ImportFrom):
-                    local = node.level > 0 or (node.module or "").split(".")[0] == package.name
+                    local = node.level > 0 or (node.module or "").split(".")[0] == self.package.name
                     for alias in node.names:
                         if not local:
                             if (node.module or "").split(".")[0] in REACHING_MODULES:
@@ -245,6 +238,15 @@ class PackageNames:
                 if path.is_file() and path.is_relative_to(self.package):
                     found.append(path.relative_to(self.package).as_posix())
         return sorted(set(found))
+
+
+def _parsed_modules(package: Path):
+    """(module path a/b.py, its tree) for each file of the package that parses."""
+    for path in sorted(package.rglob("*.py")):
+        try:
+            yield path.relative_to(package).as_posix(), ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
 
 
 def _top_level(body: list[ast.stmt]):
