@@ -7,20 +7,26 @@
 2. TPOT (the mean over requests) at batch 1 and 16, overlap loop, plain against the standalone
    draft at K=3. Random weights accept no draft of another model, so the draft is the target itself:
    every draft is accepted, the upper bound of what speculation can give on this shape.
+3. The cost of one verify step (K+1 tokens a request, ngram drafts, no draft model) against one
+   plain decode step, at batch 1, 16 and 64: the median device time of a decode batch's forward
+   (the tracer's forward spans, steady decode).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from minisgl import LLM, SamplingParams
+from minisgl.tracer import SpanName
 from minisgl.observe.trace import request_metrics
 
 K = 3
 
 
 def prompts(n: int) -> list[list[int]]:
-    return [[100 + 7 * i + j for j in range(24 + 3 * i)] for i in range(n)]
+    """n distinct prompts of 24..24+3(n-1) tokens, ids in [50, 450) (any vocabulary of 512 and up)."""
+    return [[50 + (7 * i + j) % 400 for j in range(24 + 3 * i)] for i in range(n)]
 
 
 def run(model: str, device: str, batch: int, max_new_tokens: int, **settings) -> tuple[list[list[int]], float, dict]:
@@ -45,6 +51,7 @@ def main() -> None:
     plain, _, _ = run(args.model, args.device, 16, 32, deterministic=True, **common)
     exactness(args, plain, "standalone", speculative["standalone"])
     tpot(args, speculative["standalone"])
+    verify_cost(args, speculative["ngram"])
     for name in ("mixed chunk", "ngram"):
         exactness(args, plain, name, speculative[name])
 
@@ -68,6 +75,27 @@ def tpot(args, standalone: dict) -> None:
         per_verify = stats["spec_accepted_tokens"] / max(stats["spec_verify_rows"], 1)
         print(f"TPOT, overlap, 128 tokens, batch {batch:2}: plain {plain_tpot * 1e3:.2f} ms, standalone K={K} "
               f"(draft = target) {spec_tpot * 1e3:.2f} ms ({per_verify:.2f} tokens per verify row)")
+
+
+def decode_forward_ms(args, batch: int, **settings) -> float:
+    """Median device ms of one decode batch's forward (the tracer's spans), batch requests x 64 tokens."""
+    with LLM(args.model, device=args.device, attention_backend=args.attention_backend, trace=True, **settings) as llm:
+        llm.generate(prompts(2), SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+        llm.engine.tracer.clear()
+        llm.generate(prompts(batch), SamplingParams(max_new_tokens=64, ignore_eos=True))
+        tracer = llm.engine.tracer
+        decode_ids = {b.batch_id for b in tracer.batches if not b.is_prefill and b.num_reqs == batch}
+        spans = [s.duration for s in tracer.resolve() if s.name is SpanName.FORWARD and s.batch_id in decode_ids]
+    return statistics.median(spans) * 1e3
+
+
+def verify_cost(args, ngram: dict) -> None:
+    """One verify step of K+1 tokens a request against one plain decode step, device ms per forward."""
+    for batch in (1, 16, 64):
+        plain_ms = decode_forward_ms(args, batch)
+        verify_ms = decode_forward_ms(args, batch, **ngram)
+        print(f"verify step (ngram, {K + 1} tokens a request) against a decode step, batch {batch:2}: "
+              f"{verify_ms:.3f} / {plain_ms:.3f} ms device per forward ({verify_ms / plain_ms:.2f}x)")
 
 
 if __name__ == "__main__":

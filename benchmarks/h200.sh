@@ -19,14 +19,19 @@
 #   bash benchmarks/h200.sh 8b             # offline breakdown on the 8B shape at 256 and 1,024 requests (SIZES_8B), both loops; HF generate at 256
 #   bash benchmarks/h200.sh kernels        # kernels and device ms per decode step at 256 and 64 requests, each A/B variant (KERNEL_VARIANTS)
 #   bash benchmarks/h200.sh ab             # offline breakdown, 256 requests (N), overlap loop, each A/B variant (AB_VARIANTS)
+#   bash benchmarks/h200.sh spec           # speculation and mixed chunk: exactness, TPOT, verify cost; online ITL, mixed chunk off/on
+#   bash benchmarks/h200.sh http           # the HTTP online bench, both loops, per HTTP_RUNS ("DIR:RATES ..."); needs .whl/srv
+#   bash benchmarks/h200.sh profile8b      # kernels and device ms per decode step on the 8B shape at 256 and 64 requests
 # Several modes in one device call: `timeout 200 bash benchmarks/h200.sh A; timeout 300 bash ... B`.
 # Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online), SCALE (scale's
 # request counts, default "256 1024 4096": on a new machine give 4096 a call of its own), GATE_RUNS
 # (gate: REQUESTS:MIN_PREFILL_TOKENS pairs, default "1024:0 1024:4096 4096:4096"; 0 is the gate off),
 # SCALE_LOOPS (scale: "--compare-loops --delays 0" unless given, e.g. "--loop overlap"),
 # KERNEL_VARIANTS (kernels: settings per engine, ';' between variants, '-' the defaults, default
-# "-;fast_decode_plan=false"), AB_VARIANTS (ab: bench flags per run, default "-;--no-fast-decode-plan").
-# Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`).
+# "-;fast_decode_plan=false"), AB_VARIANTS (ab: bench flags per run, default "-;--no-fast-decode-plan"),
+# HTTP_RUNS (http: model directory and rates, default "/tmp/qwen3-0.6b:16,32").
+# Wheels for FlashInfer travel in .whl/ (ignored by git, named in the tool's `carry`); the server's
+# packages (starlette, uvicorn, pyzmq, xgrammar, the openai client and their needs) in .whl/srv/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 # Once per machine: later calls of this script in the same command (each under its own
@@ -46,7 +51,7 @@ echo "git metadata on this machine: $(git rev-parse --short HEAD 2>/dev/null) (m
 for what in "$@"; do
 case "$what" in
   tests)
-    python3 -m pytest -q -rA -s tests/test_cuda.py tests/test_qkv_epilogue.py -m cuda -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/tests.log" \
+    python3 -m pytest -q -rA -s tests/test_cuda_features.py tests/test_cuda.py tests/test_qkv_epilogue.py -m cuda -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/tests.log" \
       | grep -E "identical|again|launch /|engine holds|passed|failed|Error|^E "
     cp "$OUT/tests.log" "$OUT/tests_${TESTS:-all}.log" 2>/dev/null ;;
   bench)
@@ -112,6 +117,27 @@ case "$what" in
       python3 -m minisgl bench --workload offline --num-requests "${N:-256}" --model /tmp/qwen3-0.6b --loop overlap \
         --breakdown $flags --json "$OUT/ab_$name.json" 2>&1 | tee "$OUT/ab_$name.log"
     done ;;
+  spec)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    python3 benchmarks/gpu_speculative.py /tmp/qwen3-0.6b 2>&1 | tee "$OUT/spec.log"
+    for mixed in "" --enable-mixed-chunk; do
+      echo "=== figure: online, overlap, ${mixed:-mixed chunk off} ==="
+      python3 -m minisgl bench --workload online --num-requests "${N:-128}" --rate "${RATES:-16,32}" --loop overlap \
+        $mixed --model /tmp/qwen3-0.6b --json "$OUT/online_mixed${mixed:+_on}.json" 2>&1 | tee "$OUT/online_mixed${mixed:+_on}.log"
+    done ;;
+  http)
+    [ -d /tmp/site/starlette ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/site .whl/srv/*.whl
+    for run in ${HTTP_RUNS:-/tmp/qwen3-0.6b:16,32}; do
+      model=${run%%:*}; rates=${run##*:}
+      [ -d "$model" ] || python3 -m minisgl make-tiny "$model" --arch qwen3 --preset "$(basename "$model")" --device cuda
+      echo "=== figure: HTTP online, $model, $rates req/s ==="
+      python3 benchmarks/http_online.py --model "$model" --num-requests "${N:-128}" --rate "$rates" 2>&1 \
+        | tee "$OUT/http_$(basename "$model").log"
+    done ;;
+  profile8b)
+    [ -d /tmp/qwen3-8b ] || python3 -m minisgl make-tiny /tmp/qwen3-8b --arch qwen3 --preset qwen3-8b --device cuda
+    python3 benchmarks/profile_decode.py /tmp/qwen3-8b batches 256,64 - 2>&1 | tee "$OUT/profile8b.log" ;;
   decode-plan)
     [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
     python3 benchmarks/gpu_checks.py /tmp/qwen3-0.6b decode-plan 2>&1 | tee "$OUT/decode_plan.log" ;;
