@@ -51,6 +51,7 @@ echo "git metadata on this machine: $(git rev-parse --short HEAD 2>/dev/null) (m
 for what in "$@"; do
 case "$what" in
   tests)
+    [ -d /tmp/site/starlette ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/srv/*.whl
     python3 -m pytest -q -rA -s tests/test_cuda_features.py tests/test_cuda.py tests/test_qkv_epilogue.py -m cuda -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/tests.log" \
       | grep -E "identical|again|launch /|engine holds|passed|failed|Error|^E "
     cp "$OUT/tests.log" "$OUT/tests_${TESTS:-all}.log" 2>/dev/null ;;

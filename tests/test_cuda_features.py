@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 
 from minisgl import LLM, SamplingParams
@@ -87,7 +86,8 @@ def test_xgrammar_json_schema_on_cuda(qwen3, loop):
         grammar = compiler.compile("json_schema", json.dumps(schema))
         outs = llm.generate(PROMPTS[:6], [SamplingParams(max_new_tokens=64, grammar=grammar, temperature=t, seed=i)
                                           for i, t in enumerate([0.0, 0.0, 0.7, 1.0, 0.7, 1.0])])
-        for out in outs:
-            jsonschema.validate(json.loads(out.text), schema)
+        for out in outs:  # the schema, checked by hand (no jsonschema on the GPU machine)
+            value = json.loads(out.text)
+            assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 99, out.text
         assert llm.stats.delayed_samples > 0
         assert_pool_whole(llm)
