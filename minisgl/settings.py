@@ -114,9 +114,9 @@ SETTINGS: tuple[Setting, ...] = (
             "(features/mixed_chunk.py)", kind=bool),
     Setting("fused_kernels", True, "FlashInfer's fused norm, rotary and activation kernels and the Triton qkv "
             "epilogue on CUDA in bf16/fp16 (False: the torch reference kernels)", kind=bool),
-    # Once a batch fills the GPU, the plain decode kernel splits no request and a few long ones finish last,
-    # alone; the tensor-core plan splits them, for host work the overlap loop hides (benchmarks/RESULTS.md).
-    Setting("tensor_core_decode_min_batch", 128, "FlashInfer decodes batches of this many requests and more "
+    # The tensor-core kernel serves a KV head's query group in one pass: in the offline runs it was faster at
+    # every batch size on both model shapes, most where the group is large (benchmarks/RESULTS.md).
+    Setting("tensor_core_decode_min_batch", 1, "FlashInfer decodes batches of this many requests and more "
             "with its tensor-core kernel (grouped heads)", low=1, high=MAX_RUNNING_REQUESTS,
             none="never (the deterministic mode always does)"),
     # FlashInfer's plan() takes Python's max over the lengths element by element, host work that grows with

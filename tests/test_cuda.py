@@ -158,7 +158,8 @@ def test_fast_decode_plan_equals_flashinfer_plan(qwen3, graphs):
     disable = () if graphs else ("cuda_graph",)
     outputs = []
     for fast in (True, False):
-        llm = LLM(qwen3, device="cuda", loop="normal", disable=disable, fast_decode_plan=fast)
+        llm = LLM(qwen3, device="cuda", loop="normal", disable=disable, fast_decode_plan=fast,
+                  tensor_core_decode_min_batch=128)  # both kernels: tensor cores from 128 requests, plain below
         assert llm.engine.backend.fast_decode_plan is fast
         outputs.append([o.token_ids for o in llm.generate(prompts, params)])
         llm.close()

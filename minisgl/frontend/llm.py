@@ -39,7 +39,7 @@ class LLM(DrivingMixin):
                  admission: str = "reserve", min_prefill_tokens: int | None = None,
                  speculative_algorithm: str | None = None, speculative_num_steps: int = 3,
                  speculative_draft_model_path: str | os.PathLike | None = None, enable_mixed_chunk: bool = False,
-                 fused_kernels: bool = True, tensor_core_decode_min_batch: int | None = 128,
+                 fused_kernels: bool = True, tensor_core_decode_min_batch: int | None = 1,
                  fast_decode_plan: bool = True) -> None:
         """The keywords are the engine's settings, in minisgl.config.SETTINGS with their ranges and help
         (a test holds this signature to that table)."""
