@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs on the H200 (set-up: docs/gpu.md; figures: benchmarks/RESULTS.md).
-#   bash benchmarks/h200.sh tests   # CUDA tests
+#   bash benchmarks/h200.sh tests   # CUDA tests: more than one 10-minute call on a new machine (2026-12-03): split with TESTS, e.g. TESTS=features then TESTS="not features"
 #   bash benchmarks/h200.sh bench   # offline benchmark: both loops, graphs on/off, HF, roofline
 #   bash benchmarks/h200.sh breakdown      # offline, both loops, graphs on, with the run-level breakdown
 #   bash benchmarks/h200.sh scale          # breakdowns at 256, 1,024 and 4,096 requests (SCALE), both loops: ~9 min warm

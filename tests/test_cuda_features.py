@@ -4,7 +4,8 @@ float32 + the torch backend on CUDA streams: speculation (ngram, and standalone 
 its own draft) and mixed chunk give plain decoding's tokens in both loops, and the pool comes back
 whole. bf16 + FlashInfer + CUDA graphs: the same runs finish whole, and a draft identical to the
 target is accepted (a stale length or a wrong relay on the device would make every draft wrong).
-xgrammar's bitmask on the device: JSON that follows the schema in both loops.
+With deterministic=True (bf16), the two loops give each other's tokens. xgrammar's bitmask on the
+device: JSON that follows the schema in both loops.
 """
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ def test_features_on_flashinfer_and_graphs_bf16(qwen3, feature, record_property)
     record_property("bf16_identical_to_plain", f"{same}/{len(plain)}")
     if feature == "standalone":  # the draft is the target: all but a near-tie's drafts are accepted
         assert stats["spec_accepted_tokens"] / stats["spec_verify_rows"] > 0.75 * (K + 1)
+
+
+@pytest.mark.parametrize("feature", ["ngram", "standalone", "mixed chunk"])
+def test_features_deterministic_overlap_equals_normal_bf16(qwen3, feature):
+    """deterministic=True makes each kernel batch-invariant; the two loops must then run the same
+    verify chunks (the drafts and accept lengths relayed on the device, not read late on the host)
+    and mixed batches, so their bf16 tokens are equal, although not equal to plain decoding's."""
+    normal, _ = generate(qwen3, loop="normal", deterministic=True, **features(qwen3)[feature])
+    overlap, _ = generate(qwen3, loop="overlap", deterministic=True, **features(qwen3)[feature])
+    assert overlap == normal
 
 
 @pytest.mark.parametrize("loop", ["overlap", "normal"])
