@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...gpu.fused_ops import decoder_kernels
 from ...models.attention import KVCache, TorchAttentionBackend, paged_metadata
 from ...models.decoder import load_model
 
@@ -74,6 +75,9 @@ class StandaloneDrafter:
     def __init__(self, engine: Engine, path: Path, num_steps: int) -> None:
         config = engine.config
         self.model = load_model(path, config.dtype, config.device)[0]
+        # The target's fused GPU kernels, not the torch reference: on CUDA the reference is several
+        # launches per RMSNorm, rotary and SiLU step, and a draft runs K + 1 eager forwards a cycle.
+        self.model.kernels = decoder_kernels(config.device, config.dtype, config.fused_kernels)
         if self.model.vocab_size != engine.model.vocab_size:
             raise ValueError(f"the draft model {str(path)!r} has a vocabulary of {self.model.vocab_size}, "
                              f"the target {engine.model.vocab_size}: they must share one tokenizer")
@@ -94,9 +98,12 @@ class StandaloneDrafter:
         table = engine.req_to_token.table
         positions = positions.clamp(max=table.shape[1] - 1)
         B, device = len(kv_lens), rows.device
+        # The offsets go up through pinned memory (engine._to_device): torch.tensor(..., device=cuda)
+        # copies from pageable memory and waits for the stream, i.e. for every draft step queued so
+        # far, which would serialize the host's launches with the device's work at every step.
         inp = SimpleNamespace(rows=rows, positions=positions, out_slots=table[rows, positions],
                               qo_indptr=torch.arange(B + 1, device=device),
-                              kv_indptr=torch.tensor([0, *accumulate(kv_lens)], device=device))
+                              kv_indptr=engine._to_device([0, *accumulate(kv_lens)]))
         meta = paged_metadata([1] * B, kv_lens, False, inp, table)
         return self.model(ids, meta, self.kv, self.backend).argmax(-1)
 

@@ -12,6 +12,12 @@ A verify step, for B requests with K drafts each (SGLang: draft, verify, publish
 6. publish the new lengths and bonus tokens, then the event the next plan waits for;
 7. the drafter's own work for the next step, and the copy of (accept length, tokens) to the host
    (`runs_host`, the step's own buffer; the result's tokens are the new bonus tokens).
+
+The host only queues this work: nothing in a step reads the device (no `.item()`, no masked
+index, whose nonzero() reads a count back, no copy from pageable memory or index on the host). On
+CUDA each such read makes the host wait for everything queued so far, in the middle of launching
+the K + 1 draft forwards and the verify: host and device would take turns instead of overlapping.
+The host reads the device only at the publish wait (relay.py) and at the commit (copy_done).
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ def verify_sample(logits: torch.Tensor, drafts: torch.Tensor, inp: DeviceInputs,
     keep = has_draft & (coin < probs.gather(1, proposal[:, None])[:, 0])
     # a rejected draft: sample the rest of the distribution (the draft's probability moved to 0)
     rest = probs.clone()
-    every = torch.arange(rest.shape[0])
+    every = torch.arange(rest.shape[0], device=rest.device)  # a host index would be copied up, the host waiting
     rest[every, proposal] = torch.where(has_draft, 0.0, rest[every, proposal])
     gumbel = -torch.log(-torch.log(uniform_noise(per_pos["seeds"], steps.reshape(-1), vocab)))
     drawn = (rest.clamp_min(1e-30).log() + gumbel).masked_fill(rest <= 0, float("-inf")).argmax(-1)
