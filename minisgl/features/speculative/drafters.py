@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...gpu.flashinfer_backend import FLASHINFER_MIN_HEAD_DIM, FlashInferBackend
 from ...gpu.fused_ops import decoder_kernels
 from ...models.attention import KVCache, TorchAttentionBackend, paged_metadata
 from ...models.decoder import load_model
@@ -66,8 +67,8 @@ class NgramDrafter:
             found |= use
         return drafts
 
-    def after_verify(self, engine: Engine, rows: torch.Tensor, lens: torch.Tensor, host_lens: list[int],
-                     last_draft: torch.Tensor) -> None:
+    def after_verify(self, engine: Engine, batch: ForwardBatch, rows: torch.Tensor, lens: torch.Tensor,
+                     host_lens: list[int], last_draft: torch.Tensor) -> None:
         pass
 
 
@@ -84,16 +85,31 @@ class StandaloneDrafter:
         m = self.model
         self.kv = KVCache(m.num_layers, engine.kv_pool.num_slots, m.num_kv_heads, m.head_dim, config.dtype,
                           config.device)
-        self.backend = TorchAttentionBackend(deterministic=config.deterministic)
         self.num_steps = num_steps
+        self.backend = self._attention_backend(engine)
+
+    def _attention_backend(self, engine: Engine) -> FlashInferBackend | TorchAttentionBackend:
+        """FlashInfer where the target runs it and the draft's heads fit its kernels, else the torch
+        reference (on CUDA a padded float32 attention of some twenty launches a layer)."""
+        if isinstance(engine.backend, FlashInferBackend) and self.model.head_dim >= FLASHINFER_MIN_HEAD_DIM:
+            # A set of plan buffers per forward of a batch (the K steps, the one after the verify)
+            # and parity: the host plans all of them before the device has run the first, so two
+            # forwards sharing a set would rewrite its pinned plan before the upload read it.
+            return engine.flashinfer_backend(self.model, plan_sets=2 * (self.num_steps + 1))
+        return TorchAttentionBackend(deterministic=engine.config.deterministic)
+
+    def _plan_set(self, batch: ForwardBatch, forward: int) -> int:
+        """The plan buffers of the batch's forward number `forward` (0..K; a prefill: 0)."""
+        return batch.batch_id % 2 * (self.num_steps + 1) + forward
 
     def prefill(self, engine: Engine, batch: ForwardBatch, inp: DeviceInputs, input_ids: torch.Tensor) -> None:
         """The draft model's KV for a prompt chunk: the target's metadata, the draft's cache."""
         meta = paged_metadata(batch.qo_lens, batch.kv_lens, batch.is_prefill, inp, engine.req_to_token.table)
+        self.backend.plan(meta, self._plan_set(batch, 0))
         self.model(input_ids, meta, self.kv, self.backend)
 
     def _step(self, engine: Engine, ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-              kv_lens: list[int]) -> torch.Tensor:
+              kv_lens: list[int], plan_set: int) -> torch.Tensor:
         """One draft decode step: token ids at positions (device), `kv_lens` on the host."""
         table = engine.req_to_token.table
         positions = positions.clamp(max=table.shape[1] - 1)
@@ -105,6 +121,7 @@ class StandaloneDrafter:
                               qo_indptr=torch.arange(B + 1, device=device),
                               kv_indptr=engine._to_device([0, *accumulate(kv_lens)]))
         meta = paged_metadata([1] * B, kv_lens, False, inp, table)
+        self.backend.plan(meta, plan_set)
         return self.model(ids, meta, self.kv, self.backend).argmax(-1)
 
     def draft(self, engine: Engine, batch: ForwardBatch, rows: torch.Tensor, lens: torch.Tensor,
@@ -112,13 +129,13 @@ class StandaloneDrafter:
         """K decode steps of the draft model from the bonus token at position `lens`."""
         drafts, token = [], bonus
         for j in range(self.num_steps):
-            token = self._step(engine, token, rows, lens + j, [n + j + 1 for n in host_lens])
+            token = self._step(engine, token, rows, lens + j, [n + j + 1 for n in host_lens], self._plan_set(batch, j))
             drafts.append(token)
         return torch.stack(drafts, 1)
 
-    def after_verify(self, engine: Engine, rows: torch.Tensor, lens: torch.Tensor, host_lens: list[int],
-                     last_draft: torch.Tensor) -> None:
+    def after_verify(self, engine: Engine, batch: ForwardBatch, rows: torch.Tensor, lens: torch.Tensor,
+                     host_lens: list[int], last_draft: torch.Tensor) -> None:
         """The draft's KV for the last draft token (position lens + K), needed when all K are
         accepted: the next chain starts after it (SGLang: the draft extend after the publish)."""
         K = self.num_steps
-        self._step(engine, last_draft, rows, lens + K, [n + K + 1 for n in host_lens])
+        self._step(engine, last_draft, rows, lens + K, [n + K + 1 for n in host_lens], self._plan_set(batch, K))

@@ -170,7 +170,7 @@ class VerifyStep:
         relay.record_tokens(inp.token_rows, inp.positions, ids.reshape(-1))
         relay.record_tokens(rows, lens + accept, new_bonus)
         relay.publish(rows, lens + accept, self.event)
-        self.drafter.after_verify(engine, rows, lens, self.host_lens, drafts[:, -1])
+        self.drafter.after_verify(engine, batch, rows, lens, self.host_lens, drafts[:, -1])
         non_blocking = engine.mechanisms.on("pinned_copy")
         next_tokens.copy_(new_bonus)
         next_tokens_host.copy_(new_bonus, non_blocking=non_blocking)
