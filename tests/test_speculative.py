@@ -312,3 +312,17 @@ def test_a_speculative_step_reads_nothing_back_from_the_device(qwen3, other_draf
     llm, outs = generate(qwen3, speculative_num_steps=K, **drafts(qwen3, other_draft)[drafter])
     llm.close()
     assert llm.stats.spec_verify_rows > 0 and found == []
+
+
+def test_a_publish_event_keeps_its_first_record():
+    """A step records its publish event at the publish and again at its end (its `finally`); on CUDA a
+    second record would move the event to the end, and the next plan would wait for the whole step."""
+    from unittest.mock import Mock
+
+    from minisgl.features.speculative.relay import PublishEvent
+
+    event = PublishEvent(torch.device("cpu"))
+    event.cuda = Mock()  # what the CUDA event is asked to do
+    event.record()
+    event.record()
+    assert event.cuda.record.call_count == 1 and event.done.is_set()

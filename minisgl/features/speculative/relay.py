@@ -33,6 +33,11 @@ class PublishEvent:
         self.done = threading.Event()
 
     def record(self) -> None:  # on the engine stream (CUDA: inside its context; CPU: its worker)
+        # Only the first record counts: a step records again at its end (its `finally`, so that a
+        # step that failed before its publish still lets the host go on), and a second CUDA record
+        # would move the event there: the next plan would wait for the draft work after the publish.
+        if self.done.is_set():
+            return
         if self.cuda is not None:
             self.cuda.record()
         self.done.set()
