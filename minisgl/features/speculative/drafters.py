@@ -90,7 +90,7 @@ class StandaloneDrafter:
 
     def _attention_backend(self, engine: Engine) -> FlashInferBackend | TorchAttentionBackend:
         """FlashInfer where the target runs it and the draft's heads fit its kernels, else the torch
-        reference (on CUDA a padded float32 attention of some twenty launches a layer)."""
+        reference (on CUDA: K/V gathered, padded and cast to float32, many launches a layer)."""
         if isinstance(engine.backend, FlashInferBackend) and self.model.head_dim >= FLASHINFER_MIN_HEAD_DIM:
             # A set of plan buffers per forward of a batch (the K steps, the one after the verify)
             # and parity: the host plans all of them before the device has run the first, so two
