@@ -67,9 +67,9 @@ def verify_sample(logits: torch.Tensor, drafts: torch.Tensor, inp: DeviceInputs,
     the seeded sampler's steps."""
     B, width, vocab = logits.shape
     flat = logits.reshape(B * width, vocab)
-    per_pos = {name: getattr(inp, name).repeat_interleave(width) for name in ("temperature", "top_k", "top_p", "seeds")}
     if all_greedy:
         return flat.argmax(-1).view(B, width)
+    per_pos = {name: getattr(inp, name).repeat_interleave(width) for name in ("temperature", "top_k", "top_p", "seeds")}
     sampled_rows = per_pos["temperature"] > 0
     probs = _target_probs(flat.float(), per_pos)  # [B*width, V], top-k/top-p applied
     proposal = torch.cat([drafts, drafts[:, -1:]], 1).reshape(-1)  # the last position has no draft
