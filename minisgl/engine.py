@@ -26,7 +26,7 @@ from .kv_pool import KVPool, ReqToTokenPool
 from .models.sampler import sample
 from .staging import DeviceInputs, StagingBuffer
 from .streams import Event, Stream, make_device_stream
-from .models.decoder import CPU_INVARIANT_ROWS, DETERMINISTIC_ROWS, load_model, set_fixed_rows
+from .models.decoder import CPU_INVARIANT_ROWS, DETERMINISTIC_ROWS, CausalLM, load_model, set_fixed_rows
 from .tracer import BatchRecord, SpanName, Tracer
 
 
@@ -115,14 +115,18 @@ class Engine:
 
     def _make_backend(self) -> AttentionBackend:
         """The attention backend the config resolved ("auto" is already torch or flashinfer)."""
-        config = self.config
-        if config.attention_backend == "flashinfer":
-            m = self.model
-            return FlashInferBackend(m.config.num_attention_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
-                                     config.max_running_requests, deterministic=config.deterministic,
-                                     tensor_core_min_batch=config.tensor_core_decode_min_batch,
-                                     fast_decode_plan=config.fast_decode_plan)
+        if self.config.attention_backend == "flashinfer":
+            return self.flashinfer_backend(self.model, plan_sets=2)
         return TorchAttentionBackend(deterministic=self.invariant)
+
+    def flashinfer_backend(self, model: CausalLM, plan_sets: int) -> FlashInferBackend:
+        """A FlashInfer backend with the config's settings, for `model`'s heads (the engine's own, or
+        a draft model's); `plan_sets`: see flashinfer_backend.py."""
+        config = self.config
+        return FlashInferBackend(model.config.num_attention_heads, model.num_kv_heads, model.head_dim, self.dtype,
+                                 self.device, config.max_running_requests, deterministic=config.deterministic,
+                                 tensor_core_min_batch=config.tensor_core_decode_min_batch,
+                                 fast_decode_plan=config.fast_decode_plan, plan_sets=plan_sets)
 
     def launch(self, batch: ForwardBatch, after: Stream) -> ForwardResult:
         """Queue batch's forward + sampling on the engine stream; return without waiting."""

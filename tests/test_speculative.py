@@ -6,12 +6,16 @@ distribution."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minisgl import LLM, SamplingParams, demo_model_path
 from minisgl.demo.tiny import make_tiny
 from minisgl.demo.workloads import early_stop_workload
+from minisgl.features.speculative import verify
 
 from .conftest import assert_pool_whole, drain
 
@@ -266,3 +270,59 @@ def test_the_drafts_cache_and_weights_count_in_the_memory_check(qwen3):
             check_memory(config, free=alone + table_and_staging + drafts_share // 2)
     with LLM(qwen3, device="cpu", kv_tokens=2048) as llm:
         assert llm.config.draft_kv_bytes_per_token == llm.config.draft_weight_bytes == 0
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that on CUDA make the host wait for the device: a value read back (`.item()`,
+    `bool()`), a nonzero() (a boolean-mask index runs one to size its result)."""
+
+    READS = {torch.ops.aten.nonzero, torch.ops.aten._local_scalar_dense, torch.ops.aten.masked_select}
+
+    def __init__(self, found: list[str]) -> None:
+        super().__init__()
+        self.found = found
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        masked = func.overloadpacket in (torch.ops.aten.index, torch.ops.aten.index_put_, torch.ops.aten.index_put) \
+            and any(i is not None and i.dtype == torch.bool for i in args[1])
+        if func.overloadpacket in self.READS or masked:
+            self.found.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "perfect"])
+def test_a_speculative_step_reads_nothing_back_from_the_device(qwen3, other_draft, drafter, monkeypatch):
+    """A prefill or verify step only queues device work: on CUDA a host read inside it (above), or a
+    tensor built on the device from a host list (a copy from pageable memory, which waits for the
+    stream), would stall the host in the middle of launching the K + 1 draft forwards."""
+    found: list[str] = []
+    real_tensor = torch.tensor
+
+    def tensor(*args, **kwargs):
+        if kwargs.get("device") is not None and "speculative" in sys._getframe(1).f_code.co_filename:
+            found.append("torch.tensor(host list, device=...)")  # engine._to_device goes through pinned memory
+        return real_tensor(*args, **kwargs)
+
+    for step in (verify.PrefillStep, verify.VerifyStep):
+        def watched(self, *args, _run=step._forward_and_sample):
+            with HostReads(found):  # entered on the stream's worker thread: the mode is thread-local
+                _run(self, *args)
+        monkeypatch.setattr(step, "_forward_and_sample", watched)
+    monkeypatch.setattr(torch, "tensor", tensor)
+    llm, outs = generate(qwen3, speculative_num_steps=K, **drafts(qwen3, other_draft)[drafter])
+    llm.close()
+    assert llm.stats.spec_verify_rows > 0 and found == []
+
+
+def test_a_publish_event_keeps_its_first_record():
+    """A step records its publish event at the publish and again at its end (its `finally`); on CUDA a
+    second record would move the event to the end, and the next plan would wait for the whole step."""
+    from unittest.mock import Mock
+
+    from minisgl.features.speculative.relay import PublishEvent
+
+    event = PublishEvent(torch.device("cpu"))
+    event.cuda = Mock()  # what the CUDA event is asked to do
+    event.record()
+    event.record()
+    assert event.cuda.record.call_count == 1 and event.done.is_set()

@@ -13,7 +13,8 @@ the batch: the same write-after-read hazard as our staging buffers (lessons/read
 In the overlap loop the host plans batch n+1 while batch n may not have copied its plan yet,
 so there are two sets of wrappers and batches alternate between them (`parity` = batch id
 % 2). A set is reused by batch n+2, which is planned only after batch n was committed, i.e.
-after its copy_done.
+after its copy_done. A backend that plans several forwards per batch (a speculative draft
+model: K + 1 steps) takes twice that many sets (`plan_sets`): one per forward and parity.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def fill_indptr(lengths: list[int], out: np.ndarray) -> int:
 class FlashInferBackend:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, max_batch: int, deterministic: bool = False, *,
-                 tensor_core_min_batch: int | None, fast_decode_plan: bool) -> None:
+                 tensor_core_min_batch: int | None, fast_decode_plan: bool, plan_sets: int = 2) -> None:
         import flashinfer
 
         if dtype not in (torch.float16, torch.bfloat16):
@@ -76,24 +77,24 @@ class FlashInferBackend:
         self.fast_decode_plan = fast_decode_plan  # the setting fast_decode_plan (_fast_plan)
         self._planned: weakref.WeakSet = weakref.WeakSet()  # decode wrappers FlashInfer's own plan() has set up once
         self.prefill_reference = TorchAttentionBackend(deterministic=True) if deterministic else None
-        self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(2)]
+        self.prefill = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for _ in range(plan_sets)]
         # Eager decode wrappers for each kernel some batch size may run (the smallest and the
-        # largest batch tell, the rule being a threshold), two of each: see parity above.
+        # largest batch tell, the rule being a threshold), one per plan set: see parity above.
         kinds = {self.tensor_cores_for(1), self.tensor_cores_for(max_batch)}
         self.decode = {tc: [flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc)
-                            for _ in range(2)] for tc in kinds}
+                            for _ in range(plan_sets)] for tc in kinds}
         self._active = self.prefill[0]  # the wrapper the layers run: planned for the current batch
         # The plans' host inputs, pinned. FlashInfer uploads them with non_blocking copies, and a
         # copy from pageable memory may make the host wait for the stream first (CUDA's "API
         # synchronization behavior"), i.e. for the batch in flight: the very stall the overlap
-        # loop exists to avoid. One set per parity, like the wrappers: batch n+2 rewrites it.
+        # loop exists to avoid. One per plan set, like the wrappers: batch n+2 rewrites it.
         pinned = dict(dtype=torch.int32, pin_memory=True)
-        self._kv_indptr = [torch.zeros(max_batch + 1, **pinned) for _ in range(2)]
-        self._qo_indptr = [torch.zeros(max_batch + 1, **pinned) for _ in range(2)]
+        self._kv_indptr = [torch.zeros(max_batch + 1, **pinned) for _ in range(plan_sets)]
+        self._qo_indptr = [torch.zeros(max_batch + 1, **pinned) for _ in range(plan_sets)]
         # The KV lengths, passed as `seq_lens`: without them FlashInfer derives the lengths from the
         # indptr into a new pageable tensor, and its prefill plan uploads that one (non_blocking
         # from pageable memory: the wait above, once per prefill batch).
-        self._kv_lens = [torch.zeros(max_batch, **pinned) for _ in range(2)]
+        self._kv_lens = [torch.zeros(max_batch, **pinned) for _ in range(plan_sets)]
         self._last_page_len = torch.ones(max_batch, **pinned)  # page size 1: never rewritten
         self._last_page_len_device = torch.ones(max_batch, dtype=torch.int32, device=device)  # the same, for fast plans
 
@@ -102,7 +103,8 @@ class FlashInferBackend:
         return decode_on_tensor_cores(batch_size, self.grouped, self.deterministic, self.tensor_core_min_batch)
 
     def plan(self, meta: AttentionMetadata, parity: int = 0, decode_wrapper=None) -> None:
-        """Once per batch. `decode_wrapper`: a CUDA-graph wrapper with its own fixed buffers."""
+        """Once per forward. `parity`: which set of plan buffers (batch id % 2 for the engine's model).
+        `decode_wrapper`: a CUDA-graph wrapper with its own fixed buffers."""
         num_qo, num_kv, head_dim = self.shape
         # Keep-alive: the pinned inputs below are read by FlashInfer's queued uploads, and their
         # parity's set is rewritten only by batch n+2; kv_indices was made on the engine stream,

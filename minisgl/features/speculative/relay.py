@@ -33,6 +33,11 @@ class PublishEvent:
         self.done = threading.Event()
 
     def record(self) -> None:  # on the engine stream (CUDA: inside its context; CPU: its worker)
+        # Only the first record counts: a step records again at its end (its `finally`, so that a
+        # step that failed before its publish still lets the host go on), and a second CUDA record
+        # would move the event there: the next plan would wait for the draft work after the publish.
+        if self.done.is_set():
+            return
         if self.cuda is not None:
             self.cuda.record()
         self.done.set()
@@ -50,7 +55,10 @@ class SpecRelay:
         self.mechanisms = mechanisms
         self.new_seq_lens = torch.zeros(rows, dtype=torch.int64, device=device)
         self.mirror = torch.zeros(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.history = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        # One column past the table: where record_tokens drops the positions past it. A boolean
+        # mask would drop them too, but on CUDA a masked index is a nonzero(), a host wait.
+        self._history = torch.zeros(rows, width + 1, dtype=torch.int64, device=device)
+        self.history = self._history[:, :width]  # what the n-gram drafter reads
         self.publish_ready: PublishEvent | None = None  # the newest planned batch's publish
 
     def next_publish(self) -> PublishEvent:
@@ -78,5 +86,4 @@ class SpecRelay:
 
     def record_tokens(self, rows: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> None:
         """On the device: token ids at positions (a position past the table is dropped)."""
-        keep = positions < self.width
-        self.history[rows[keep], positions[keep]] = ids[keep]
+        self._history[rows, positions.clamp(max=self.width)] = ids

@@ -12,6 +12,12 @@ A verify step, for B requests with K drafts each (SGLang: draft, verify, publish
 6. publish the new lengths and bonus tokens, then the event the next plan waits for;
 7. the drafter's own work for the next step, and the copy of (accept length, tokens) to the host
    (`runs_host`, the step's own buffer; the result's tokens are the new bonus tokens).
+
+The host only queues this work: nothing in a step reads the device (no `.item()`, no masked
+index, whose nonzero() reads a count back, no copy from pageable memory or index on the host). On
+CUDA each such read makes the host wait for everything queued so far, in the middle of launching
+the K + 1 draft forwards and the verify: host and device would take turns instead of overlapping.
+The host reads the device only at the publish wait (relay.py) and at the commit (copy_done).
 """
 
 from __future__ import annotations
@@ -61,9 +67,9 @@ def verify_sample(logits: torch.Tensor, drafts: torch.Tensor, inp: DeviceInputs,
     the seeded sampler's steps."""
     B, width, vocab = logits.shape
     flat = logits.reshape(B * width, vocab)
-    per_pos = {name: getattr(inp, name).repeat_interleave(width) for name in ("temperature", "top_k", "top_p", "seeds")}
     if all_greedy:
         return flat.argmax(-1).view(B, width)
+    per_pos = {name: getattr(inp, name).repeat_interleave(width) for name in ("temperature", "top_k", "top_p", "seeds")}
     sampled_rows = per_pos["temperature"] > 0
     probs = _target_probs(flat.float(), per_pos)  # [B*width, V], top-k/top-p applied
     proposal = torch.cat([drafts, drafts[:, -1:]], 1).reshape(-1)  # the last position has no draft
@@ -74,7 +80,7 @@ def verify_sample(logits: torch.Tensor, drafts: torch.Tensor, inp: DeviceInputs,
     keep = has_draft & (coin < probs.gather(1, proposal[:, None])[:, 0])
     # a rejected draft: sample the rest of the distribution (the draft's probability moved to 0)
     rest = probs.clone()
-    every = torch.arange(rest.shape[0])
+    every = torch.arange(rest.shape[0], device=rest.device)  # a host index would be copied up, the host waiting
     rest[every, proposal] = torch.where(has_draft, 0.0, rest[every, proposal])
     gumbel = -torch.log(-torch.log(uniform_noise(per_pos["seeds"], steps.reshape(-1), vocab)))
     drawn = (rest.clamp_min(1e-30).log() + gumbel).masked_fill(rest <= 0, float("-inf")).argmax(-1)
@@ -164,7 +170,7 @@ class VerifyStep:
         relay.record_tokens(inp.token_rows, inp.positions, ids.reshape(-1))
         relay.record_tokens(rows, lens + accept, new_bonus)
         relay.publish(rows, lens + accept, self.event)
-        self.drafter.after_verify(engine, rows, lens, self.host_lens, drafts[:, -1])
+        self.drafter.after_verify(engine, batch, rows, lens, self.host_lens, drafts[:, -1])
         non_blocking = engine.mechanisms.on("pinned_copy")
         next_tokens.copy_(new_bonus)
         next_tokens_host.copy_(new_bonus, non_blocking=non_blocking)
