@@ -157,6 +157,21 @@ def test_lesson_12_speculation_exact_and_its_protections():
     assert f["outputs differing (mixed, committed - 1 under the overlap)"] > 0
 
 
+@pytest.mark.full
+def test_lesson_13_tokenizes_on_the_loop_thread_only_in_the_loop():
+    _, f = run_lesson(13)
+    requests = 32  # --quick
+    assert f["encode calls on the loop thread (in the loop)"] == requests
+    assert f["encode calls on the loop thread (outside)"] == 0
+    # Outside, the loop's only decode is the LLM's RequestOutput.text, one per request; in the loop
+    # every new token of every request is detokenized there too.
+    assert f["decode calls on the loop thread (outside)"] == requests
+    assert f["decode calls on the loop thread (in the loop)"] > 32 * requests
+    assert f["streamed texts identical"] == 1
+    for loop in ("normal", "overlap"):  # printed, not checked: timings on a shared machine
+        assert f"{loop}: in the loop / outside, tok/s (C outside = G)" in f
+
+
 def test_make_lessons_lists_every_lesson():
     done = subprocess.run(["make", "-s", "lessons"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
