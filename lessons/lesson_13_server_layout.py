@@ -140,6 +140,7 @@ def serve(label: str, texts: list[str], params: SamplingParams, in_loop: bool, l
 
 
 def configs(delay_ms: float, host_delay_ms: float = 0.0) -> dict:
+    """A section's four runs: both loops, tokenizing in the loop and outside, for `rounds`."""
     return {(loop, in_loop): (f"{loop}, tokenizing {WHERE[in_loop]}",
                               dict(in_loop=in_loop, loop=loop, delay_ms=delay_ms, host_delay_ms=host_delay_ms))
             for loop in LOOPS for in_loop in (True, False)}
@@ -197,7 +198,8 @@ def main() -> None:
     figure("encode calls on the loop thread (outside)", outside.tokenizer.on_loop["encode"], "{:d}",
            f"{outside.tokenizer.elsewhere['encode']} on the other thread")
     figure("decode calls on the loop thread (in the loop)", inside.tokenizer.on_loop["decode"], "{:d}",
-           "two per new token and request, the incremental detokenizer's window, plus one per request")
+           "two per new token (the incremental detokenizer's window), two at a request's end, one for its "
+           "RequestOutput.text")
     figure("decode calls on the loop thread (outside)", outside.tokenizer.on_loop["decode"], "{:d}",
            "one per request: the LLM's RequestOutput.text")
     every = [r for rs in emulated.values() for r in rs]
