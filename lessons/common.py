@@ -129,20 +129,26 @@ def run(label: str, prompts, params, loop: str = "overlap", disable=(), delay_ms
     return Run(label, llm, outs, time.perf_counter() - start, time.thread_time() - cpu)
 
 
-def rounds(reps: int, configs: dict, prompts, params) -> dict[object, list[Run]]:
+def rounds(reps: int, configs: dict, prompts, params, runner=run) -> dict[object, list[Run]]:
     """Short runs on a shared 2-core machine are noisy: run the configurations in turn, `reps`
     rounds, so that a burst of other work hits all of them; every run is kept, in round order
-    (round i of one configuration ran next to round i of the others)."""
+    (round i of one configuration ran next to round i of the others). `runner`: how one run is
+    made, `run` or a function with its arguments."""
     runs: dict = {key: [] for key in configs}
     for _ in range(reps):
         for key, (label, kwargs) in configs.items():
-            runs[key].append(run(label, prompts, params, **kwargs))
+            runs[key].append(runner(label, prompts, params, **kwargs))
     return runs
 
 
 def best_of(reps: int, configs: dict, prompts, params) -> dict:
     """`rounds`, keeping each configuration's fastest run."""
     return {key: max(rs, key=lambda r: r.tok_per_s) for key, rs in rounds(reps, configs, prompts, params).items()}
+
+
+def median_run(runs: list[Run]) -> Run:
+    """The run with the median throughput: a real run whose every figure belongs together."""
+    return sorted(runs, key=lambda r: r.tok_per_s)[len(runs) // 2]
 
 
 def median(values: list[float]) -> float:

@@ -5,8 +5,8 @@ asks for, and sets the measured overlap/normal ratio next to the ideal (G+C)/max
 Then checks what a speed-up must never cost: identical tokens and a whole KV pool.
 """
 
-from common import (console, demo_pairs, figure, header, lesson_main, median, ms, notice, parse_args, pct, rounds, run,
-                    section, side_by_side)
+from common import (console, demo_pairs, figure, header, lesson_main, median, median_run, ms, notice, parse_args, pct,
+                    rounds, run, section, side_by_side)
 
 from minisgl import SamplingParams
 from minisgl.observe.trace import ideal_ratio, pipeline_metrics, realised_share, request_metrics
@@ -32,11 +32,6 @@ def loops_at(delays, prompts, params, reps: int) -> dict:
     configs = {(loop, delay): (f"{loop} {delay:g}ms", dict(loop=loop, delay_ms=delay))
                for delay in delays for loop in ("normal", "overlap")}
     return rounds(reps, configs, prompts, params)
-
-
-def median_run(runs: list):
-    """The run with the median throughput: a real run whose every figure belongs together."""
-    return sorted(runs, key=lambda r: r.tok_per_s)[len(runs) // 2]
 
 
 def main() -> None:

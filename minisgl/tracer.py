@@ -27,9 +27,11 @@ class SpanName(StrEnum):
     FORWARD = "forward"  # device: copy-in, forward and sampling of one batch (not a delayed sampling)
     RETRACT = "retract"  # a marker in stats.events, never a span: a decode step sent requests back to waiting
     SAMPLE = "sample"  # host: build a grammar batch's masks and launch its delayed sampling; device: that sampling
+    IO = "io"  # host: a serving loop's own work between two steps, on the scheduler's thread (requests in, outputs out)
 
 
-HOST_WORK = (SpanName.SCHEDULE, SpanName.LAUNCH, SpanName.COMMIT, SpanName.SAMPLE)  # host spans that are work; WAIT is not
+# Host spans that are work (WAIT is not); their sum per iteration is C.
+HOST_WORK = (SpanName.SCHEDULE, SpanName.LAUNCH, SpanName.COMMIT, SpanName.SAMPLE, SpanName.IO)
 HOST_LANE = "host"  # the scheduler thread; every other lane is a device stream
 
 

@@ -157,6 +157,22 @@ def test_lesson_12_speculation_exact_and_its_protections():
     assert f["outputs differing (mixed, committed - 1 under the overlap)"] > 0
 
 
+@pytest.mark.full
+def test_lesson_13_tokenizes_on_the_loop_thread_only_in_the_loop():
+    _, f = run_lesson(13)
+    requests = 32  # --quick
+    assert f["encode calls on the loop thread (in the loop)"] == requests
+    assert f["encode calls on the loop thread (outside)"] == 0
+    # Outside, the loop's only decode is the LLM's RequestOutput.text, one per request. In the loop
+    # each of the 32 new tokens is detokenized there too (a window decoded twice), and each request's
+    # end flushes its detokenizer (twice more).
+    assert f["decode calls on the loop thread (outside)"] == requests
+    assert f["decode calls on the loop thread (in the loop)"] == requests * (2 * 32 + 2 + 1)
+    assert f["streamed texts identical"] == 1
+    for loop in ("normal", "overlap"):  # printed, not checked: timings on a shared machine
+        assert f"{loop}: in the loop / outside, tok/s (C outside = G)" in f
+
+
 def test_make_lessons_lists_every_lesson():
     done = subprocess.run(["make", "-s", "lessons"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -133,10 +133,10 @@ def run_in(student: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=student, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.full  # the demo and 13 lessons, each in a fresh interpreter: a few minutes
+@pytest.mark.full  # the demo and 14 lessons, each in a fresh interpreter: a few minutes
 def test_the_demo_and_every_lesson_run_to_the_end_before_any_exercise_is_written(student):
     lessons = sorted(student.glob("lessons/lesson_*_*.py"), key=lambda p: int(p.name.split("_")[1]))
-    assert len(lessons) == 13
+    assert len(lessons) == 14
     for args in (["-m", "minisgl", "demo"], *([str(p.relative_to(student))] for p in lessons)):
         done = run_in(student, *args)
         assert done.returncode == 0 and "Traceback" not in done.stderr + done.stdout, (

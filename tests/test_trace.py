@@ -80,6 +80,12 @@ def test_pipeline_metrics_hand_computed():
     assert m["host_wait_fraction"] == approx((6 + 3.5 + 3) / 21)
 
 
+def test_a_serving_loops_io_span_is_host_work():
+    """A serving loop's own work between two steps (lesson 13) is part of C, as the scheduler's spans are."""
+    spans = hand_spans() + [S(SpanName.IO, "host", 21, 22.5, 4)]
+    assert pipeline_metrics(spans)["host_time_per_iteration_s"] == pytest.approx((8.5 + 1.5) / 4)
+
+
 def test_pipeline_metrics_degenerate():
     assert pipeline_metrics([])["num_forwards"] == 0
     m = pipeline_metrics([S(SpanName.FORWARD, "engine", 0, 2, 1, 0)])

@@ -36,14 +36,15 @@ STYLES = {
     SpanName.LAUNCH: "bold black on magenta",
     SpanName.COMMIT: "bold black on yellow",
     SpanName.SAMPLE: "bold black on orange1",
+    SpanName.IO: "bold black on grey70",
     SpanName.WAIT: "grey50",
     SpanName.FORWARD: "green3",
     "forward_alt": "green4",
     "label": "bold white on dark_green",
     "idle": "bold red",
 }
-GLYPHS = {SpanName.SCHEDULE: "S", SpanName.LAUNCH: "L", SpanName.COMMIT: "C", SpanName.SAMPLE: "M", SpanName.WAIT: "░",
-          SpanName.FORWARD: "█", "forward_alt": "▓", "idle": "·"}
+GLYPHS = {SpanName.SCHEDULE: "S", SpanName.LAUNCH: "L", SpanName.COMMIT: "C", SpanName.SAMPLE: "M", SpanName.IO: "I",
+          SpanName.WAIT: "░", SpanName.FORWARD: "█", "forward_alt": "▓", "idle": "·"}
 GAP_CELL_FRACTION = 0.25  # a device gap covering this much of a cell is drawn
 
 

@@ -3,8 +3,9 @@
 - `to_chrome_trace` / `write_chrome_trace`: open the run in Perfetto or chrome://tracing.
 - `pipeline_metrics`: device busy fraction, the idle gaps between forwards (the bubble),
   G (device time per forward) and C (host work per iteration: schedule + launch + commit
-  spans, waiting excluded). These are the only G and C in minisgl: bench, lab, lessons and
-  the timeline all read them here. The serial loop's step is about G + C; the overlap
+  spans, plus the io spans of a serving loop that records them, lesson 13; waiting
+  excluded). These are the only G and C in minisgl: bench, lab, lessons and the timeline
+  all read them here. The serial loop's step is about G + C; the overlap
   loop's about max(G, C): `ideal_ratio`, and `realised_share` of a measured ratio. On a GPU
   a forward's span also holds the end of its own launch; `forward_after_launch_s` is G
   without it, the G of the ideal in `bench` and `lab`.
