@@ -17,6 +17,12 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.demo.paths import demo_model_path
 from minisgl.demo.tasks import demo_prompts
+from minisgl.frontend.tokenizer import load_tokenizer
+from minisgl.sampling_params import TokenLogprob
+from minisgl.server.engine_client import EngineClient
+from minisgl.server.generation import Generation, Piece
+from minisgl.server.messages import AbortRequest, TokenDelta
+from minisgl.server.metrics import Metrics
 
 from .server_process import metric, post_json, request, running_server
 
@@ -296,3 +302,45 @@ def test_a_bad_grammar_is_a_400(server):
                         ({"regex": "a", "ebnf": 'root ::= "a"'}, "response_format")):
         status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", **body})
         assert status == 400 and error["error"]["param"] == param, error
+
+
+class QueueOnlyClient(EngineClient):
+    """An EngineClient with no scheduler process: what it would send is kept, not sent."""
+
+    def __init__(self) -> None:
+        super().__init__(demo_model_path(), {}, Metrics("demo"), max_inflight=8)
+        self.sent: list[object] = []
+
+    def _send(self, msg: object) -> None:
+        self.sent.append(msg)
+
+
+def test_tokens_queued_for_a_stream_go_out_as_one_piece_with_every_logprob():
+    """A stream behind the engine gets the deltas that have arrived as one piece per choice: the
+    text, ids and per-token logprobs of all of them; a stop string still ends the generation at the
+    delta that completes it (usage counts up to there; later deltas are dropped)."""
+    tokenizer = load_tokenizer(demo_model_path())
+    ids = tokenizer.encode("one two three four five six")
+    stop = tokenizer.decode(ids[3:5], skip_special_tokens=True)  # completed by the fifth token
+
+    async def run(stops: tuple[str, ...]) -> tuple[list[list[Piece]], Generation]:
+        client = QueueOnlyClient()
+        gen = Generation(client, tokenizer, [([1, 2], SamplingParams(max_new_tokens=len(ids)))], stops, None)
+        rid = gen.sub.rids[0]
+        for i, token in enumerate(ids):  # every step's delta is queued before the stream reads
+            gen.sub.queue.put_nowait(TokenDelta(rid, [token], [TokenLogprob(token, -float(i), [])],
+                                                "length" if i == len(ids) - 1 else None))
+        return [batch async for batch in gen.pieces()], gen
+
+    batches, gen = asyncio.run(run(()))
+    assert len(batches) == 1 and len(batches[0]) == 1
+    piece = batches[0][0]
+    assert piece.text == tokenizer.decode(ids, skip_special_tokens=True) and piece.token_ids == ids
+    assert [e.logprob for e in piece.logprobs] == [-float(i) for i in range(len(ids))]
+    assert piece.finish_reason == "length" and gen.completion_tokens == len(ids)
+
+    batches, gen = asyncio.run(run((stop,)))
+    piece = batches[0][0]
+    assert piece.text == tokenizer.decode(ids[:5], skip_special_tokens=True).split(stop)[0]
+    assert piece.finish_reason == "stop" and gen.completion_tokens == 5 == len(piece.logprobs)
+    assert isinstance(gen.client.sent[-1], AbortRequest)

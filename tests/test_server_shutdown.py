@@ -55,15 +55,16 @@ def finish_reasons(events: list[str]) -> list[str]:
     pytest.param((), (signal.SIGTERM, signal.SIGTERM), 128 + signal.SIGTERM, "abort", id="second-sigterm"),
     pytest.param((), (signal.SIGTERM, signal.SIGINT), 128 + signal.SIGINT, "abort", id="then-ctrl-c"),
 ])
-def test_shutdown(flags, signals, code, reason):
-    with launcher.running_server("--kv-tokens", "4096", *flags) as (url, proc):
+def test_shutdown(flags, signals, code, reason, tmp_path):
+    log = tmp_path / "server.log"
+    with launcher.running_server("--kv-tokens", "4096", *flags, log=log) as (url, proc):
         scheduler = scheduler_pid(proc)
         thread, events, _ = start_stream(url, 400)
         for sig in signals:
             proc.send_signal(sig)
             time.sleep(0.2)
         assert not launcher.is_healthy(urlsplit(url).port)  # draining: no new connection is taken
-        assert proc.wait(EXIT_WAIT_S) == code, proc.stdout.read()
+        assert proc.wait(EXIT_WAIT_S) == code, log.read_text()
         thread.join(EXIT_WAIT_S)
         assert finish_reasons(events) == [reason] and events[-1] == "[DONE]"  # the client was told
         with pytest.raises(ProcessLookupError):  # the scheduler process is gone (its engine freed)

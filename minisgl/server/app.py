@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -26,6 +26,7 @@ from .responses import ChatFormat, CompletionFormat, Format
 
 MAX_BODY_BYTES = 8 << 20
 RETRY_AFTER_S = 1
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it; the access log says what happened
 
 
 @dataclass
@@ -91,6 +92,10 @@ def build_app(state: ServerState) -> Starlette:
     async def api_error(request: Request, exc: APIError) -> Response:
         return error_response(exc)
 
+    async def client_disconnected(request: Request, exc: ClientDisconnect) -> Response:
+        # A client gone while its body was read: no traceback in the server's log per client.
+        return Response(status_code=CLIENT_GONE)
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
@@ -101,7 +106,8 @@ def build_app(state: ServerState) -> Starlette:
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error})
+    return Starlette(routes=routes, exception_handlers={
+        APIError: api_error, HTTPException: http_error, ClientDisconnect: client_disconnected})
 
 
 async def read_body(request: Request) -> bytes:
@@ -187,7 +193,7 @@ async def respond(state: ServerState, request: Request, prompts: list[list[int]]
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():  # the client went away: its generations are aborted below
             collect.cancel()
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_GONE)
         try:
             choices = collect.result()
         except GenerationFailed as exc:
@@ -211,8 +217,8 @@ async def stream(gen: Generation, fmt: Format, with_logprobs: bool, prompt_token
     try:
         for chunk in fmt.first_chunks(len(gen.choices)):
             yield sse(chunk)
-        async for piece in gen.pieces():
-            yield sse(fmt.chunk(piece, with_logprobs))
+        async for pieces in gen.pieces():  # one write for all: a socket write costs more than a chunk's JSON
+            yield "".join(sse(fmt.chunk(piece, with_logprobs)) for piece in pieces)
         if include_usage:
             yield sse(fmt.usage_chunk(prompt_tokens, gen.completion_tokens))
     except GenerationFailed as exc:
@@ -222,6 +228,9 @@ async def stream(gen: Generation, fmt: Format, with_logprobs: bool, prompt_token
     yield "data: [DONE]\n\n"
 
 
+SSE_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False)  # shared: json.dumps builds one a call
+
+
 def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+    return f"data: {SSE_JSON.encode(obj)}\n\n"
 

@@ -11,6 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import zmq
 import zmq.asyncio
@@ -81,6 +82,7 @@ class EngineClient:
             if not self.process.is_alive():
                 raise ValueError(f"the scheduler process exited while starting (exit code {self.process.exitcode})")
         info = await self._outputs.recv_pyobj()
+        self._outputs_now = zmq.Socket.shadow(self._outputs.underlying)  # the same socket, read without awaiting
         if info.error is not None:
             self.process.join()
             raise ValueError(info.error)
@@ -171,17 +173,32 @@ class EngineClient:
                     self._fail(f"the scheduler process exited (exit code {self.process.exitcode})")
                     return
                 continue
-            out: StepOutput = await self._outputs.recv_pyobj()
-            now = time.perf_counter()
-            self.metrics.observe_load(out.load)
-            for delta in out.deltas:
-                self._record(delta, now)
-                sub = self._submissions.get(delta.rid)
-                if sub is not None:  # else its client is gone, or a stop string ended it
-                    sub.queue.put_nowait(delta)
-            if out.fatal is not None:
-                self._fail(f"the engine failed: {out.fatal}")
+            # Every step's output that is waiting is routed before any stream runs again: a stream
+            # behind by several steps then finds all its tokens queued and sends them in one chunk
+            # (one at a time, it would pay a JSON chunk and a socket write per token and stay behind).
+            for out in self._waiting_outputs():
+                self._route(out)
+                if out.fatal is not None:
+                    self._fail(f"the engine failed: {out.fatal}")
+                    return
+
+    def _waiting_outputs(self) -> Iterator[StepOutput]:
+        """The StepOutputs queued on the socket now, without waiting for more (the scheduler sends
+        at most one a step, far slower than these are read: this ends)."""
+        while True:
+            try:
+                yield self._outputs_now.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
                 return
+
+    def _route(self, out: StepOutput) -> None:
+        now = time.perf_counter()
+        self.metrics.observe_load(out.load)
+        for delta in out.deltas:
+            self._record(delta, now)
+            sub = self._submissions.get(delta.rid)
+            if sub is not None:  # else its client is gone, or a stop string ended it
+                sub.queue.put_nowait(delta)
 
     def _fail(self, reason: str) -> None:
         """No more tokens will come: every open generation ends with an error."""

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from ..sampling_params import SamplingParams, TokenLogprob
 from .detokenizer import IncrementalDetokenizer, StopStrings
 from .engine_client import EngineClient
-from .messages import GrammarSpec
+from .messages import GrammarSpec, TokenDelta
 
 
 class GenerationFailed(RuntimeError):
@@ -28,6 +28,13 @@ class Piece:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     finish_reason: str | None = None
+
+    def extend(self, later: Piece) -> None:
+        """This choice's next piece joined to this one (one chunk carries both)."""
+        self.text += later.text
+        self.token_ids = self.token_ids + later.token_ids
+        self.logprobs = self.logprobs + later.logprobs
+        self.finish_reason = later.finish_reason
 
 
 @dataclass
@@ -53,39 +60,64 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens for c in self.choices.values())
 
-    async def pieces(self) -> AsyncIterator[Piece]:
-        """Every choice's pieces as they come, until each has finished. The caller must call
-        close() afterwards, also when it stops early (a client gone away)."""
+    async def pieces(self) -> AsyncIterator[list[Piece]]:
+        """Every choice's pieces as they come, until each has finished: each time, one piece per
+        choice from all its tokens that have arrived (a stream behind the engine catches up in
+        fewer, larger chunks). The caller must call close() afterwards, also when it stops early
+        (a client gone away)."""
         sub = self.sub
         while sub.open:
-            delta = await sub.queue.get()
-            if delta.rid not in sub.open:
-                continue  # a generation a stop string ended: the engine's last word on it
-            if delta.error is not None:
-                raise GenerationFailed(delta.error)
-            choice = self.choices[delta.rid]
-            choice.completion_tokens += len(delta.token_ids)
-            text = choice.detokenizer.add(delta.token_ids)
-            finish = delta.finish_reason
-            if finish is not None:
-                text += choice.detokenizer.flush()
-            text, stopped = choice.stops.feed(text)
-            if stopped:
-                self.client.abort(sub, delta.rid)
-                finish = "stop"
-            elif finish is not None:
-                text += choice.stops.flush()
-                self.client.finish(sub, delta.rid)
-            yield Piece(choice.index, text, delta.token_ids, delta.logprobs, finish)
+            ready: dict[int, Piece] = {}  # by rid, in the order they came
+            for delta in await self._arrived():
+                if delta.rid not in sub.open:
+                    continue  # a generation a stop string ended: the engine's last word on it
+                if delta.error is not None:
+                    if ready:  # what came before the error still reaches the client
+                        yield list(ready.values())
+                    raise GenerationFailed(delta.error)
+                piece = self._advance(delta)
+                if delta.rid in ready:
+                    ready[delta.rid].extend(piece)
+                else:
+                    ready[delta.rid] = piece
+            if ready:
+                yield list(ready.values())
+
+    async def _arrived(self) -> list[TokenDelta]:
+        """The deltas queued for this request, waiting for the first one."""
+        queue = self.sub.queue
+        deltas = [await queue.get()]
+        while not queue.empty():
+            deltas.append(queue.get_nowait())
+        return deltas
+
+    def _advance(self, delta: TokenDelta) -> Piece:
+        """One delta through its choice's detokenizer and stop strings, delta by delta: a stop
+        string ends the generation at the delta it completes (its usage counts up to there)."""
+        choice = self.choices[delta.rid]
+        choice.completion_tokens += len(delta.token_ids)
+        text = choice.detokenizer.add(delta.token_ids)
+        finish = delta.finish_reason
+        if finish is not None:
+            text += choice.detokenizer.flush()
+        text, stopped = choice.stops.feed(text)
+        if stopped:
+            self.client.abort(self.sub, delta.rid)
+            finish = "stop"
+        elif finish is not None:
+            text += choice.stops.flush()
+            self.client.finish(self.sub, delta.rid)
+        return Piece(choice.index, text, delta.token_ids, delta.logprobs, finish)
 
     async def collect(self) -> list[Choice]:
         """Run to the end; the choices with their whole text, in order."""
         by_index = {c.index: c for c in self.choices.values()}
-        async for piece in self.pieces():
-            choice = by_index[piece.index]
-            choice.text.append(piece.text)
-            choice.logprobs += piece.logprobs
-            choice.finish_reason = piece.finish_reason or choice.finish_reason
+        async for pieces in self.pieces():
+            for piece in pieces:
+                choice = by_index[piece.index]
+                choice.text.append(piece.text)
+                choice.logprobs += piece.logprobs
+                choice.finish_reason = piece.finish_reason or choice.finish_reason
         return [by_index[i] for i in sorted(by_index)]
 
     def close(self) -> None:

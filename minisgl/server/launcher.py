@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,31 +37,37 @@ def is_healthy(port: int) -> bool:
 
 
 @contextmanager
-def running_server(*flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start the server, wait until /health answers; yields (base URL, process). Ctrl-C afterwards."""
+def running_server(*flags: str, env: dict[str, str] | None = None,
+                   log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start the server, wait until /health answers; yields (base URL, process). Ctrl-C afterwards.
+    Its stdout and stderr go to `log` (a temporary file when None)."""
     port = free_port()
     child_env = {**os.environ, **(env or {})}
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), child_env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "minisgl", "serve", "--port", str(port), *flags], cwd=ROOT,
-                            env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not is_healthy(port):
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stdout.read()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not answer /health within {START_TIMEOUT_S:g} s")
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        proc.stdout.close()
+    # A file, not a pipe: nobody reads a pipe while the server runs, and once its 64 KiB are full
+    # the server's next log line blocks its event loop (no connection is accepted any more).
+    with tempfile.TemporaryDirectory(prefix="minisgl-serve-log-") as tmp:
+        log = log or Path(tmp) / "server.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "minisgl", "serve", "--port", str(port), *flags],
+                                    cwd=ROOT, env=child_env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not is_healthy(port):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {proc.returncode}: {log.read_text()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not answer /health within {START_TIMEOUT_S:g} s")
+                time.sleep(0.2)
+            yield f"http://127.0.0.1:{port}", proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def scheduler_pid(proc: subprocess.Popen) -> int:
