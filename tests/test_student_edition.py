@@ -144,11 +144,6 @@ def test_the_demo_and_every_lesson_run_to_the_end_before_any_exercise_is_written
         assert "needs exercise" not in done.stdout + done.stderr, (args, done.stdout[-2000:])
 
 
-# The one exception: exercise 9's skip compares the rows the batch view froze at launch, and no
-# correct naive snapshot exists (exercise 3's stub reads the rows at the commit); its check says so.
-NEEDS = {9: (3,)}
-
-
 # What each stub is told by its own exercise's check: the first failure names the rule it breaks.
 STUB_RULES = {
     1: "must ask _must_commit_first(last, planned) after schedule()",
@@ -169,8 +164,7 @@ STUB_RULES = {
 @pytest.mark.full  # one exercise check per exercise: several minutes
 @pytest.mark.parametrize("number", sorted(EXERCISES))
 def test_each_stub_is_refused_by_its_own_check_with_the_rule_named(student, tmp_path, number):
-    reference = grade.written_regions(ROOT)
-    work = grade.put_regions(student, {n: reference[n] for n in NEEDS.get(number, ())}, tmp_path / "work")
+    work = grade.put_regions(student, {}, tmp_path / "work")  # the edition as handed out, copied (the check writes)
     report = run_checks(work, number, stop_at_first_failure=True)
     first = report.first_failure
     assert not report.passed and first is not None and STUB_RULES[number] in first.message, (
@@ -180,8 +174,6 @@ def test_each_stub_is_refused_by_its_own_check_with_the_rule_named(student, tmp_
 @pytest.mark.full  # one exercise check per exercise: several minutes
 @pytest.mark.parametrize("number", sorted(EXERCISES))
 def test_a_correct_region_passes_its_check_with_every_other_region_a_stub(student, tmp_path, number):
-    reference = grade.written_regions(ROOT)
-    written = {n: reference[n] for n in (number, *NEEDS.get(number, ()))}
-    work = grade.put_regions(student, written, tmp_path / "work")
+    work = grade.put_regions(student, {number: grade.written_regions(ROOT)[number]}, tmp_path / "work")
     report = run_checks(work, number)
     assert report.passed, [(o.nodeid, o.message[:500]) for o in report.outcomes if o.outcome == "failed"]

@@ -1,107 +1,128 @@
 """Exercise 9: the in-flight result of a request retracted since its batch launched is skipped at
-the commit (readings §15, lesson 10). A workload that forces retractions (optimistic admission, a
-small KV pool) must give the tokens of reserve admission in the normal loop. Each assertion names
-its rule; the per-step ownership audit is off, so that a mistake is reported by the rule it breaks."""
+the commit (readings §15, lesson 10). Most tests stop the overlap loop right after a decode batch
+launched, retract a request as the next schedule() would, and commit that batch. The batch's view
+(the rows and generations it launched with) is stated here, not taken from RunningBatch.snapshot:
+that is exercise 3, and this check needs no other exercise written. Each assertion names its rule;
+the per-step ownership audit is off, so that a mistake is reported by the rule it breaks."""
 
-import pytest
+from typing import NamedTuple
 
-from minisgl import LLM, demo_model_path
+from minisgl import LLM, SamplingParams, demo_model_path
+from minisgl.batch import BatchView, InFlight
+from minisgl.demo.tasks import demo_prompts
 from minisgl.demo.workloads import early_stop_workload
-from minisgl.kv_pool import KVAccountingError
+from minisgl.request import Req
 
+PROMPTS = [prompt for prompt, _ in demo_prompts(2)]
+PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
 SKIP_RULE = ("a retracted request's in-flight result is no output: skip it at the commit (the request's (row, "
              "generation) is no longer the batch's), since its re-prefill samples that step again")
 
 
-def run(loop: str, admission: str, *disabled: str) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(demo_model_path(), loop=loop, admission=admission, kv_tokens=200, disable=disabled)
+def engine(*disabled: str) -> LLM:
+    llm = LLM(demo_model_path(), loop="overlap", disable=disabled)
     llm.scheduler.check_each_step = False
-    prompts, params = early_stop_workload()
-    try:
-        return llm, [o.token_ids for o in llm.generate(prompts, params)]
-    except (KVAccountingError, RuntimeError, KeyError) as exc:
-        raise AssertionError(f"{SKIP_RULE} ({type(exc).__name__}: {exc})") from None
+    return llm
 
 
-def test_the_batch_snapshot_freezes_the_rows_this_exercise_compares():
-    """Exercise 3's part, not this one's: the skip compares the request's row with the one the batch
-    view froze at launch, so it needs a real snapshot (the student edition's stub of exercise 3 reads
-    the rows at the commit, and then nothing tells a retracted request's late result)."""
-    from minisgl.batch import BatchView, RunningBatch
-
-    live = RunningBatch()
-    assert isinstance(live.snapshot(), BatchView), (
-        "this check needs exercise 3 first: RunningBatch.snapshot() must return a BatchView frozen at launch, whose "
-        "rows and generations the skip compares with the request's own")
-
-
-@pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    return run("normal", "reserve")[1]
-
-
-def test_retracted_requests_resume_with_their_own_tokens(reference):
-    llm, outs = run("overlap", "optimistic")
-    assert llm.stats.retractions > 0, "the workload must retract (admission='optimistic', kv_tokens=200)"
-    assert outs == reference, SKIP_RULE
+def decode_batch_in_flight(llm: LLM) -> tuple[InFlight, list[Req]]:
+    """Run PROMPTS until a decode batch of both has just launched, two tokens of each committed.
+    Returns that batch, with the view it launched with, for the caller to commit (the loop no
+    longer holds it), and its requests."""
+    sched = llm.scheduler
+    for prompt in PROMPTS:
+        llm.add_request(prompt, PARAMS)
+    reqs = list(sched.waiting)
+    while min(len(r.output_ids) for r in reqs) < 2:
+        llm.step()
+    assert sched.running.reqs == reqs, "the staging expects both requests in one decode batch, in their order"
+    launched = BatchView(sched.last.result.batch_id, False, reqs, [r.row for r in reqs],
+                         [r.row_generation for r in reqs], [True] * len(reqs), [1] * len(reqs))
+    batch, sched.last = InFlight(launched, sched.last.result), None
+    return batch, reqs
 
 
-def test_only_retracted_results_are_skipped_and_each_is_counted(reference):
-    llm, _ = run("overlap", "optimistic")
-    stats = llm.stats
-    assert stats.retracted_late_results == stats.retractions, (
-        "skip only the results of requests retracted since their batch launched, and count each one in "
-        f"stats.retracted_late_results: {stats.retracted_late_results} counted for {stats.retractions} retractions "
-        "(each retraction in the overlap loop leaves exactly one such result; a finished request's late result "
-        "is overshoot, left to skip_finished)")
-    assert stats.overshoot_tokens > 0, "a finished request's late result is overshoot: skip_finished counts it"
+class Retraction(NamedTuple):
+    llm: LLM
+    kept: Req
+    retracted: Req
+    kept_outputs: int  # the kept request's outputs before the commit
+    left: tuple[int, int, list[int]]  # the retracted request's samples in flight, KV length and outputs before it
 
 
-def test_switched_off_the_late_token_is_appended(reference):
-    llm, outs = run("overlap", "optimistic", "retract_skip_inflight")
-    assert llm.stats.retracted_late_results == 0 and outs != reference, (
+def retract_while_in_flight(*disabled: str) -> Retraction:
+    """Retract the second request while the decode batch of both is in flight, as schedule() does
+    when the next decode step finds no KV for it (lesson 10), then commit that batch."""
+    llm = engine(*disabled)
+    batch, (kept, retracted) = decode_batch_in_flight(llm)
+    llm.scheduler._retract(retracted)
+    left = (retracted.inflight_samples, retracted.kv_committed_len, list(retracted.output_ids))
+    kept_outputs = len(kept.output_ids)
+    llm.scheduler.commit(batch)
+    return Retraction(llm, kept, retracted, kept_outputs, left)
+
+
+def test_the_late_result_is_skipped_and_counted():
+    llm, kept, retracted, kept_outputs, left = retract_while_in_flight()
+    assert retracted.output_ids == left[2], SKIP_RULE
+    assert len(kept.output_ids) == kept_outputs + 1, (
+        "skip only the retracted request's row: the other requests of the batch commit their tokens")
+    assert llm.stats.retracted_late_results == 1, (
+        "count each one in stats.retracted_late_results: one request was retracted while its decode step was in "
+        f"flight, counted {llm.stats.retracted_late_results}")
+
+
+def test_a_skipped_result_leaves_the_request_as_the_retraction_left_it():
+    """The retraction already forgot the sample in flight (Req.reset_for_retract); the re-prefill
+    counts its own. Touching the request while skipping its late result (its count of samples in
+    flight, its KV length) puts it one sample off: the lookahead then misjudges its end."""
+    _, _, retracted, _, left = retract_while_in_flight()
+    now = (retracted.inflight_samples, retracted.kv_committed_len, retracted.output_ids)
+    assert now == left, (
+        "a skipped late result must leave the retracted request untouched: the retraction already set its samples "
+        f"in flight to 0 and the re-prefill counts its own ((samples in flight, KV length, outputs) {left} became "
+        f"{now})")
+
+
+def test_the_retracted_request_resumes_with_its_own_tokens():
+    llm = retract_while_in_flight().llm
+    done = []
+    while llm.has_unfinished():
+        done += llm.step()
+    got = [o.token_ids for o in sorted(done, key=lambda o: o.rid)]
+    expected = [o.token_ids for o in LLM(demo_model_path(), loop="normal").generate(PROMPTS, PARAMS)]
+    assert got == expected, f"{SKIP_RULE}; then the re-prefill resumes the request with the tokens it would have given"
+
+
+def test_switched_off_the_late_token_is_appended():
+    llm, _, retracted, _, left = retract_while_in_flight("retract_skip_inflight")
+    assert llm.stats.retracted_late_results == 0 and retracted.output_ids[:-1] == left[2], (
         "keep the switch: with retract_skip_inflight off the late result must be committed like any other "
         "(and the re-prefill then samples the same step again: a repeated token)")
 
 
-def test_a_skipped_result_leaves_the_request_as_the_retraction_left_it(reference):
-    """The retraction already forgot the sample in flight (Req.reset_for_retract); the re-prefill
-    counts its own. Touching the request while skipping its late result (its count of samples in
-    flight, its KV length) puts it one sample off: the lookahead then misjudges its end."""
-    llm = LLM(demo_model_path(), loop="overlap", admission="optimistic", kv_tokens=200)
-    llm.scheduler.check_each_step = False
-    negative = []
-    commit_results = llm.scheduler._commit_results
-
-    def spy(view, result):
-        commit_results(view, result)
-        negative.extend(r.rid for r in view.reqs if r.inflight_samples < 0)
-
-    llm.scheduler._commit_results = spy
-    prompts, params = early_stop_workload()
-    outs = [o.token_ids for o in llm.generate(prompts, params)]
-    assert llm.stats.retractions > 0, "the workload must retract (admission='optimistic', kv_tokens=200)"
-    assert not negative and outs == reference, (
-        "a skipped late result must leave the retracted request untouched: the retraction already set its samples in "
-        f"flight to 0 and the re-prefill counts its own (requests {sorted(set(negative))} went below 0)")
+def test_a_finished_requests_late_result_is_overshoot_not_a_retraction():
+    llm = engine()
+    prompts, params = early_stop_workload(2, max_new_tokens=8)  # the second stops at EOS, a step in flight
+    llm.generate(prompts, params)
+    stats = llm.stats
+    assert stats.retracted_late_results == 0, (
+        "skip only the results of requests retracted since their batch launched: nothing was retracted here, and "
+        f"a finished request's late result is overshoot, left to skip_finished (counted {stats.retracted_late_results} "
+        "retracted)")
+    assert stats.overshoot_tokens > 0, "the workload must leave a finished request's step in flight"
 
 
-def test_the_generation_tells_a_row_given_back_to_the_same_request(qwen3):
+def test_the_generation_tells_a_row_given_back_to_the_same_request():
     """Retracted while its step is in flight, then admitted into the very row it had before: the row
     alone cannot tell the late result from a current one, the row's generation can. Staged here by
     moving the generation on while the request's decode step is in flight."""
-    from minisgl import SamplingParams
-
-    llm = LLM(qwen3, loop="overlap")
-    llm.scheduler.check_each_step = False
+    llm = engine()
     sched = llm.scheduler
-    llm.add_request("hello there", SamplingParams(max_new_tokens=8, ignore_eos=True))
-    while sched.last is None or sched.last.view.is_prefill:
-        llm.step()
-    req = sched.last.view.reqs[0]
+    batch, (_, req) = decode_batch_in_flight(llm)
     sched.req_to_token.generation[req.row] += 1  # the row was given back and taken again by the same request
     req.row_generation = sched.req_to_token.generation[req.row]
-    llm.step()  # commits the step launched before that
+    sched.commit(batch)
     assert sched.stats.retracted_late_results == 1, (
         "compare the request's (row, generation) with the batch's, not the row alone: a retracted request may be "
         "admitted again into the very row it had, and only the generation says the late result is not its own "
