@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import random
 import re
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -19,10 +21,13 @@ from minisgl.demo.paths import demo_model_path
 from minisgl.demo.tasks import demo_prompts
 from minisgl.frontend.tokenizer import load_tokenizer
 from minisgl.sampling_params import TokenLogprob
+from minisgl.server.detokenizer import StopStrings
 from minisgl.server.engine_client import EngineClient
 from minisgl.server.generation import Generation, Piece
-from minisgl.server.messages import AbortRequest, TokenDelta
+from minisgl.server.grammar_queue import GrammarQueue
+from minisgl.server.messages import AbortRequest, GenerateRequest, GrammarSpec, TokenDelta
 from minisgl.server.metrics import Metrics
+from minisgl.server.protocol import MAX_STOP_CHARS
 
 from .server_process import metric, post_json, request, running_server
 
@@ -203,14 +208,18 @@ BAD_COMPLETIONS = [
     ({"model": "demo", "prompt": "hi", "max_tokens": True}, "max_tokens"),
     ({"model": "demo", "prompt": "hi", "temperature": -1}, "temperature"),
     ({"model": "demo", "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"model": "demo", "prompt": "hi", "temperature": float("nan")}, "temperature"),
     ({"model": "demo", "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": "demo", "prompt": "hi", "top_p": 1e-300}, "top_p"),  # float32 rounds it to 0
     ({"model": "demo", "prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"model": "demo", "prompt": "hi", "n": 0}, "n"),
     ({"model": "demo", "prompt": "hi", "n": 1000}, "n"),
+    ({"model": "demo", "prompt": ["hi"] * 100, "n": 64}, "n"),  # more than --max-inflight: it can never run
     ({"model": "demo", "prompt": "hi", "seed": 2**64}, "seed"),
     ({"model": "demo", "prompt": "hi", "stop": 5}, "stop"),
     ({"model": "demo", "prompt": "hi", "stop": [""]}, "stop"),
     ({"model": "demo", "prompt": "hi", "stop": ["\udc80"]}, "stop"),
+    ({"model": "demo", "prompt": "hi", "stop": ["y" * 401]}, "stop"),
     ({"model": "demo", "prompt": "hi", "stop_token_ids": [600]}, "stop_token_ids"),
     ({"model": "demo", "prompt": "hi", "stop_token_ids": "1"}, "stop_token_ids"),
     ({"model": "demo", "prompt": "hi", "logprobs": 100}, "logprobs"),
@@ -249,6 +258,38 @@ def test_bad_requests_get_400_with_an_error_body_and_the_server_keeps_serving(se
     assert status == 200 and out["choices"][0]["text"] == " 17"
 
 
+def test_what_was_wrong_is_said(server):
+    for value in ("NaN", "Infinity", "-Infinity"):  # Python's json reads them; OpenAI's clients can send them
+        raw = b'{"model": "demo", "prompt": "hi", "temperature": %s}' % value.encode()
+        status, error = request(server, "POST", "/v1/completions", raw)
+        assert status == 400 and json.loads(error)["error"]["message"] == f"temperature must be a finite number, got {value}"
+    status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": ["hi"] * 100, "n": 64})
+    assert "6400 generations" in error["error"]["message"] and "--max-inflight" in error["error"]["message"]
+    status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", "stop": ["y" * 300000]})
+    assert error["error"]["message"] == "a stop string is 300000 characters; at most 400"
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server):
+    """The demo tokenizer takes seconds for megabytes (on the event loop, every client waited):
+    more characters than the context's tokens can hold is a 400 at once."""
+    huge = "count 3 to 9: " * 500_000  # 7 MB
+    for path, body, param in (("/v1/completions", {"prompt": huge}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages")):
+        start = time.monotonic()
+        status, error = post_json(server, path, {"model": "demo", **body})
+        assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
+        assert error["error"]["param"] == param and "characters" in error["error"]["message"]
+        assert time.monotonic() - start < 5.0
+    # Longer than the event loop tokenizes, within the bound: the worker thread does it, same answers.
+    status, error = post_json(server, "/v1/chat/completions", {"model": "demo", "messages": [
+        {"role": "user", "content": "ab " * 1000}]})
+    assert status == 400 and "2001 tokens" in error["error"]["message"], error
+    prompts = ["count 3 to 9:"] * 160
+    status, out = post_json(server, "/v1/completions", {"model": "demo", "prompt": prompts, "max_tokens": 2,
+                                                        "temperature": 0})
+    assert status == 200 and [c["text"] for c in out["choices"]] == [" 3"] * 160  # " 3" is two tokens
+
+
 def test_unknown_endpoints_and_methods_get_an_error_body(server):
     for method, path, code in (("GET", "/v1/nothing", 404), ("POST", "/v2/completions", 404),
                                ("GET", "/v1/completions", 405)):
@@ -259,6 +300,9 @@ def test_unknown_endpoints_and_methods_get_an_error_body(server):
 def test_models_health_and_metrics(server):
     models = client(server).models.list()
     assert [m.id for m in models.data] == ["demo"]
+    assert client(server).models.retrieve("demo").id == "demo"
+    with pytest.raises(openai.NotFoundError):
+        client(server).models.retrieve("gpt-4")
     assert request(server, "GET", "/health")[0] == 200
     text = request(server, "GET", "/metrics")[1].decode()
     for name in ("minisgl:num_running_reqs", "minisgl:num_queue_reqs", "minisgl:token_usage",
@@ -293,6 +337,33 @@ def test_json_schema_output_parses_and_validates(request, loop):
     out = c.completions.create(model="demo", prompt="add 1", max_tokens=16, temperature=0,
                                extra_body={"ebnf": 'root ::= "cat" | "dog dog"'})
     assert out.choices[0].text in ("cat", "dog dog")
+
+
+def schema_nested(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_grammar_beyond_the_limits_is_a_400_that_names_the_limit(server):
+    """One schema nested 300 levels used to stall the HTTP process for 6 s and the scheduler for 8;
+    an enum of 200,000 values wedged the scheduler for half an hour."""
+    fmt = lambda schema: {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}  # noqa: E731
+    cases = [({"response_format": fmt(schema_nested(300))}, "response_format", "more than 64 levels"),
+             ({"response_format": fmt({"enum": list(range(1001))})}, "response_format", "at most 1000"),
+             ({"response_format": fmt({"enum": [f"value_{i}" for i in range(200_000)]})}, "response_format",
+              "at most 32768"),
+             ({"regex": "a" * 40000}, "regex", "at most 32768"), ({"ebnf": 'root ::= "a"' + " " * 40000}, "ebnf",
+                                                                   "at most 32768")]
+    for extra, param, says in cases:
+        start = time.monotonic()
+        status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", **extra})
+        assert status == 400 and error["error"]["param"] == param and says in error["error"]["message"], error
+        assert time.monotonic() - start < 5.0
+    out = client(server).completions.create(model="demo", prompt="hi", max_tokens=16, temperature=0, extra_body={
+        "response_format": fmt(schema_nested(20))})  # 41 levels of JSON: within the limit
+    assert out.choices[0].text.startswith('{"a": {"a": ')
 
 
 def test_a_bad_grammar_is_a_400(server):
@@ -344,3 +415,85 @@ def test_tokens_queued_for_a_stream_go_out_as_one_piece_with_every_logprob():
     assert piece.text == tokenizer.decode(ids[:5], skip_special_tokens=True).split(stop)[0]
     assert piece.finish_reason == "stop" and gen.completion_tokens == 5 == len(piece.logprobs)
     assert isinstance(gen.client.sent[-1], AbortRequest)
+
+
+def first_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """What a client gets: the text up to the stop string that ends first (at one end, the longer)."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            return text[:end - max(map(len, ending))], True
+    return text, False
+
+
+def test_stop_strings_match_wherever_the_text_is_cut():
+    rng = random.Random(5)
+    for _ in range(3000):
+        alphabet = rng.choice(("ab", "abc"))
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        stops = tuple("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        matcher, out, stopped = StopStrings(stops), [], False
+        for a, b in zip([0, *cuts], [*cuts, len(text)]):
+            piece, stopped = matcher.feed(text[a:b])
+            out.append(piece)
+            if stopped:
+                break
+        if not stopped:
+            out.append(matcher.flush())
+        assert ("".join(out), stopped) == first_stop(text, stops), (text, stops, cuts)
+
+
+def test_a_stop_string_costs_each_piece_its_length_not_the_stop_strings_square():
+    """A piece that extends a long partial match: the held text is checked once per character
+    (it used to be sliced and compared once per prefix length, 400 times per piece)."""
+    stops = ("y" * (MAX_STOP_CHARS - 1) + "z",) * 4
+    matcher = StopStrings(stops)
+    start = time.perf_counter()
+    for i in range(10_000):
+        out, stopped = matcher.feed("y")
+        assert not stopped and out == ("y" if i >= MAX_STOP_CHARS - 1 else "")
+    assert time.perf_counter() - start < 1.0  # 0.03 s here; 3.4 s before
+
+
+class BlockedCompiles:
+    """A compile function that waits until told, and records what it was asked for."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.asked: list[str] = []
+
+    def __call__(self, spec: GrammarSpec) -> str:
+        self.asked.append(spec.text)
+        self.go.wait()
+        return f"compiled {spec.text}"
+
+
+def generate(rid: int, grammar: str) -> GenerateRequest:
+    return GenerateRequest(rid, [1, 2], SamplingParams(max_new_tokens=4), GrammarSpec("regex", grammar))
+
+
+def test_the_grammar_queue_compiles_once_per_grammar_and_an_abort_cancels_a_compile_not_started():
+    compiles = BlockedCompiles()
+    grammars = GrammarQueue(compiles, timeout_s=60.0)
+    for rid, grammar in ((0, "a+"), (1, "a+"), (2, "b+"), (3, "c+")):  # a+ compiles, b+ and c+ wait behind it
+        grammars.add(generate(rid, grammar))
+    assert grammars.drop(2) and not grammars.drop(2)  # b+'s client went away before its compile started
+    assert grammars.ready() == []
+    compiles.go.set()
+    deadline = time.monotonic() + 10
+    ready: dict[int, object] = {}
+    while len(ready) < 3 and time.monotonic() < deadline:
+        ready.update((req.rid, grammar) for req, grammar in grammars.ready())
+    assert ready == {0: "compiled a+", 1: "compiled a+", 3: "compiled c+"}
+    assert compiles.asked == ["a+", "c+"] and grammars.waiting == {} and grammars.compiling == {}
+
+
+def test_the_grammar_queue_refuses_a_compile_past_its_time_limit():
+    compiles = BlockedCompiles()
+    grammars = GrammarQueue(compiles, timeout_s=0.05)
+    grammars.add(generate(0, "a+"))
+    time.sleep(0.1)
+    [(req, why)] = grammars.ready()
+    assert req.rid == 0 and why == "the grammar did not compile within 0.05 s"
+    compiles.go.set()  # the thread finishes its compile; nobody waits for it

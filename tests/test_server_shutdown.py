@@ -69,3 +69,16 @@ def test_shutdown(flags, signals, code, reason, tmp_path):
         assert finish_reasons(events) == [reason] and events[-1] == "[DONE]"  # the client was told
         with pytest.raises(ProcessLookupError):  # the scheduler process is gone (its engine freed)
             os.kill(scheduler, 0)
+
+
+def test_the_server_exits_with_1_when_its_scheduler_process_dies(tmp_path):
+    """It used to answer 503 to everything, forever, with its gauges frozen: a supervisor never
+    learned to restart it. Now the clients in flight are told, then it exits."""
+    log = tmp_path / "server.log"
+    with launcher.running_server("--kv-tokens", "4096", log=log) as (url, proc):
+        thread, events, _ = start_stream(url, 400)
+        os.kill(scheduler_pid(proc), signal.SIGKILL)
+        assert proc.wait(EXIT_WAIT_S) == 1, log.read_text()
+        thread.join(EXIT_WAIT_S)
+        error = json.loads(events[-2])["error"]
+        assert error["message"].startswith("the scheduler process exited") and events[-1] == "[DONE]"

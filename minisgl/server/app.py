@@ -1,32 +1,40 @@
 """The HTTP routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
 Every route runs on the event loop and only waits (on the engine's sockets, on the client):
-the engine runs in the scheduler process, so a slow client never slows a step."""
+the engine runs in the scheduler process, so a slow client never slows a step. Work that grows
+with what a client sends runs on a worker thread (worker_thread.py) instead, raced against the
+client leaving: checking a grammar, tokenizing a long prompt. On the loop it would stall every
+other client for as long."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
-from typing import AsyncIterator
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..sampling_params import SamplingParams
 from .chat import render_chat
 from .engine_client import EngineClient, EngineUnavailable, Overloaded
+from .event_stream import EventStream
 from .generation import Generation, GenerationFailed
+from .messages import GrammarSpec
 from .metrics import Metrics
-from .protocol import APIError, Options, check_text, parse_chat, parse_completion, parse_json
+from .protocol import APIError, Options, check_text, grammar_param, parse_chat, parse_completion, parse_json
 from .responses import ChatFormat, CompletionFormat, Format
+from .worker_thread import WorkerThread
 
 MAX_BODY_BYTES = 8 << 20
 RETRY_AFTER_S = 1
 CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it; the access log says what happened
+INLINE_TOKENIZE_CHARS = 2048  # text up to this long is tokenized on the event loop (a few milliseconds at most)
+T = TypeVar("T")
 
 
 @dataclass
@@ -35,6 +43,14 @@ class ServerState:
     tokenizer: object
     model_name: str
     metrics: Metrics
+    write_timeout_s: float  # a stream whose client reads nothing for this long ends
+    heartbeat_timeout_s: float  # /health says 503 when the scheduler has been silent this long
+    worker: WorkerThread = field(default_factory=lambda: WorkerThread("minisgl-http-worker"))
+
+    def __post_init__(self) -> None:
+        # No token of this tokenizer spans more characters than its longest vocabulary entry (bytes
+        # of byte-level BPE, pieces of SentencePiece): a longer text cannot fit in the context.
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
 
     @property
     def vocab_size(self) -> int:
@@ -57,33 +73,58 @@ def build_app(state: ServerState) -> Starlette:
         body = parse_json(await read_body(request))
         req = parse_completion(body)
         check_model(state, req.model)
-        prompts = [tokenize(state, p, "prompt") for p in req.prompts]
+        check_engine_takes(state, len(req.prompts), req.options)
+        await check_grammar(state, request, req.options.grammar)
+
+        def tokenize_all() -> list[list[int]]:
+            return [tokenize(state, p, "prompt") for p in req.prompts]
+
+        size = sum(map(len, req.prompts))  # characters, or token ids (each costs about as much to check)
+        prompts = tokenize_all() if size <= INLINE_TOKENIZE_CHARS else await off_loop(state, request, tokenize_all)
         return await respond(state, request, prompts, req.options, CompletionFormat(state.model_name, state.tokenizer))
 
     async def chat_completions(request: Request) -> Response:
         body = parse_json(await read_body(request))
         req = parse_chat(body)
         check_model(state, req.model)
-        for i, m in enumerate(req.messages):
-            check_text(m["content"], f"messages[{i}].content")
-        try:
-            text = render_chat(state.tokenizer, req.messages)
-        except Exception as exc:  # noqa: BLE001 - a template's own error (jinja2) on these messages
-            raise APIError(f"the chat template cannot render these messages: {exc}", "messages") from None
-        ids = state.tokenizer.encode(text, add_special_tokens=False)
-        return await respond(state, request, [check_ids(state, ids, "messages")], req.options,
-                             ChatFormat(state.model_name, state.tokenizer))
+        check_engine_takes(state, 1, req.options)
+        await check_grammar(state, request, req.options.grammar)
+
+        def tokenize_chat() -> list[int]:
+            for i, m in enumerate(req.messages):
+                check_text(m["content"], f"messages[{i}].content")
+            try:
+                text = render_chat(state.tokenizer, req.messages)
+            except Exception as exc:  # noqa: BLE001 - a template's own error (jinja2) on these messages
+                raise APIError(f"the chat template cannot render these messages: {exc}", "messages") from None
+            return check_ids(state, encode(state, text, "messages", add_special_tokens=False), "messages")
+
+        chars = sum(len(m["content"]) for m in req.messages)
+        ids = tokenize_chat() if chars <= INLINE_TOKENIZE_CHARS else await off_loop(state, request, tokenize_chat)
+        return await respond(state, request, [ids], req.options, ChatFormat(state.model_name, state.tokenizer))
+
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "minisgl",
+                "max_model_len": state.max_seq_len}
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": 0, "owned_by": "minisgl",
-            "max_model_len": state.max_seq_len}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != state.model_name:
+            raise APIError(f"the model {model_id!r} does not exist; this server serves {state.model_name!r}",
+                           status=404, type="not_found_error", code="model_not_found")
+        return JSONResponse(model_card())
 
     async def health(request: Request) -> Response:
         client = state.client
         if client.failure is not None or client.closing or not client.process.is_alive():
             return error_response(APIError(client.failure or "the server is shutting down", status=503,
                                            type="service_unavailable"))
+        if client.silent_s > state.heartbeat_timeout_s:  # its loop is stuck (it sends every second)
+            return error_response(APIError(f"the scheduler has sent nothing for {client.silent_s:.0f} s",
+                                           status=503, type="service_unavailable"))
         return JSONResponse({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
@@ -93,7 +134,7 @@ def build_app(state: ServerState) -> Starlette:
         return error_response(exc)
 
     async def client_disconnected(request: Request, exc: ClientDisconnect) -> Response:
-        # A client gone while its body was read: no traceback in the server's log per client.
+        # A client gone while its body was read or its input prepared: no traceback in the log per client.
         return Response(status_code=CLIENT_GONE)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -104,6 +145,7 @@ def build_app(state: ServerState) -> Starlette:
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model_id:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={
@@ -130,22 +172,84 @@ def check_model(state: ServerState, model: str) -> None:
                        code="model_not_found")
 
 
+def check_engine_takes(state: ServerState, prompts: int, options: Options) -> None:
+    """What this engine can never run is a 400, before any work."""
+    generations = prompts * options.n
+    if generations > state.client.max_inflight:
+        raise APIError(f"the request asks for {generations} generations (prompts times n); this server runs at most "
+                       f"{state.client.max_inflight} at once (--max-inflight)", "n")
+    speculative = state.client.info.speculative
+    if speculative is not None and (options.grammar is not None or options.logprobs is not None):
+        param = "logprobs" if options.grammar is None else grammar_param(options.grammar)
+        raise APIError(f"{param} is not supported with speculative decoding ({speculative}): its verify step "
+                       f"applies no grammar and computes no logprobs", param)
+
+
+def parse_grammar(spec: GrammarSpec) -> None:
+    """On the worker thread (xgrammar loads there, on first use)."""
+    from ..features.xgrammar_backend import check_grammar
+
+    check_grammar(spec.kind, spec.text)
+
+
+async def check_grammar(state: ServerState, request: Request, spec: GrammarSpec | None) -> None:
+    """A grammar that does not parse is a 400; the scheduler process compiles it (grammar_queue.py)."""
+    if spec is None:
+        return
+    timeout_s = state.client.grammar_timeout_s
+    try:
+        await off_loop(state, request, parse_grammar, spec, timeout_s=timeout_s)
+    except ValueError as exc:
+        raise APIError(str(exc), grammar_param(spec)) from None
+    except asyncio.TimeoutError:
+        raise APIError(f"the {spec.kind} did not parse within {timeout_s:g} s (the server's --grammar-timeout)",
+                       grammar_param(spec)) from None
+
+
+async def off_loop(state: ServerState, request: Request, fn: Callable[..., T], *args: object,
+                   timeout_s: float | None = None) -> T:
+    """fn(*args) on the worker thread, raced against the client leaving (ClientDisconnect) and the
+    time limit (asyncio.TimeoutError). What has not started then never does; what has runs to its
+    end (a thread cannot be stopped), its result dropped."""
+    work = asyncio.wrap_future(state.worker.submit(fn, *args))
+    gone = asyncio.ensure_future(client_gone(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    if gone in done:
+        raise ClientDisconnect()
+    raise asyncio.TimeoutError()
+
+
 def tokenize(state: ServerState, prompt: str | list[int], param: str) -> list[int]:
     if isinstance(prompt, str):
         check_text(prompt, param)
-        prompt = state.tokenizer.encode(prompt)
+        prompt = encode(state, prompt, param)
     return check_ids(state, prompt, param)
 
 
+def encode(state: ServerState, text: str, param: str, **kwargs: bool) -> list[int]:
+    """The text's token ids; refused before tokenizing when it has too many characters to fit."""
+    if len(text) > state.max_seq_len * state.max_token_chars:
+        raise APIError(f"the prompt has {len(text)} characters: more than the context's {state.max_seq_len} tokens "
+                       f"can hold (a token is {state.max_token_chars} characters at most)", param,
+                       code="context_length_exceeded")
+    return state.tokenizer.encode(text, **kwargs)
+
+
 def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:
+    if not ids:
+        raise APIError("the prompt is empty", param)
+    if len(ids) >= state.max_seq_len:  # before the ids are looked at: there may be millions
+        raise APIError(f"the prompt has {len(ids)} tokens; the context holds {state.max_seq_len} (prompt plus at "
+                       f"least one new token)", param, code="context_length_exceeded")
     bad = sorted({i for i in ids if not 0 <= i < state.vocab_size})
     if bad:
         raise APIError(f"token ids {bad[:8]} are outside the vocabulary of {state.vocab_size}", param)
-    if not ids:
-        raise APIError("the prompt is empty", param)
-    if len(ids) >= state.max_seq_len:
-        raise APIError(f"the prompt has {len(ids)} tokens; the context holds {state.max_seq_len} (prompt plus at "
-                       f"least one new token)", param, code="context_length_exceeded")
     return ids
 
 
@@ -185,8 +289,7 @@ async def respond(state: ServerState, request: Request, prompts: list[list[int]]
         raise APIError(str(exc), status=503, type="service_unavailable") from None
     with_logprobs = options.logprobs is not None
     if options.stream:
-        return StreamingResponse(stream(gen, fmt, with_logprobs, prompt_tokens, options.include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventStream(stream(gen, fmt, with_logprobs, prompt_tokens, options.include_usage), state.write_timeout_s)
     collect = asyncio.ensure_future(gen.collect())
     gone = asyncio.ensure_future(client_gone(request))
     try:
@@ -212,8 +315,8 @@ async def client_gone(request: Request) -> None:
 
 async def stream(gen: Generation, fmt: Format, with_logprobs: bool, prompt_tokens: int,
                  include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events. A client that disconnects cancels this generator (Starlette), and
-    the finally clause aborts its generations in the engine."""
+    """Server-sent events. A client that disconnects or stalls ends this generator (EventStream),
+    and the finally clause aborts its generations in the engine."""
     try:
         for chunk in fmt.first_chunks(len(gen.choices)):
             yield sse(chunk)

@@ -1,8 +1,9 @@
 """`python -m minisgl serve`: the flags, and the process that runs the HTTP side.
 
-Exit codes: 0 drained (every request in flight finished), 1 the engine failed, 2 bad input, 3 the
-drain timed out and what was running was aborted, 128 + N a second signal N (130: Ctrl-C) forced
-the exit (shutdown.py)."""
+Exit codes: 0 drained (every request in flight finished), 1 the engine failed (the scheduler
+process died or its engine raised: the server tells the clients in flight and exits, for a
+supervisor to restart it), 2 bad input, 3 the drain timed out and what was running was aborted,
+128 + N a second signal N (130: Ctrl-C) forced the exit (shutdown.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 
 from ..checks import MAX_RUNNING_REQUESTS
 from ..frontend.options import Number, add_engine_args, count, engine_kwargs, model_dir
+from .grammar_queue import DEFAULT_TIMEOUT_S as DEFAULT_GRAMMAR_TIMEOUT_S
 
 DEFAULT_MAX_INFLIGHT = 4096  # generations queued or running; more get 503 + Retry-After
 SIGNAL_POLL_S = 0.05
@@ -28,6 +30,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the name clients pass as `model` (default: the model directory's name; 'demo' for the demo model)")
     p.add_argument("--max-inflight", type=count(MAX_RUNNING_REQUESTS), default=DEFAULT_MAX_INFLIGHT,
                    help="generations queued or running at most; beyond it a request gets 503 with Retry-After")
+    p.add_argument("--grammar-timeout", type=Number(float, 0.001, 86400.0), default=DEFAULT_GRAMMAR_TIMEOUT_S,
+                   help="seconds a request's grammar (response_format, regex, ebnf) may take to parse, and again to "
+                   "compile; beyond them the request is refused")
+    p.add_argument("--write-timeout", type=Number(float, 0.1, 86400.0), default=60.0,
+                   help="seconds a streaming client may read nothing before its stream ends and its request is "
+                   "aborted")
+    p.add_argument("--heartbeat-timeout", type=Number(float, 1.0, 86400.0), default=30.0,
+                   help="/health says 503 once the scheduler's loop has sent nothing for this many seconds (it sends "
+                   "every second; a step that long, or longer, is a wedged engine)")
     p.add_argument("--drain-timeout", type=Number(float, 0.0, 86400.0), default=30.0,
                    help="on SIGTERM or Ctrl-C: seconds the requests in flight get to finish before they are aborted "
                    "(a second signal exits at once)")
@@ -59,10 +70,11 @@ async def serve(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise ValueError(f"{model} has no tokenizer: the server needs one to turn text into tokens")
     metrics = Metrics(name)
-    client = EngineClient(model, engine_kwargs(args), metrics, args.max_inflight)
+    client = EngineClient(model, engine_kwargs(args), metrics, args.max_inflight, args.grammar_timeout)
     info = await client.start()  # ValueError (exit 2) when the engine cannot be built
+    state = ServerState(client, tokenizer, name, metrics, args.write_timeout, args.heartbeat_timeout)
     # uvicorn's own drain of open responses is the backstop: the drain below ends them first.
-    config = uvicorn.Config(build_app(ServerState(client, tokenizer, name, metrics)), host=args.host,
+    config = uvicorn.Config(build_app(state), host=args.host,
                             port=args.port, log_level=args.log_level, lifespan="off",
                             timeout_graceful_shutdown=args.drain_timeout + FORCED_STOP_S)
     server = Server(config)
@@ -71,8 +83,9 @@ async def serve(args: argparse.Namespace) -> int:
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     drained = False
     try:
-        while not (server.should_exit or serving.done()):
+        while not (server.should_exit or serving.done() or client.failure is not None):
             await asyncio.sleep(SIGNAL_POLL_S)
+        server.should_exit = True  # on a failure: its clients are told already; they get their answer, then exit
         drain = asyncio.create_task(client.drain(args.drain_timeout))
         while not (drain.done() or server.forced):
             await asyncio.sleep(SIGNAL_POLL_S)
@@ -85,4 +98,4 @@ async def serve(args: argparse.Namespace) -> int:
         code = await client.stop(FORCED_STOP_S if server.forced else SCHEDULER_EXIT_S)
     if not server.started:
         raise ValueError(f"cannot listen on {args.host}:{args.port}")
-    return server.exit_code(drained, code)
+    return server.exit_code(drained, code, client.failure is not None)

@@ -39,26 +39,59 @@ class IncrementalDetokenizer:
 
 
 class StopStrings:
-    """Finds the first stop string in a stream of text. Text that could be the start of a stop
-    string is held back until the next piece tells (it never reaches the client if it is)."""
+    """Finds the first stop string in a stream of text: the one that ends first (at one end, the
+    longer one), wherever the pieces of text were cut. Text that could be the start of a stop
+    string is held back until the next piece tells (it never reaches the client if it is).
+
+    A piece costs its length times the number of stop strings, whatever came before it: each stop
+    string's match advances one character at a time (StopMatch). Nothing is fed after a match."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.pending = ""
+        self.matches = [StopMatch(s) for s in stops]
+        self.pending = ""  # held back: the longest partial match, at most the longest stop string less one
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(the text that can go to the client now, whether a stop string matched)."""
-        if not self.stops:
+        if not self.matches:
             return text, False
+        start = len(self.pending)
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[:min(hits)], ""
-            return out, True
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        for i, char in enumerate(text):
+            found = [len(m.stop) for m in self.matches if m.advance(char)]
+            if found:
+                out, self.pending = self.pending[:start + i + 1 - max(found)], ""
+                return out, True
+        keep = max(m.matched for m in self.matches)
         out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
         return out, False
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+class StopMatch:
+    """How much of one stop string the text seen so far ends with (Knuth-Morris-Pratt)."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.matched = 0  # the text ends with stop[:matched]
+        # fallback[k]: the longest proper prefix of stop[:k] that is also its suffix
+        self.fallback = [0] * (len(stop) + 1)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fallback[k]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fallback[i + 1] = k
+
+    def advance(self, char: str) -> bool:
+        """One more character of text; True when it completes the stop string."""
+        k = self.matched
+        while k and char != self.stop[k]:
+            k = self.fallback[k]
+        if char == self.stop[k]:
+            k += 1
+        self.matched = k
+        return k == len(self.stop)

@@ -1,6 +1,10 @@
 """The HTTP process's side of the engine (SGLang's TokenizerManager): it starts the scheduler
 process, submits generations, routes each step's new tokens to the HTTP request that waits
-for them, aborts the generations of requests that went away, and records the latencies."""
+for them, aborts the generations of requests that went away, and records the latencies.
+
+A generation counts against `max_inflight` while the engine works on it: from its submission
+to the engine's last word on it (its finish, or its refusal), or to its abort. Not until its
+client has read it: a client that stops reading holds no place in the engine."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from ..sampling_params import SamplingParams
+from .grammar_queue import DEFAULT_TIMEOUT_S
 from .messages import AbortRequest, EngineInfo, GenerateRequest, GrammarSpec, Shutdown, StepOutput, TokenDelta
 from .metrics import Metrics
 from .scheduler_process import SchedulerArgs, run_scheduler
@@ -39,7 +44,7 @@ class Submission:
 
     rids: list[int]
     queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
-    open: set[int] = field(default_factory=set)  # not finished, not aborted
+    open: set[int] = field(default_factory=set)  # not finished for the client, not aborted
 
 
 @dataclass
@@ -51,16 +56,19 @@ class Timing:
 
 
 class EngineClient:
-    def __init__(self, model: Path, engine_kwargs: dict, metrics: Metrics, max_inflight: int) -> None:
+    def __init__(self, model: Path, engine_kwargs: dict, metrics: Metrics, max_inflight: int,
+                 grammar_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.model = model
         self.engine_kwargs = engine_kwargs
         self.metrics = metrics
         self.max_inflight = max_inflight
+        self.grammar_timeout_s = grammar_timeout_s
         self.info: EngineInfo | None = None
         self.failure: str | None = None  # the scheduler process died or the engine failed
         self.closing = False
+        self.last_heard = time.monotonic()  # the scheduler's last output (a heartbeat at least every second)
         self._ids = itertools.count()
-        self._submissions: dict[int, Submission] = {}  # by rid, while the generation is open
+        self._submissions: dict[int, Submission] = {}  # by rid, while the engine works on the generation
         self._timing: dict[int, Timing] = {}
         self._receiver: asyncio.Task | None = None
 
@@ -73,7 +81,7 @@ class EngineClient:
         requests_addr, outputs_addr = f"ipc://{self._dir.name}/requests", f"ipc://{self._dir.name}/outputs"
         self._requests.bind(requests_addr)
         self._outputs.bind(outputs_addr)
-        args = SchedulerArgs(str(self.model), self.engine_kwargs, requests_addr, outputs_addr)
+        args = SchedulerArgs(str(self.model), self.engine_kwargs, requests_addr, outputs_addr, self.grammar_timeout_s)
         # spawn: a fresh interpreter, so no thread or lock of this process is inherited half-held
         self.process = multiprocessing.get_context("spawn").Process(target=run_scheduler, args=(args,),
                                                                     name="minisgl-scheduler", daemon=True)
@@ -87,8 +95,14 @@ class EngineClient:
             self.process.join()
             raise ValueError(info.error)
         self.info = info
+        self.last_heard = time.monotonic()
         self._receiver = asyncio.create_task(self._receive_loop())
         return info
+
+    @property
+    def silent_s(self) -> float:
+        """Seconds since the scheduler process last sent anything."""
+        return time.monotonic() - self.last_heard
 
     async def drain(self, timeout_s: float) -> bool:
         """Take no new request; wait until every generation in flight is finished (True), or
@@ -143,10 +157,8 @@ class EngineClient:
 
     def finish(self, sub: Submission, rid: int) -> None:
         """The generation `rid` is over for its client (finished, or a stop string matched)."""
-        if rid in sub.open:
-            sub.open.discard(rid)
-            self._submissions.pop(rid, None)
-            self._timing.pop(rid, None)
+        sub.open.discard(rid)
+        self._engine_done(rid)
 
     def release(self, sub: Submission) -> None:
         """The HTTP request is over (answered, or its client went away): abort what still runs."""
@@ -154,10 +166,16 @@ class EngineClient:
             self.abort(sub, rid)
 
     def abort(self, sub: Submission, rid: int) -> None:
-        if rid in sub.open:
-            self.finish(sub, rid)
+        sub.open.discard(rid)
+        if rid in self._submissions:  # else the engine is done with it already: nothing to stop
+            self._engine_done(rid)
             self._send(AbortRequest(rid))
             self.metrics.aborted.inc()
+
+    def _engine_done(self, rid: int) -> None:
+        """The engine works on `rid` no more: its place is free for another generation."""
+        self._submissions.pop(rid, None)
+        self._timing.pop(rid, None)
 
     def _send(self, msg: object) -> None:
         # Not awaited: a PUSH socket queues the message at once (the HWM is far above what a
@@ -173,6 +191,7 @@ class EngineClient:
                     self._fail(f"the scheduler process exited (exit code {self.process.exitcode})")
                     return
                 continue
+            self.last_heard = time.monotonic()
             # Every step's output that is waiting is routed before any stream runs again: a stream
             # behind by several steps then finds all its tokens queued and sends them in one chunk
             # (one at a time, it would pay a JSON chunk and a socket write per token and stay behind).
@@ -199,12 +218,18 @@ class EngineClient:
             sub = self._submissions.get(delta.rid)
             if sub is not None:  # else its client is gone, or a stop string ended it
                 sub.queue.put_nowait(delta)
+            if delta.finish_reason is not None or delta.error is not None:  # the engine's last word on it
+                self._engine_done(delta.rid)
 
     def _fail(self, reason: str) -> None:
-        """No more tokens will come: every open generation ends with an error."""
+        """No more tokens will come: every open generation ends with an error, the gauges go to 0
+        (nothing runs), and the server exits (cli.py)."""
         self.failure = reason
-        for rid, sub in list(self._submissions.items()):
+        for rid, sub in self._submissions.items():
             sub.queue.put_nowait(TokenDelta(rid, [], error=reason))
+        self._submissions.clear()
+        self._timing.clear()
+        self.metrics.clear_load()
 
     def _record(self, delta: TokenDelta, now: float) -> None:
         n = len(delta.token_ids)

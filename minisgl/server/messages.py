@@ -49,6 +49,7 @@ class EngineInfo:
     loop: str = ""
     device: str = ""
     kv_tokens: int = 0
+    speculative: str | None = None  # the speculative algorithm, if on: its requests take no grammar, no logprobs
     error: str | None = None
 
 
@@ -76,7 +77,8 @@ class Load:
 
 @dataclass
 class StepOutput:
-    """Scheduler -> HTTP after every step that changed something."""
+    """Scheduler -> HTTP after every step that changed something, and at least every
+    scheduler_process.HEARTBEAT_S while its loop runs (a heartbeat: no deltas, the same load)."""
 
     deltas: list[TokenDelta]
     load: Load

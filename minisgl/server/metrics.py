@@ -57,13 +57,19 @@ class Metrics:
                                      registry=self.registry).labels(**labels)
         self.generation_tokens = Counter("minisgl:generation_tokens", "Tokens generated", labels.keys(),
                                          registry=self.registry).labels(**labels)
-        self.aborted = Counter("minisgl:aborted_requests", "Requests aborted (client gone, stop string, shutdown)",
-                               labels.keys(), registry=self.registry).labels(**labels)
+        self.aborted = Counter("minisgl:aborted_requests", "Generations stopped while the engine ran them (client "
+                               "gone, stop string, shutdown); not those it refused", labels.keys(),
+                               registry=self.registry).labels(**labels)
 
     def observe_load(self, load: Load) -> None:
         self.num_running.set(load.num_running)
         self.num_queue.set(load.num_queue)
         self.token_usage.set(load.kv_used / load.kv_total)
+
+    def clear_load(self) -> None:
+        """The scheduler process is gone: nothing runs, waits or holds KV any more."""
+        for gauge in (self.num_running, self.num_queue, self.token_usage):
+            gauge.set(0)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,12 +14,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checks import INT64_MAX, INT64_MIN, is_int
+from ..sampling_params import FLOAT32_TINY
 from .messages import GrammarSpec
 
 MAX_N = 64  # choices per request
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (completions: 5; the larger one for both)
 MAX_STOPS = 16
+MAX_STOP_CHARS = 400  # per stop string: the text held back while it may be starting is this long at most
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
+# A grammar's cost to compile grows faster than its size (a JSON schema nested 300 levels took
+# 8 s, an enum of 200,000 values half an hour): what one request may ask for. OpenAI's own
+# limits for structured outputs are tighter (10 levels of objects, 1,000 enum values).
+MAX_GRAMMAR_CHARS = 32768  # a JSON schema (as JSON), a regex or an EBNF grammar
+MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in a JSON schema
+MAX_SCHEMA_ENUM_VALUES = 1000  # the values of every enum in a JSON schema, together
 
 
 class APIError(Exception):
@@ -146,7 +154,7 @@ def _options(body: dict, max_tokens: int | None, logprobs: int | None) -> Option
         raise APIError("best_of other than n is not supported", "best_of")
     _refuse(body, frequency_penalty=0, presence_penalty=0, logit_bias=None)
     return Options(max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-                   top_p=_float(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=_top_k(body),
+                   top_p=_float(body, "top_p", 1.0, FLOAT32_TINY, 1.0), top_k=_top_k(body),
                    seed=_int(body, "seed", None, INT64_MIN, INT64_MAX), stop=_stop(body),
                    stop_token_ids=_ids(body, "stop_token_ids"), n=n, logprobs=logprobs,
                    ignore_eos=_bool(body, "ignore_eos", False), stream=stream, include_usage=include_usage,
@@ -164,7 +172,7 @@ def _grammar(body: dict) -> GrammarSpec | None:
             if not isinstance(schema, dict):
                 raise APIError("response_format.json_schema.schema must be a JSON schema object",
                                "response_format.json_schema")
-            found.append(GrammarSpec("json_schema", json.dumps(schema)))
+            found.append(GrammarSpec("json_schema", _bounded_schema(schema)))
         elif kind == "json_object":
             found.append(GrammarSpec("json_object"))
         elif kind != "text":
@@ -174,18 +182,42 @@ def _grammar(body: dict) -> GrammarSpec | None:
         if text is not None:
             if not isinstance(text, str) or not text:
                 raise APIError(f"{kind} must be a non-empty string", kind)
+            if len(text) > MAX_GRAMMAR_CHARS:
+                raise APIError(f"{kind} is {len(text)} characters; at most {MAX_GRAMMAR_CHARS}", kind)
             found.append(GrammarSpec(kind, text))
     if len(found) > 1:
         raise APIError("at most one of response_format (json), regex and ebnf", "response_format")
-    if not found:
-        return None
-    from ..features.xgrammar_backend import check_grammar
+    return found[0] if found else None
 
-    try:
-        check_grammar(found[0].kind, found[0].text)
-    except ValueError as exc:
-        raise APIError(str(exc), "response_format" if found[0].kind.startswith("json") else found[0].kind) from None
-    return found[0]
+
+def grammar_param(spec: GrammarSpec) -> str:
+    """The request field a grammar came from."""
+    return "response_format" if spec.kind.startswith("json") else spec.kind
+
+
+def _bounded_schema(schema: dict) -> str:
+    """The schema as JSON, once it is within the limits on its size, nesting and enums."""
+    param = "response_format"
+    text = json.dumps(schema)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise APIError(f"the JSON schema is {len(text)} characters as JSON; at most {MAX_GRAMMAR_CHARS}", param)
+    enum_values = 0
+    stack: list[tuple[Any, int]] = [(schema, 1)]  # (a value in the schema, how deep it is); no recursion
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise APIError(f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels of JSON objects and arrays "
+                           f"(a property's schema is two levels below its object's)", param)
+        if isinstance(value, dict):
+            if isinstance(value.get("enum"), list):
+                enum_values += len(value["enum"])
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    if enum_values > MAX_SCHEMA_ENUM_VALUES:
+        raise APIError(f"the JSON schema's enums have {enum_values} values together; at most "
+                       f"{MAX_SCHEMA_ENUM_VALUES}", param)
+    return text
 
 
 def _top_k(body: dict) -> int:
@@ -203,6 +235,8 @@ def _stop(body: dict) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
         raise APIError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them", "stop")
     for s in stops:
+        if len(s) > MAX_STOP_CHARS:
+            raise APIError(f"a stop string is {len(s)} characters; at most {MAX_STOP_CHARS}", "stop")
         check_text(s, "stop")
     return tuple(stops)
 
@@ -235,14 +269,16 @@ def _int(body: dict, name: str, default: int | None, low: int, high: int) -> int
     return int(value)
 
 
-def _float(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+def _float(body: dict, name: str, default: float, low: float, high: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise APIError(f"{name} must be a number, got {_kind(value)}", name)
-    if not (low < value if low_open else low <= value) or value > high:
-        raise APIError(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}", name)
+    if not math.isfinite(value):  # Python's json reads NaN, Infinity and -Infinity
+        raise APIError(f"{name} must be a finite number, got {json.dumps(value)}", name)
+    if not low <= value <= high:
+        raise APIError(f"{name} must be in [{low:g}, {high:g}], got {value}", name)
     return float(value)
 
 

@@ -1,8 +1,10 @@
 """Shutting the server down on SIGTERM or Ctrl-C, and what the exit code says.
 
-The first signal drains: the listening socket closes, /health and new requests get 503, and
-the requests in flight run to their end, for at most `--drain-timeout` seconds; whatever is
-still running then is aborted, and its client gets finish_reason "abort". The scheduler process
+The first signal drains: the listening socket closes and idle keep-alive connections are closed,
+so a new request (and a supervisor's /health check) fails to connect rather than getting a 503;
+the requests in flight run to their end, for at most `--drain-timeout` seconds, and whatever is
+still running then is aborted (its client gets finish_reason "abort"). Only a request that
+arrived in the moment between the signal and the socket's closing gets a 503. The scheduler process
 then checks that every KV slot and row is back (check_invariants), frees the engine and exits.
 A second signal exits at once: everything in flight is aborted, the scheduler process gets a
 few seconds to exit, then is killed.
@@ -19,7 +21,7 @@ from typing import Iterator
 import uvicorn
 
 EXIT_DRAINED = 0  # every request in flight finished
-EXIT_ENGINE_FAILED = 1  # the scheduler process failed, or its pools were not whole at the end
+EXIT_ENGINE_FAILED = 1  # the scheduler process died or its engine failed, or its pools were not whole at the end
 EXIT_ABORTED = 3  # the drain timed out: what was still running was aborted (its clients told)
 # A second signal: 128 + its number, as a shell reports a process that signal ended (130, 143).
 
@@ -55,9 +57,9 @@ class Server(uvicorn.Server):
     def forced(self) -> bool:
         return len(self.signals) > 1
 
-    def exit_code(self, drained: bool, scheduler_code: int | None) -> int:
+    def exit_code(self, drained: bool, scheduler_code: int | None, engine_failed: bool) -> int:
         if self.forced:
             return 128 + self.signals[-1]
-        if scheduler_code != 0:
+        if engine_failed or scheduler_code != 0:
             return EXIT_ENGINE_FAILED
         return EXIT_DRAINED if drained else EXIT_ABORTED

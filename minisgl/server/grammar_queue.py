@@ -1,0 +1,93 @@
+"""Generations waiting for their grammar, compiled off the scheduler's loop (SGLang's grammar queue).
+
+Compiling a grammar can take seconds, and longer than its size suggests; on the loop it would
+stop every running request for that long. So the scheduler process compiles on a worker thread
+(xgrammar releases the GIL while it compiles), and a generation with a grammar waits here until
+its grammar is ready, then enters the engine. The compile happens in this process because a
+compiled grammar does not leave it cheaply: xgrammar's serialized form measured 35 times its
+memory (55 MB for a schema of 500 properties) and took longer to read back than to compile.
+
+A compile past the time limit refuses its generations; the thread cannot be stopped, so the
+compile runs to its end and its grammar is dropped. A waiting generation that is aborted (its
+client went away) leaves at once, and takes its compile along if that has not started and no
+other generation waits for it."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from ..constraint import Constraint
+from .messages import GenerateRequest, GrammarSpec
+from .worker_thread import WorkerThread
+
+DEFAULT_TIMEOUT_S = 30.0  # serve --grammar-timeout
+
+
+@dataclass
+class Compile:
+    """One grammar's compile, shared by the generations that wait for it."""
+
+    spec: GrammarSpec
+    future: Future  # of the Constraint
+    waiters: int = 0
+
+
+@dataclass
+class Waiting:
+    request: GenerateRequest
+    compile: Compile
+    deadline: float  # time.monotonic()
+
+
+class GrammarQueue:
+    def __init__(self, compile: Callable[[GrammarSpec], Constraint], timeout_s: float) -> None:
+        self.compile = compile  # runs on the worker thread
+        self.timeout_s = timeout_s
+        self.worker = WorkerThread("minisgl-grammar")
+        self.compiling: dict[GrammarSpec, Compile] = {}  # while a generation waits for it
+        self.waiting: dict[int, Waiting] = {}  # by the HTTP process's request id
+
+    def add(self, request: GenerateRequest) -> None:
+        spec = request.grammar
+        assert spec is not None
+        compile = self.compiling.get(spec)
+        if compile is None:
+            compile = self.compiling[spec] = Compile(spec, self.worker.submit(self.compile, spec))
+        compile.waiters += 1
+        self.waiting[request.rid] = Waiting(request, compile, time.monotonic() + self.timeout_s)
+
+    def drop(self, rid: int) -> bool:
+        """Take a waiting generation out (aborted); False if it was not waiting."""
+        waiting = self.waiting.pop(rid, None)
+        if waiting is not None:
+            self._release(waiting)
+        return waiting is not None
+
+    def ready(self) -> list[tuple[GenerateRequest, Constraint | str]]:
+        """The generations done waiting, each with its grammar or why it has none (its compile
+        failed, or ran past the time limit)."""
+        now = time.monotonic()
+        done = []
+        for rid, waiting in list(self.waiting.items()):
+            compiled = waiting.compile.future
+            if compiled.done():
+                error = compiled.exception()
+                done.append((waiting.request, compiled.result() if error is None else str(error)))
+            elif now > waiting.deadline:
+                done.append((waiting.request, f"the grammar did not compile within {self.timeout_s:g} s"))
+            else:
+                continue
+            del self.waiting[rid]
+            self._release(waiting)
+        return done
+
+    def _release(self, gone: Waiting) -> None:
+        """A compile no generation waits for any more is forgotten (cancelled, if not started)."""
+        compile = gone.compile
+        compile.waiters -= 1
+        if compile.waiters == 0:
+            compile.future.cancel()
+            del self.compiling[compile.spec]
