@@ -9,7 +9,10 @@ from common import (console, demo_pairs, figure, header, lesson_main, median, me
                     rounds, run, section, side_by_side)
 
 from minisgl import SamplingParams
+from minisgl.frontend.options import count
 from minisgl.observe.trace import ideal_ratio, pipeline_metrics, request_metrics, share_of_gain
+
+MAX_REQUESTS = 128  # --requests: as many as the lessons' KV pool (make_llm: 8192 slots) holds at once
 
 
 def pool_whole(r) -> bool:
@@ -29,18 +32,22 @@ def answers_right(r, pairs) -> int:
 
 
 def loops_at(delays, prompts, params, reps: int) -> dict:
-    configs = {(loop, delay): (f"{loop} {delay:g}ms", dict(loop=loop, delay_ms=delay))
+    """Both loops at each delay, `reps` rounds; every request runs at once (a row each)."""
+    configs = {(loop, delay): (f"{loop} {delay:g}ms",
+                               dict(loop=loop, delay_ms=delay, max_running_requests=len(prompts)))
                for delay in delays for loop in ("normal", "overlap")}
     return rounds(reps, configs, prompts, params)
 
 
 def main() -> None:
-    args = parse_args(__doc__, delay_ms=2.0)
+    args = parse_args(__doc__, delay_ms=2.0, extra=lambda ap: ap.add_argument(
+        "--requests", type=count(MAX_REQUESTS), metavar="N",
+        help=f"requests (default 64, 32 with --quick; at most {MAX_REQUESTS}); section 1 runs them all at once"))
     header(8, "measuring the two loops",
            [pipeline_metrics, request_metrics, ideal_ratio, share_of_gain,
             "minisgl/observe/lab.py (the lab: sweep C/G, `make lab`)",
             "lessons/readings §10, §2 (000 「性能数字应该怎样读」, 「串行调度为什么会让 GPU 等 CPU」: the formulas)"])
-    pairs = demo_pairs(32 if args.quick else 64)
+    pairs = demo_pairs(args.requests or (32 if args.quick else 64))
     prompts = [p for p, _ in pairs]
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)  # every request decodes the same number of steps
     delays = (0.0, args.delay_ms)
