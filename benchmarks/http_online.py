@@ -165,7 +165,7 @@ def main() -> int:
                       *(f"{r[k] * 1000:.1f}" for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")), server)
     console.print(table)
     for loop, path, r, _ in rows:
-        per_1k = ", ".join(f"{who} {s:.1f} ({s / r['output_tokens'] * 1000:.3f} per 1,000 tokens)"
+        per_1k = ", ".join(f"{who} {s:.2f} ({s / r['output_tokens'] * 1000:.3f} per 1,000 tokens)"
                            for who, s in r["cpu_s"].items())
         console.print(f"{loop} {path} {r['rate']:g} req/s: CPU s {per_1k}; wall {r['wall_s']:.1f} s; "
                       f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}")
