@@ -20,7 +20,7 @@ from common import (Run, console, demo_pairs, figure, header, lesson_main, make_
 
 from minisgl import SamplingParams
 from minisgl.observe.lab import host_delay_for
-from minisgl.server.detokenizer import IncrementalDetokenizer
+from minisgl.server.detokenizer import WINDOW, IncrementalDetokenizer
 from minisgl.server.scheduler_process import SchedulerLoop
 from minisgl.tracer import SpanName
 
@@ -229,8 +229,8 @@ def main() -> None:
     figure("encode calls on the loop thread (outside)", outside.tokenizer.on_loop["encode"], "{:d}",
            f"{outside.tokenizer.elsewhere['encode']} on the other thread")
     figure("decode calls on the loop thread (in the loop)", inside.tokenizer.on_loop["decode"], "{:d}",
-           "two per new token (the incremental detokenizer's window), two at a request's end, one for its "
-           "RequestOutput.text")
+           "one per new token (the incremental detokenizer's window), one more each time the window slides "
+           f"(past {WINDOW} ids) and at the end for a piece still pending, one for its RequestOutput.text")
     figure("decode calls on the loop thread (outside)", outside.tokenizer.on_loop["decode"], "{:d}",
            "one per request: the LLM's RequestOutput.text")
     every = [r for rs in emulated.values() for r in rs]

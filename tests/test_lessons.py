@@ -165,10 +165,11 @@ def test_lesson_13_tokenizes_on_the_loop_thread_only_in_the_loop():
     assert f["encode calls on the loop thread (in the loop)"] == requests
     assert f["encode calls on the loop thread (outside)"] == 0
     # Outside, the loop's only decode is the LLM's RequestOutput.text, one per request. In the loop
-    # each of the 32 new tokens is detokenized there too (a window decoded twice), and each request's
-    # end flushes its detokenizer (twice more).
+    # each of the 32 new tokens is detokenized there too (its window decoded once); the window slides
+    # once, past 16 ids (one decode more, unless tokens without text kept it short), and a piece
+    # still pending at the end is flushed (one more).
     assert f["decode calls on the loop thread (outside)"] == requests
-    assert f["decode calls on the loop thread (in the loop)"] == requests * (2 * 32 + 2 + 1)
+    assert requests * (32 + 1) <= f["decode calls on the loop thread (in the loop)"] <= requests * (32 + 1 + 1 + 1)
     assert f["streamed texts identical"] == 1
     for loop in ("normal", "overlap"):  # printed, not checked: timings on a shared machine
         assert f"{loop}: in the loop / outside, tok/s (C outside aimed at G)" in f
