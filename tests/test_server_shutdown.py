@@ -83,3 +83,4 @@ def test_the_server_exits_with_1_when_its_scheduler_process_dies(tmp_path):
         thread.join(EXIT_WAIT_S)
         error = json.loads(events[-2])["error"]
         assert error["message"].startswith("the scheduler process exited") and events[-1] == "[DONE]"
+    assert "minisgl serve: exiting: the scheduler process exited (exit code -9)" in log.read_text().splitlines()

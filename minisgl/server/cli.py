@@ -102,4 +102,6 @@ async def serve(args: argparse.Namespace) -> int:
         code = await client.stop(FORCED_STOP_S if server.forced else SCHEDULER_EXIT_S)
     if not server.started:
         raise ValueError(f"cannot listen on {args.host}:{args.port}")
+    if client.failure is not None:  # for whoever restarts it: why it stopped serving
+        print(f"minisgl serve: exiting: {client.failure}", file=sys.stderr, flush=True)
     return server.exit_code(drained, code, client.failure is not None)
