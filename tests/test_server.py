@@ -301,8 +301,10 @@ def test_models_health_and_metrics(server):
     models = client(server).models.list()
     assert [m.id for m in models.data] == ["demo"]
     assert client(server).models.retrieve("demo").id == "demo"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as missing:
         client(server).models.retrieve("gpt-4")
+    assert missing.value.body == {"message": "the model 'gpt-4' does not exist; this server serves 'demo'",
+                                  "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
     assert request(server, "GET", "/health")[0] == 200
     text = request(server, "GET", "/metrics")[1].decode()
     for name in ("minisgl:num_running_reqs", "minisgl:num_queue_reqs", "minisgl:token_usage",

@@ -111,10 +111,7 @@ def build_app(state: ServerState) -> Starlette:
         return JSONResponse({"object": "list", "data": [model_card()]})
 
     async def model(request: Request) -> Response:
-        model_id = request.path_params["model_id"]
-        if model_id != state.model_name:
-            raise APIError(f"the model {model_id!r} does not exist; this server serves {state.model_name!r}",
-                           status=404, type="not_found_error", code="model_not_found")
+        check_model(state, request.path_params["model_id"], status=404)
         return JSONResponse(model_card())
 
     async def health(request: Request) -> Response:
@@ -166,10 +163,10 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def check_model(state: ServerState, model: str) -> None:
+def check_model(state: ServerState, model: str, status: int = 400) -> None:
     if model != state.model_name:
         raise APIError(f"the model {model!r} does not exist; this server serves {state.model_name!r}", "model",
-                       code="model_not_found")
+                       status=status, code="model_not_found")
 
 
 def check_engine_takes(state: ServerState, prompts: int, options: Options) -> None:
