@@ -247,6 +247,11 @@ BAD_CHAT = [
 
 @pytest.mark.parametrize("path, cases", [("/v1/completions", BAD_COMPLETIONS), ("/v1/chat/completions", BAD_CHAT)])
 def test_bad_requests_get_400_with_an_error_body_and_the_server_keeps_serving(server, path, cases):
+    in_flight: list[tuple[str, str | None]] = []  # a stream that runs while the bad requests come
+    stream = client(server).completions.create(model="demo", prompt="hi", max_tokens=200, stream=True,
+                                               extra_body={"ignore_eos": True})
+    reader = threading.Thread(target=lambda: in_flight.append(streamed_text(stream)))
+    reader.start()
     for body, param in cases:
         status, error = post_json(server, path, body)
         assert status == 400, (body, error)
@@ -256,6 +261,8 @@ def test_bad_requests_get_400_with_an_error_body_and_the_server_keeps_serving(se
         assert status == 400 and json.loads(error)["error"]["type"] == "invalid_request_error"
     status, out = post_json(server, "/v1/completions", {"model": "demo", "prompt": "add 12 5:", "temperature": 0})
     assert status == 200 and out["choices"][0]["text"] == " 17"
+    reader.join(60)
+    assert [finish for _, finish in in_flight] == ["length"]
 
 
 def test_what_was_wrong_is_said(server):
@@ -375,6 +382,25 @@ def test_a_bad_grammar_is_a_400(server):
                         ({"regex": "a", "ebnf": 'root ::= "a"'}, "response_format")):
         status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", **body})
         assert status == 400 and error["error"]["param"] == param, error
+
+
+@pytest.mark.full  # a server of its own
+def test_what_speculative_decoding_cannot_do_is_a_400_before_any_work():
+    """Its verify step applies no grammar and computes no logprobs: such a request used to reach
+    the engine and come back a 500."""
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+    cases = [("/v1/completions", {"model": "demo", "prompt": "hi", "logprobs": 2}, "logprobs"),
+             ("/v1/completions", {"model": "demo", "prompt": "hi", "regex": "[a-z]+"}, "regex"),
+             ("/v1/chat/completions", {**chat, "logprobs": True}, "logprobs"),
+             ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, "response_format")]
+    with running_server("--speculative-algorithm", "ngram", *SMALL_POOL) as url:
+        for path, body, param in cases:
+            status, error = post_json(url, path, body)
+            assert status == 400 and error["error"]["param"] == param, error
+            assert "speculative decoding (ngram)" in error["error"]["message"]
+        assert metric(url, "minisgl:prompt_tokens_total") == 0  # nothing reached the engine
+        out = client(url).completions.create(model="demo", prompt="add 12 5:", temperature=0)
+        assert out.choices[0].text == " 17"
 
 
 class QueueOnlyClient(EngineClient):
