@@ -297,6 +297,27 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server):
     assert status == 200 and [c["text"] for c in out["choices"]] == [" 3"] * 160  # " 3" is two tokens
 
 
+def test_a_long_batch_is_tokenized_off_the_event_loop(server):
+    """1,024 prompts of 4,500 characters take the demo tokenizer most of a second: on the event
+    loop, no other client got an answer meanwhile (a /health check included). The last prompt fits
+    the character bound (512 tokens of 9 characters at most) but not the context, so the batch is
+    refused once every prompt is tokenized."""
+    prompts = [" requests" * 500] * 1023 + [" memory tokens" * 300]  # 500 tokens each; the last 600
+    answer: list = []
+    batch = threading.Thread(target=lambda: answer.append(post_json(server, "/v1/completions", {
+        "model": "demo", "prompt": prompts})))
+    batch.start()
+    waits = []
+    while batch.is_alive():
+        start = time.monotonic()
+        assert request(server, "GET", "/health")[0] == 200
+        waits.append(time.monotonic() - start)
+        time.sleep(0.05)
+    [(status, error)] = answer
+    assert status == 400 and error["error"]["param"] == "prompt" and "tokens" in error["error"]["message"], error
+    assert len(waits) > 3 and max(waits) < 0.4, waits
+
+
 def test_unknown_endpoints_and_methods_get_an_error_body(server):
     for method, path, code in (("GET", "/v1/nothing", 404), ("POST", "/v2/completions", 404),
                                ("GET", "/v1/completions", 405)):
