@@ -46,10 +46,12 @@ class ServerState:
     write_timeout_s: float  # a stream whose client reads nothing for this long ends
     heartbeat_timeout_s: float  # /health says 503 when the scheduler has been silent this long
     worker: WorkerThread = field(default_factory=lambda: WorkerThread("minisgl-http-worker"))
+    max_token_chars: int = field(init=False)  # the most characters of text one token stands for
 
     def __post_init__(self) -> None:
         # No token of this tokenizer spans more characters than its longest vocabulary entry (bytes
         # of byte-level BPE, pieces of SentencePiece): a longer text cannot fit in the context.
+        # A smaller figure here would refuse prompts that fit.
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
 
     @property
@@ -80,7 +82,7 @@ def build_app(state: ServerState) -> Starlette:
             return [tokenize(state, p, "prompt") for p in req.prompts]
 
         size = sum(map(len, req.prompts))  # characters, or token ids (each costs about as much to check)
-        prompts = tokenize_all() if size <= INLINE_TOKENIZE_CHARS else await off_loop(state, request, tokenize_all)
+        prompts = await prepare_input(state, request, size, tokenize_all)
         return await respond(state, request, prompts, req.options, CompletionFormat(state.model_name, state.tokenizer))
 
     async def chat_completions(request: Request) -> Response:
@@ -100,7 +102,8 @@ def build_app(state: ServerState) -> Starlette:
             return check_ids(state, encode(state, text, "messages", add_special_tokens=False), "messages")
 
         chars = sum(len(m["content"]) for m in req.messages)
-        ids = tokenize_chat() if chars <= INLINE_TOKENIZE_CHARS else await off_loop(state, request, tokenize_chat)
+        check_chars(state, chars, "messages")  # before the template renders them
+        ids = await prepare_input(state, request, chars, tokenize_chat)
         return await respond(state, request, [ids], req.options, ChatFormat(state.model_name, state.tokenizer))
 
     def model_card() -> dict:
@@ -203,6 +206,12 @@ async def check_grammar(state: ServerState, request: Request, spec: GrammarSpec 
                        grammar_param(spec)) from None
 
 
+async def prepare_input(state: ServerState, request: Request, size: int, fn: Callable[[], T]) -> T:
+    """fn() on the event loop when the input is short (a thread hand-off would cost more), else
+    on the worker thread."""
+    return fn() if size <= INLINE_TOKENIZE_CHARS else await off_loop(state, request, fn)
+
+
 async def off_loop(state: ServerState, request: Request, fn: Callable[..., T], *args: object,
                    timeout_s: float | None = None) -> T:
     """fn(*args) on the worker thread, raced against the client leaving (ClientDisconnect) and the
@@ -231,11 +240,16 @@ def tokenize(state: ServerState, prompt: str | list[int], param: str) -> list[in
 
 def encode(state: ServerState, text: str, param: str, **kwargs: bool) -> list[int]:
     """The text's token ids; refused before tokenizing when it has too many characters to fit."""
-    if len(text) > state.max_seq_len * state.max_token_chars:
-        raise APIError(f"the prompt has {len(text)} characters: more than the context's {state.max_seq_len} tokens "
+    check_chars(state, len(text), param)
+    return state.tokenizer.encode(text, **kwargs)
+
+
+def check_chars(state: ServerState, chars: int, param: str) -> None:
+    """A bound that costs nothing: text longer than this cannot fit in the context, whatever its tokens."""
+    if chars > state.max_seq_len * state.max_token_chars:
+        raise APIError(f"the prompt has {chars} characters: more than the context's {state.max_seq_len} tokens "
                        f"can hold (a token is {state.max_token_chars} characters at most)", param,
                        code="context_length_exceeded")
-    return state.tokenizer.encode(text, **kwargs)
 
 
 def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:
