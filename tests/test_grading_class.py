@@ -15,6 +15,10 @@ Exercises 2 and 3 only (a check is a fresh process: seconds each). The class:
   monkeypatcher (torch.equal and a class of the package patched): 0 on exercise 3, 1 on exercise 2;
 - spinner: `while True: pass` in exercise 2's publish, which runs on the engine stream's worker
   thread: a hang on exercise 2, 1 on exercise 3;
+- hog: 9 GiB in exercise 3's snapshot, past the default memory limit (8 GiB a process): status
+  memory limit on exercise 3, 1 on exercise 2; interrupter: `raise KeyboardInterrupt` there:
+  status interrupted (not "forged"), 1 on exercise 2;
+- a folder named `venv`: skipped, and named on the console;
 - twice (a folder and a patch of one name), a FIFO, a symlink loop, a broken patch: one
   "not gradable" row each.
 """
@@ -107,6 +111,10 @@ t.snapshot = lambda self: self
 return self
 """,
 }
+OTHER_EX3 = {  # run, and stopped by the judge
+    "hog": "import torch\nhog = torch.ones(9 << 30, dtype=torch.uint8)\n" + SNAPSHOT,
+    "interrupter": "raise KeyboardInterrupt\n",
+}
 
 
 def with_regions(base: Path, dest: Path, code: dict[int, dict[str, str]]) -> Path:
@@ -142,8 +150,9 @@ def graded(tmp_path_factory):
         (added / "scratch.py").write_text("print('trying')\n")
         wrong3 = next(w for w in WRONG if w.exercise == 3)
         with_regions(base, subs / "known-wrong", {**REFERENCE, 3: wrong3.regions})
-        for name, code in HOSTILE_EX3.items():
+        for name, code in {**HOSTILE_EX3, **OTHER_EX3}.items():
             with_regions(base, subs / name, {**REFERENCE, 3: {"snapshot": textwrap.dedent(code)}})
+        with_regions(base, subs / "venv", REFERENCE)
         with_regions(base, subs / "spinner", {**REFERENCE, 2: {**REFERENCE[2], "publish": "while True:\n    pass\n"}})
         with_regions(base, subs / "twice", REFERENCE)
         (subs / "twice.patch").write_text(diff)
@@ -193,7 +202,7 @@ def test_every_mark_of_the_class_is_right(graded):
     marks = {name: (row["ex2"], row["ex3"]) for name, row in rows.items()}
     assert marks == {
         "reference": ("1", "1"), "crlf": ("1", "1"), "powershell": ("1", "1"), "added-import": ("1", "1"),
-        "known-wrong": ("1", "0"), **{name: ("1", "0") for name in HOSTILE_EX3}, "spinner": ("0", "1"),
+        "known-wrong": ("1", "0"), **{name: ("1", "0") for name in {**HOSTILE_EX3, **OTHER_EX3}}, "spinner": ("0", "1"),
         "twice": ("0", "0"), "fifo": ("0", "0"), "loop": ("0", "0"), "broken": ("0", "0"),
     }, marks
     assert rows["added-import"]["notes"] and "batch.py" in rows["added-import"]["notes"]
@@ -206,6 +215,18 @@ def test_every_mark_of_the_class_is_right(graded):
     for name in HOSTILE_EX3:  # stopped before they ran, with the rule they broke
         rows = [d for d in details if d["student"] == name and d["exercise"] == "3"]
         assert rows and {d["status"] for d in rows} == {"refused"} and all("a region may" in d["rule"] for d in rows)
+    for name, status in (("hog", "memory limit"), ("interrupter", "interrupted")):
+        assert {d["status"] for d in details if d["student"] == name and d["exercise"] == "3"} == {status}, name
+    statuses = {name: sheet(out)[name]["status"] for name in ("reference", "spinner", "hog", "interrupter", "forger",
+                                                               "loop")}
+    assert statuses["reference"] == "" and statuses["spinner"].startswith("ex2: hang: "), statuses
+    assert statuses["hog"] == "ex3: memory limit: used more than 8 GiB", statuses
+    assert statuses["interrupter"] == "ex3: the check was interrupted (KeyboardInterrupt raised by the submission)"
+    assert statuses["forger"].startswith("ex3: not run: a region may") and statuses["loop"].startswith("not gradable")
+    said = done.stdout.splitlines()
+    assert said[0] == "grading exercises 2, 3 (as --exercises asks)", said[:3]
+    assert any(line.startswith("skipped") and line.endswith(": venv") for line in said[:3]), said[:3]
+    assert any(line.startswith("checking the reference solutions first") for line in said), said[:8]
 
 
 def test_nothing_was_written_outside_the_copies_and_no_teacher_text_reached_a_message(graded):

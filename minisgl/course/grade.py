@@ -1,12 +1,15 @@
 """Grade a class: every exercise of every submission, into a grade sheet.
 
     python -m minisgl course grade SUBMISSIONS --out DIR [--jobs 2] [--exercises 1 2] [--check-limit 180]
+                                   [--memory-limit 8]
 
 Each entry of SUBMISSIONS is one student, named by the entry: a work tree (a folder of the
 student edition, edited) or a patch against it (`NAME.patch` or `NAME.diff`, from `git diff` in
 the student's tree, in any encoding PowerShell or Git writes). Entries may be malformed (a
-symlink, a FIFO, a patch that does not apply): each is one "not gradable" row. SUBMISSIONS may
-be anywhere, this checkout included.
+symlink, a FIFO, a patch that does not apply): each is one "not gradable" row. Hidden entries
+and the folders of tools and OSes (`work`, `build`, `venv`, `__MACOSX`, ...) are skipped, the
+folders among them named on the console. SUBMISSIONS may be anywhere, this checkout included.
+Every exercise is graded unless --exercises names some (the run's first line says which).
 
 How a submission is read (submission.py): normalized (line ends, BOMs, OS litter), its code
 between the markers taken per exercise; an edit inside a function that holds exercise N's
@@ -14,8 +17,9 @@ region costs exercise N; any other edit is reported and costs nothing.
 
 How an exercise is checked (judge.py): in a fresh process, in a throw-away copy of the student
 edition with the submission's code between that exercise's markers and the reference code
-between the others, with a limit per check (a hang is reported as one). The verdict is the
-judge's, not the child's: a forged report, a crash or a hang earns nothing. Submissions with the
+between the others, with a limit in time per check (a hang is reported as one) and in memory per
+process of a check (--memory-limit). The verdict is the judge's, not the child's: a forged
+report, a crash, a hang or a check over the memory limit earns nothing. Submissions with the
 same code in an exercise's regions (comments and spacing aside) share one check. A check may
 not write outside its copy (Landlock, on Linux; the run's first lines say whether this machine
 has it); without that wall, a write into the teacher's checkout is seen by a listing before
@@ -24,7 +28,8 @@ outlives it.
 
 Writes, only when every check has run:
 - DIR/grades.csv: one row per student, a column per exercise (1 when every check passes, the
-  checker's half of the guide's rubric; 0 otherwise), the total, and notes;
+  checker's half of the guide's rubric; 0 otherwise), the total, the status (each exercise that
+  was not simply passed or failed, e.g. `ex3: hang: ...`) and notes (edits reported);
 - DIR/grade-details.csv: one row per student, exercise and test (or edit that costs a mark), with
   the rule it breaks in the test's own words;
 - DIR/grades.json: both, for scripts.
@@ -51,32 +56,23 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from minisgl.course import PACKAGE, ROOT
+from minisgl.course import ROOT
 from minisgl.course.catalog import EXERCISES
 from minisgl.course.judge import CheckVerdict, Judge
 from minisgl.course.judge_process import kill_run_processes
-from minisgl.course.make_exercise import Wrong, marked_files, regions, replace_regions
+from minisgl.course.make_exercise import Wrong, replace_regions
+from minisgl.course.markers import marked_files, written_regions
 from minisgl.course.student_edition import write_student_edition
 from minisgl.course.submission import NotGradable, Submission, is_submission, read_tree, student_name, tree_from_entry
 from minisgl.frontend.options import OneLineParser, count
 
 MAX_JOBS = 64  # checks at once, one process each
+MEMORY_LIMIT_GIB = 8  # a reference check peaks at 0.4-0.7 GiB; torch adds about 17 MiB a thread (TEACHER.md)
 RUN_PREFIX = "minisgl-grade-run-"  # this run's scratch folder in the system's temporary folder
 INTERRUPTED = 130
 
 
 # --------------------------------------------------------------------------- regions of a tree
-
-def written_regions(tree: Path) -> dict[int, dict[str, str]]:
-    """exercise -> region name -> the code between its markers in tree/minisgl (dedented)."""
-    found: dict[int, dict[str, str]] = {}
-    for rel in marked_files(PACKAGE):
-        lines = (tree / "minisgl" / rel).read_text().splitlines(keepends=True)
-        for region in regions(lines):
-            found.setdefault(region.number, {})[region.name] = textwrap.dedent(
-                "".join(lines[region.first + 1:region.last]))
-    return found
-
 
 def put_regions(tree: Path, code: dict[int, dict[str, str]], dest: Path) -> Path:
     """A copy of tree (its git history left out) in dest, with `code` between the markers of its
@@ -147,6 +143,12 @@ def new_run_folder() -> Path:
 
 # --------------------------------------------------------------------------- submissions
 
+def skipped_folders(submissions: Path) -> list[str]:
+    """The folders of SUBMISSIONS that are not read as submissions (hidden, or named like a tool's
+    or an OS's folder): said on the console, so that no student's folder is passed over unseen."""
+    return sorted(p.name for p in submissions.iterdir() if p.is_dir() and not is_submission(p))
+
+
 def read_class(submissions: Path, edition: Path, scratch: Path) -> list[Submission]:
     """One Submission per student name, malformed ones included (not gradable)."""
     entries = sorted(p for p in submissions.iterdir() if is_submission(p))
@@ -185,7 +187,8 @@ def read_class(submissions: Path, edition: Path, scratch: Path) -> list[Submissi
 class ExerciseGrade:
     exercise: int
     mark: float  # 1.0: every check passed and no edit around the region
-    status: str  # passed, failed, hang, crash, forged, refused, escaped, edited, not gradable
+    status: str  # passed, failed, hang, crash, memory limit, interrupted, forged, refused, escaped, edited,
+    #              not gradable
     rules: tuple[str, ...]  # why not 1.0, one short line each
     tests: tuple[tuple[str, bool, str], ...] = ()  # (test, passed, rule)
 
@@ -199,6 +202,21 @@ class StudentGrade:
     @property
     def total(self) -> float:
         return sum(e.mark for e in self.exercises)
+
+    @property
+    def status(self) -> str:
+        """What happened beyond passing or failing, in a few words for grades.csv: 'ex1: not run: a
+        region may not use the name `sys` (...); ex3: hang: the checks ran past the limit of 180 s'."""
+        if self.exercises and self.exercises[0].status == "not gradable":  # then every exercise is
+            return self.exercises[0].rules[0]
+        return "; ".join(f"ex{e.exercise}: {_short(e.rules[0] if e.rules else e.status)}" for e in self.exercises
+                         if e.status not in ("passed", "failed"))
+
+
+def _short(said: str, most: int = 100) -> str:
+    """The first clause of a line, at most `most` characters."""
+    said = said.split("; ")[0]
+    return said if len(said) <= most else said[:most - 1] + "…"
 
 
 def grade_of(sub: Submission, number: int, verdict: CheckVerdict | None) -> ExerciseGrade:
@@ -220,9 +238,9 @@ def _cell(text: str) -> str:
 def write_sheet(grades: list[StudentGrade], numbers: list[int], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     files = {}
-    header = ["student", *(f"ex{n}" for n in numbers), "total", "of", "notes"]
+    header = ["student", *(f"ex{n}" for n in numbers), "total", "of", "status", "notes"]
     rows = [[_cell(g.student), *(f"{e.mark:g}" for e in g.exercises), f"{g.total:g}", str(len(numbers)),
-             _cell(" | ".join(g.notes)[:400])] for g in grades]
+             _cell(g.status), _cell(" | ".join(g.notes)[:400])] for g in grades]
     files["grades.csv"] = [header, *rows]
     detail = [["student", "exercise", "mark", "status", "test", "passed", "rule"]]
     for g in grades:
@@ -240,20 +258,26 @@ def write_sheet(grades: list[StudentGrade], numbers: list[int], out: Path) -> No
             csv.writer(f).writerows(table)
         os.replace(tmp, out / name)
     tmp = out / ".grades.json.tmp"
-    tmp.write_text(json.dumps([dict(asdict(g), total=g.total) for g in grades], indent=1, ensure_ascii=False) + "\n")
+    tmp.write_text(json.dumps([dict(asdict(g), total=g.total, status=g.status) for g in grades], indent=1,
+                              ensure_ascii=False) + "\n")
     os.replace(tmp, out / "grades.json")
 
 
 # --------------------------------------------------------------------------- the class
 
 def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, limit_s: float,
-                scratch: Path, confine: bool = True) -> list[StudentGrade]:
+                scratch: Path, confine: bool = True, memory_gib: float = MEMORY_LIMIT_GIB) -> list[StudentGrade]:
     start = time.monotonic()
+    print(exercises_line(numbers), flush=True)
+    skipped = skipped_folders(submissions)
+    if skipped:
+        print(f"skipped (not read as submissions: hidden, or a tool's or an OS's folder): {', '.join(skipped)}",
+              flush=True)
     edition = write_student_edition(scratch / "edition", exclude=(submissions, out))
     subs = read_class(submissions, edition, scratch)
     reference = written_regions(ROOT)
     judge = Judge(edition, scratch, reference, limit_s, scratch.name, guard=ROOT, guard_skip=[submissions, out],
-                  confine=confine)
+                  confine=confine, memory_gib=memory_gib)
     checks: dict[CheckKey, dict[str, str]] = {}
     sharing: Counter[CheckKey] = Counter()
     for sub in subs:
@@ -264,7 +288,8 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
                 sharing[key] += 1
     print(f"{len(subs)} submissions read in {time.monotonic() - start:.0f} s: {sharing.total()} exercises to grade, "
           f"{len(checks)} distinct checks (identical region code is checked once), {jobs} at a time, "
-          f"{limit_s:g} s at most each", flush=True)
+          f"{limit_s:g} s and {f'{memory_gib:g} GiB' if memory_gib else 'any memory'} at most each", flush=True)
+    print("checking the reference solutions first (one check per exercise, 10-20 s of CPU each)…", flush=True)
     verdicts: dict[CheckKey, CheckVerdict] = {}
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
@@ -295,6 +320,14 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
     return grades
 
 
+def exercises_line(numbers: list[int]) -> str:
+    """Which exercises this run grades, and how to choose them, for the console's first line."""
+    every = numbers == sorted(EXERCISES)
+    return (f"grading exercises {', '.join(map(str, numbers))}"
+            + (" (the default: every exercise; to grade only those the class was given, name them: "
+               "--exercises 1 2 3 ...)" if every else " (as --exercises asks)"))
+
+
 def confinement_line(word: dict | None) -> str:
     """What the OS does to keep a check in its copy, for the teacher's console."""
     abi = (word or {}).get("landlock", 0)
@@ -303,6 +336,17 @@ def confinement_line(word: dict | None) -> str:
              "not confined by the OS (no Landlock here): a write outside a copy is only detected")
     reaper = "; what a check leaves running is re-parented and killed" if (word or {}).get("subreaper") else ""
     return f"checks run in their own copies, {walls}{reaper}; the teacher's checkout is listed around each check"
+
+
+def gibibytes(text: str) -> float:
+    """--memory-limit's value: GiB, 0 (no limit) or at least 1 (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value == 0 or 1 <= value <= 4096):
+        raise argparse.ArgumentTypeError(f"{text!r} is not 0 (no limit) or a number of GiB from 1 to 4096")
+    return value
 
 
 def _interrupt(signum, frame):
@@ -319,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exercises", type=int, nargs="+", default=sorted(EXERCISES), choices=sorted(EXERCISES))
     ap.add_argument("--check-limit", type=count(3600), default=180, metavar="SECONDS",
                     help="a check that runs longer is a hang (default 180)")
+    ap.add_argument("--memory-limit", type=gibibytes, default=MEMORY_LIMIT_GIB, metavar="GIB",
+                    help=f"the memory each process of a check may take, in GiB: a check that needs more earns nothing "
+                         f"(default {MEMORY_LIMIT_GIB}; 0: no limit; Linux enforces it, macOS may not)")
     ap.add_argument("--unconfined", action="store_true",
                     help="no Landlock wall around the checks (only if the reference fails behind it, e.g. a GPU "
                          "driver that writes elsewhere): writes into this checkout are then only detected")
@@ -332,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = new_run_folder()
     try:
         grades = grade_class(args.submissions.resolve(), args.out.resolve(), sorted(set(args.exercises)), args.jobs,
-                             args.check_limit, scratch, confine=not args.unconfined)
+                             args.check_limit, scratch, confine=not args.unconfined, memory_gib=args.memory_limit)
     except ValueError as exc:
         ap.error(str(exc))
     except RuntimeError as exc:
@@ -347,8 +394,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.out / 'grades.csv'} (per test: {args.out / 'grade-details.csv'})")
     for g in grades:
         marks = " ".join(f"{e.mark:g}" for e in g.exercises)
-        print(f"{g.student:24} {marks}  total {g.total:g}" + ("  NOT GRADABLE" if any(
-            e.status == "not gradable" for e in g.exercises) else ""))
+        print(f"{g.student:24} {marks}  total {g.total:g}" + (f"  ({g.status})" if g.status else ""))
     return 0
 
 
