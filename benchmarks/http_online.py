@@ -7,7 +7,9 @@ For each loop: a `minisgl serve` process; Poisson arrivals (seed 0) of the onlin
 completion from the official `openai` client (asyncio); TTFT from the request's arrival time
 to its first chunk, ITL between chunks, tok/s over the run, all measured by the client. Then
 the in-process online bench (minisgl/observe/online.py) on the same requests at the same
-rates, and the ratio of the two throughputs.
+rates, and the ratio of the two throughputs. Under the table, each run's CPU seconds by process
+(the HTTP process, the scheduler process, this benchmark's client; in process, the engine's),
+also per 1,000 output tokens, and the load average before and after it (1 minute).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ async def http_online(url: str, workload: Workload, rate: float, label: str, pid
     import openai
 
     before = server_sums(url)
+    load = os.getloadavg()[0]
     cpu_before = [cpu_s(p) for p in (*pids, None)]
     arrivals = poisson_arrivals(len(workload.prompts), rate, seed=0)
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600) as client:
@@ -100,19 +103,26 @@ async def http_online(url: str, workload: Workload, rate: float, label: str, pid
                         for s in ("sum", "count"))
         return sums / counts if counts else float("nan")
 
-    return {"cpu_s": dict(zip(("http", "scheduler", "client"), cpu)),
+    return {"cpu_s": dict(zip(("http", "scheduler", "client"), cpu)), "load": (load, os.getloadavg()[0]),
             "server_ttft_mean_s": server_mean("time_to_first_token"),
-            "server_itl_mean_s": server_mean("inter_token_latency"),"rate": rate, "output_tokens": tokens, "wall_s": end - start, "output_tok_per_s": tokens / (end - start),
+            "server_itl_mean_s": server_mean("inter_token_latency"), "rate": rate, "output_tokens": tokens,
+            "wall_s": end - start, "output_tok_per_s": tokens / (end - start),
             "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
             "itl_p50_s": _percentile(itl, 50), "itl_p99_s": _percentile(itl, 99)}
 
 
 def in_process(model: Path, loop: str, workload: Workload, rates: list[float]) -> list[dict]:
+    """The in-process online bench at each rate; also its CPU seconds (this process: the engine's)."""
     from minisgl import LLM
 
+    runs = []
     with LLM(model, loop=loop, trace=True) as llm:
         llm.generate([workload.prompts[0][:8]], SamplingParams(max_new_tokens=4))  # warm-up
-        return [run_online(llm, workload.prompts, workload.params, rate, seed=0) for rate in rates]
+        for rate in rates:
+            load, cpu = os.getloadavg()[0], cpu_s()
+            run = run_online(llm, workload.prompts, workload.params, rate, seed=0)
+            runs.append({**run, "cpu_s": {"in-process": cpu_s() - cpu}, "load": (load, os.getloadavg()[0])})
+    return runs
 
 
 def main() -> int:
@@ -155,11 +165,10 @@ def main() -> int:
                       *(f"{r[k] * 1000:.1f}" for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")), server)
     console.print(table)
     for loop, path, r, _ in rows:
-        if "cpu_s" in r:
-            cpu = r["cpu_s"]
-            console.print(f"{loop} HTTP {r['rate']:g} req/s: CPU s of the scheduler process {cpu['scheduler']:.1f}, "
-                          f"the HTTP process {cpu['http']:.1f}, the benchmark's client {cpu['client']:.1f} "
-                          f"(wall {r['wall_s']:.1f} s)")
+        per_1k = ", ".join(f"{who} {s:.2f} ({s / r['output_tokens'] * 1000:.3f} per 1,000 tokens)"
+                           for who, s in r["cpu_s"].items())
+        console.print(f"{loop} {path} {r['rate']:g} req/s: CPU s {per_1k}; wall {r['wall_s']:.1f} s; "
+                      f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}")
     console.print("TTFT and ITL: as the client saw them (HTTP: the official client, whose own work per request and "
                   "per chunk is in them); server: from its arrival at the server to the token's arrival in the HTTP "
                   "process (/metrics)")

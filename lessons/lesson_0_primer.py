@@ -7,6 +7,8 @@ counted, not timed: every figure here is the same on any machine.
 from common import console, figure, header, lesson_main, make_llm, notice, parse_args, section
 
 from minisgl import SamplingParams
+from minisgl.checks import MAX_RUNNING_REQUESTS
+from minisgl.frontend.options import count
 from minisgl.kv_pool import KVPool, ReqToTokenPool
 from minisgl.radix_cache import RadixCache
 from minisgl.scheduler import Scheduler
@@ -60,9 +62,9 @@ def radix_cache() -> None:
     llm.close()
 
 
-def continuous_batching(n: int) -> None:
-    section(f"3. continuous batching: {n} requests, at most 4 running")
-    llm = make_llm("normal", warm=False, max_running_requests=4)
+def continuous_batching(n: int, rows: int) -> None:
+    section(f"3. continuous batching: {n} requests, at most {rows} running (max_running_requests)")
+    llm = make_llm("normal", warm=False, max_running_requests=rows)
     sched = llm.scheduler
     lengths = [3 + (i * 5) % 9 for i in range(n)]  # different lengths: requests leave at different steps
     for i, length in enumerate(lengths):
@@ -75,11 +77,11 @@ def continuous_batching(n: int) -> None:
             running = " ".join(str(r.rid) for r in sched.running.reqs if not r.finished)
             console.print(f"  after batch {launched:>2}: running [{running}]  waiting {len(sched.waiting)}")
     batches = sched.stats.batches
-    # A static batcher takes 4 requests, runs until the longest of them is done, then the next 4.
-    static = sum(1 + max(lengths[i:i + 4]) - 1 for i in range(0, n, 4))  # one prefill + (length - 1) decodes
+    # A static batcher takes `rows` requests, runs until the longest of them is done, then the next `rows`.
+    static = sum(1 + max(lengths[i:i + rows]) - 1 for i in range(0, n, rows))  # one prefill + (length - 1) decodes
     figure("batches (continuous batching)", batches, "{:d}")
     figure("batches a static batcher would run", static, "{:d}",
-           "groups of 4, each until its longest request is done")
+           f"groups of {rows}, each until its longest request is done")
     llm.close()
 
 
@@ -107,13 +109,15 @@ def chunked_prefill() -> None:
 
 
 def main() -> None:
-    args = parse_args(__doc__, delay_ms=0.0)
+    args = parse_args(__doc__, delay_ms=0.0, extra=lambda ap: ap.add_argument(
+        "--max-running-requests", type=count(MAX_RUNNING_REQUESTS), default=4, metavar="N",
+        help="section 3's request rows: the most requests running at once (default 4)"))
     header(0, "a primer: KV pool, request table, radix cache, continuous batching, chunked prefill",
            [KVPool, ReqToTokenPool, RadixCache.match_prefix, Scheduler._admit, Scheduler._schedule_prefill,
             "lessons/lesson_0_primer.md"])
     kv_pool_and_request_table()
     radix_cache()
-    continuous_batching(6 if args.quick else 10)
+    continuous_batching(6 if args.quick else 10, args.max_running_requests)
     chunked_prefill()
     notice("a request owns a row and one KV slot per token; finished prefixes stay in the radix cache for the "
            "next prompt that starts the same way; a freed row is refilled at the next step; a long prompt is "

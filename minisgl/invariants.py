@@ -2,7 +2,7 @@
 
 Between two steps (a batch may be in flight) the audit checks from scratch that every KV slot is exactly one of
 free, the radix cache's, a live request's or the reserved slot 0; that every request-pool row is free, a live
-request's, or deferred (a batch in flight may still write it); and that no request sits in two queues.
+request's, or deferred (a batch in flight may still write it, so it is never free); and that no request sits in two queues.
 `MINISGL_CHECK_INVARIANTS=1` runs it after every scheduler step (the tests do)."""
 
 from __future__ import annotations
@@ -87,6 +87,11 @@ def check_invariants(sched: Owners) -> None:
     wrong_rows = {row: n for row in range(sched.req_to_token.max_running_requests) if (n := rows[row]) != 1}
     if wrong_rows:
         raise InvariantError(f"request rows not owned exactly once (row: owners): {dict(list(wrong_rows.items())[:8])}")
+    # A free row goes to the next admission, whose prefix copy into the row's table line runs on the
+    # scheduler stream, unordered with a batch in flight that still writes that line.
+    reused_early = [row for row in sched.req_to_token.free_rows() if sched.rows.in_flight(row)]
+    if reused_early:
+        raise InvariantError(f"request rows free while a batch in flight uses them: {reused_early[:8]}")
     check_radix_cache(sched.cache)
 
 

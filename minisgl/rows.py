@@ -1,6 +1,6 @@
 """Request rows and the batches in flight that still use them (lesson 7).
 
-A row (request-table line and FutureMap mailbox) is reused only after the last batch that launched it
+A row (request-table line and FutureMap mailbox) is reused only after the last batch planned with it
 was committed: an overshoot step may still write it. `in_flight` is the one test of that in minisgl."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ class RowTracker:
         self.req_to_token = req_to_token
         self.mechanisms = mechanisms
         rows = req_to_token.max_running_requests
-        self.last_launch = [-1] * rows  # the id of the newest batch that launched each row
+        self.last_launch = [-1] * rows  # the id of the newest batch planned with each row (and so launched)
         self.done_id = -1  # every batch up to this id has passed copy_done (set as its commit begins)
         self.owner: list[Req | None] = [None] * rows
         self.deferred_rows: list[int] = []  # freed by their request, still used by a batch in flight
@@ -24,7 +24,7 @@ class RowTracker:
         return self.mechanisms.on(mechanism)
 
     def in_flight(self, row: int) -> bool:
-        """Whether a launched batch that uses `row` has not been committed yet."""
+        """Whether a planned or launched batch that uses `row` has not been committed yet."""
         return self.last_launch[row] > self.done_id
 
     def assign(self, req: Req) -> None:
@@ -32,7 +32,7 @@ class RowTracker:
         req.row_generation = self.req_to_token.generation[req.row]
         self.owner[req.row] = req
 
-    def launched(self, rows: list[int], batch_id: int) -> None:
+    def planned(self, rows: list[int], batch_id: int) -> None:
         for row in rows:
             self.last_launch[row] = batch_id
 

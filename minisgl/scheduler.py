@@ -140,6 +140,12 @@ class Scheduler:
             self._release_committed_aborts()
             self.running.reqs[:] = [r for r in self.running.reqs if not r.finished]  # filter_batch
             planned = self._schedule_prefill() or self._schedule_decode()
+            if planned is not None:
+                # Its rows count as in flight from now, not from its launch: an early commit of n-1
+                # (prefill_sync) runs in between, and with mixed chunk batch n's decode rows may
+                # belong to requests that n-1 finishes; freed there, a row would be reused by the next
+                # admission while n still writes it (the prefix copy races n's table writes).
+                self.rows.planned(planned.view.rows, planned.forward.batch_id)
             if self.host_delay_s:  # emulated host work (the lab's knob for C), after planning
                 time.sleep(self.host_delay_s)
             return planned
@@ -276,7 +282,6 @@ class Scheduler:
         forward = planned.forward
         with self.tracer.host(SpanName.LAUNCH, forward.batch_id):
             result = self.engine.launch(forward, after=self.stream)
-        self.rows.launched(planned.view.rows, forward.batch_id)
         self.stats.batches += 1
         self.stats.events.append((SpanName.LAUNCH, forward.batch_id))
         if result.delayed is not None:  # the grammar seam: sample once batch n-1 is committed

@@ -165,6 +165,15 @@ def test_every_numeric_flag_refuses_nan_inf_zero_negative_and_huge(capsys, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_serve_help_gives_the_default_host_and_port(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exit_.value.code == 0
+    assert "--host HOST the address to listen on (default: 127.0.0.1)" in out
+    assert "--port PORT the port to listen on (default: 30000)" in out
+
+
 def test_the_flag_table_covers_every_command():
     assert {c[0] for c in NUMERIC_FLAG_CASES} == set(_parsers()) and len(NUMERIC_FLAG_CASES) > 100
 

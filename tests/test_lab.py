@@ -19,7 +19,7 @@ from minisgl.observe.bench import print_ratios, print_results
 from minisgl.observe.lab import host_delay_for, steps_for
 from minisgl.observe.lab_report import lab_table, render_chart
 from minisgl.observe.timeline import render_timeline
-from minisgl.observe.trace import ideal_ratio, realised_share, stepwise_ideal
+from minisgl.observe.trace import ideal_ratio, realised_share, share_of_gain, stepwise_ideal
 from minisgl.tracer import Span, SpanName
 
 POINT_KEYS = {"c_over_g", "ideal", "ratio_median", "ratio_min", "ratio_max", "busy_normal", "busy_overlap"}
@@ -56,6 +56,14 @@ def test_realised_share():
     assert realised_share(1.0, 1.5) == pytest.approx(0.0)
     assert realised_share(1.25, 1.5) == pytest.approx(0.5)
     assert math.isnan(realised_share(1.02, 1.0))  # nothing to gain: no share
+
+
+def test_the_share_of_the_gain_only_where_the_rounds_can_show_it():
+    assert share_of_gain([1.2, 1.25, 1.3], 1.5) == (pytest.approx(0.5), "")  # the median's share
+    for ratios, why in (([1.25], "one round"), ([0.9, 1.25, 1.6], "not larger than the run-to-run spread")):
+        share, said = share_of_gain(ratios, 1.5)
+        assert math.isnan(share) and why in said
+    assert math.isnan(share_of_gain([1.0, 1.0], 1.0)[0])  # nothing to gain
 
 
 def test_host_delays_and_steps():
@@ -142,6 +150,20 @@ def test_bench_tables_fit_80_columns_and_pair_repeats():
     assert "1.25x" in text and "1.20–1.25" in text and "100%" in text
     header = next(line for line in text.splitlines() if "busy" in line)
     assert header.index("busy") < header.index("tok/s")  # the robust figures first
+    assert "not computed" not in text
+
+
+def test_bench_prints_no_share_where_the_ratios_spread_wider_than_the_gain():
+    """Paired ratios 1.25, 0.80, 1.20 around an ideal of 1.25: a range of 0.45 against a possible
+    gain of 0.25. The share, (1.20 - 1)/0.25 = 80 %, would be noise: lesson 8's rule refuses it."""
+    results = [_bench_run("normal", 2.0, 100.0, 0), _bench_run("overlap", 2.0, 125.0, 0),
+               _bench_run("overlap", 2.0, 80.0, 1), _bench_run("normal", 2.0, 100.0, 1),
+               _bench_run("normal", 2.0, 100.0, 2), _bench_run("overlap", 2.0, 120.0, 2)]
+    console = Console(record=True, width=80, file=io.StringIO())
+    print_ratios(results, console)
+    text = console.export_text()
+    assert "0.80–1.25" in text and "80%" not in text
+    assert "delay 2 ms: share of the gain not computed; the possible gain (25%) is not larger" in " ".join(text.split())
 
 
 def S(name, lane, start_ms, end_ms, iteration, batch_id=-1):

@@ -70,7 +70,8 @@ def test_lesson_3_overlap_pipelines_and_keeps_every_token():
     assert f["max batches in flight (normal loop)"] == 1
     assert f["max batches in flight (overlap loop)"] == 2
     assert f["outputs identical"] == 1
-    assert f["device busy (overlap)"] > f["device busy (normal)"]
+    if f["device busy (overlap)"] <= f["device busy (normal)"]:  # a loaded machine can invert a short run:
+        assert "device busy did not rise in this run" in " ".join(out.split())  # the notice says so
     assert "L2 L3 C2" in out
 
 
@@ -159,18 +160,21 @@ def test_lesson_12_speculation_exact_and_its_protections():
 
 @pytest.mark.full
 def test_lesson_13_tokenizes_on_the_loop_thread_only_in_the_loop():
-    _, f = run_lesson(13)
+    out, f = run_lesson(13)
     requests = 32  # --quick
     assert f["encode calls on the loop thread (in the loop)"] == requests
     assert f["encode calls on the loop thread (outside)"] == 0
     # Outside, the loop's only decode is the LLM's RequestOutput.text, one per request. In the loop
-    # each of the 32 new tokens is detokenized there too (a window decoded twice), and each request's
-    # end flushes its detokenizer (twice more).
+    # each of the 32 new tokens is detokenized there too (its window decoded once); the window slides
+    # once, past 16 ids (one decode more, unless tokens without text kept it short), and a piece
+    # still pending at the end is flushed (one more).
     assert f["decode calls on the loop thread (outside)"] == requests
-    assert f["decode calls on the loop thread (in the loop)"] == requests * (2 * 32 + 2 + 1)
+    assert requests * (32 + 1) <= f["decode calls on the loop thread (in the loop)"] <= requests * (32 + 1 + 1 + 1)
     assert f["streamed texts identical"] == 1
     for loop in ("normal", "overlap"):  # printed, not checked: timings on a shared machine
-        assert f"{loop}: in the loop / outside, tok/s (C outside = G)" in f
+        assert f"{loop}: in the loop / outside, tok/s (C outside aimed at G)" in f
+        assert f"C/G reached, tokenizing outside ({loop})" in f
+    assert out.count("  measured: one round (--quick): no range, so no verdict") == 4  # no fixed conclusion
 
 
 def test_make_lessons_lists_every_lesson():

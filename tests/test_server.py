@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import random
 import re
 import time
 from urllib.parse import urlsplit
@@ -19,6 +20,7 @@ from minisgl.demo.paths import demo_model_path
 from minisgl.demo.tasks import demo_prompts
 from minisgl.frontend.tokenizer import load_tokenizer
 from minisgl.sampling_params import TokenLogprob
+from minisgl.server.detokenizer import WINDOW, IncrementalDetokenizer, text_decoder
 from minisgl.server.engine_client import EngineClient
 from minisgl.server.generation import Generation, Piece
 from minisgl.server.messages import AbortRequest, TokenDelta
@@ -344,3 +346,49 @@ def test_tokens_queued_for_a_stream_go_out_as_one_piece_with_every_logprob():
     assert piece.text == tokenizer.decode(ids[:5], skip_special_tokens=True).split(stop)[0]
     assert piece.finish_reason == "stop" and gen.completion_tokens == 5 == len(piece.logprobs)
     assert isinstance(gen.client.sent[-1], AbortRequest)
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2's decoders): spaces as '▁' with the first one of a
+    decode stripped, bytes for what the vocabulary lacks: a window without its context loses spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(["ünïcödé text, 中文 and some words"] * 20, trainers.BpeTrainer(vocab_size=320,
+                                                                                        special_tokens=specials))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("make", [lambda: load_tokenizer(demo_model_path()), metaspace_tokenizer],
+                         ids=["byte-level", "metaspace"])
+def test_the_streamed_pieces_add_up_to_the_whole_decode(make):
+    """Random ids (partial UTF-8 characters, special tokens, ids past the tokenizer's vocabulary,
+    which a model with a larger embedding can sample) in pieces of random sizes: the detokenizer's
+    pieces, then its flush, are exactly decode(all ids). Ids without text do not grow its window
+    (each step decodes the window: a window that grew with them would cost a step O(tokens so far))."""
+    tokenizer = make()
+    decode = text_decoder(tokenizer)
+    rng = random.Random(0)
+    for trial in range(400):
+        ids = [rng.randrange(len(tokenizer) + 64 * (trial % 2)) for _ in range(rng.randint(1, 120))]
+        detokenizer, pieces, i = IncrementalDetokenizer(tokenizer), [], 0
+        while i < len(ids):
+            step = rng.choice([1, 1, 1, 2, 3, 24])
+            pieces.append(detokenizer.add(ids[i:i + step]))
+            i += step
+        assert "".join(pieces) + detokenizer.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+        for skip in (True, False):  # the Rust backend alone, where transformers' decode adds nothing
+            assert text_decoder(tokenizer, skip)(ids) == tokenizer.decode(ids, skip_special_tokens=skip)
+    # what a model with a 151,936-row embedding samples from a 512-token tokenizer, between two words
+    words = tokenizer.encode(" some words", add_special_tokens=False)
+    ids = words + [len(tokenizer) + rng.randrange(151936) for _ in range(1000)] + words
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    text = "".join(detokenizer.add([i]) for i in ids)
+    assert len(detokenizer.window) <= WINDOW
+    assert text + detokenizer.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+    assert decode([]) == ""

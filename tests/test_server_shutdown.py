@@ -59,6 +59,7 @@ def test_shutdown(flags, signals, code, reason, tmp_path):
     log = tmp_path / "server.log"
     with launcher.running_server("--kv-tokens", "4096", *flags, log=log) as (url, proc):
         scheduler = scheduler_pid(proc)
+        assert f"HTTP process pid {proc.pid}, scheduler process pid {scheduler}" in log.read_text()  # for ps
         thread, events, _ = start_stream(url, 400)
         for sig in signals:
             proc.send_signal(sig)

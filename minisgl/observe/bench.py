@@ -26,7 +26,7 @@ from rich.table import Table
 from ..frontend.options import check_output_file
 from ..sampling_params import SamplingParams
 from .breakdown import ModelCost, breakdown, measure_ceilings
-from .trace import ideal_ratio, pipeline_metrics, realised_share, request_metrics
+from .trace import ideal_ratio, pipeline_metrics, request_metrics, share_of_gain
 
 # Piped into a log (tee, a file), Rich would assume 80 columns and cut the breakdown's columns.
 console = Console(width=None if sys.stdout.isatty() else 150)
@@ -311,13 +311,15 @@ def run_online_bench(args: argparse.Namespace, workload: Workload) -> int:
 
 def print_ratios(results: list[dict], out: Console = console) -> None:
     """overlap/normal per delay: median and range over paired repeats, next to the ideal
-    (G+C)/max(G,C), and the share of the gain realised. C is measured in the normal runs, G in
-    the overlap runs as the forward after its launch (trace.py: forward_after_launch_s)."""
+    (G+C)/max(G,C), and the share of the gain realised where the repeats can show it
+    (trace.share_of_gain; else a line says why not). C is measured in the normal runs, G in the
+    overlap runs as the forward after its launch (trace.py: forward_after_launch_s)."""
     table = Table(title="overlap vs normal (G from the overlap runs, C from the normal runs)",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("delay\nms", "G\nms", "C\nms", "ideal", "overlap/\nnormal", "range", "share of\nthe gain"):
         table.add_column(col, justify="right", no_wrap=True)
     groups = _groups(results)
+    not_computed = []
     for (loop, delay), normal in groups.items():
         overlap = groups.get(("overlap", delay))
         if loop != "normal" or not overlap:
@@ -326,15 +328,19 @@ def print_ratios(results: list[dict], out: Console = console) -> None:
         c = _median(normal, "pipe_host_time_per_iteration_s")
         ideal = ideal_ratio(g, c)
         ratios = [o["output_tok_per_s"] / n["output_tok_per_s"] for n, o in zip(normal, overlap)]
-        ratio = statistics.median(ratios)
-        share = realised_share(ratio, ideal)
+        share, why = share_of_gain(ratios, ideal)
         span = f"{min(ratios):.2f}–{max(ratios):.2f}" if len(ratios) > 1 else "–"
-        table.add_row(f"{delay:g}", f"{g * 1000:.2f}", f"{c * 1000:.2f}", f"{ideal:.2f}x", f"{ratio:.2f}x", span,
-                      "–" if math.isnan(share) else f"{share:.0%}")
+        table.add_row(f"{delay:g}", f"{g * 1000:.2f}", f"{c * 1000:.2f}", f"{ideal:.2f}x",
+                      f"{statistics.median(ratios):.2f}x", span, "–" if why else f"{share:.0%}")
+        if why:
+            not_computed.append(f"delay {delay:g} ms: share of the gain not computed; {why}")
     out.print(table)
     out.print("share of the gain: (overlap/normal - 1) / (ideal - 1); 100%: all the host work\n"
-                  "was hidden. Noise moves it most where the ideal is close to 1.", style="dim",
+                  "was hidden. Computed only where the range of the ratios is narrower than the\n"
+                  "possible gain (ideal - 1): elsewhere it would be noise.", style="dim",
                   highlight=False)
+    for line in not_computed:
+        out.print(line, highlight=False)
 
 
 def roofline(model: Path, workload: Workload, args: argparse.Namespace) -> dict:

@@ -39,7 +39,7 @@ from ..frontend.options import DELAY_MS, MAX_CLI_REQUESTS, Number, NumberList, b
 from ..sampling_params import SamplingParams
 from .bench import Workload, console, default_model
 from .lab_report import report
-from .trace import (forwards_after_launch, host_work_by_launch, ideal_ratio, pipeline_metrics, realised_share,
+from .trace import (forwards_after_launch, host_work_by_launch, ideal_ratio, pipeline_metrics, share_of_gain,
                     stepwise_ideal)
 
 DEFAULT_POINTS = (0.2, 0.5, 1.0, 1.5, 2.0, 3.2)  # ends with a margin: G drifts
@@ -110,7 +110,8 @@ class Point:
 
     @property
     def share(self) -> float:
-        return realised_share(self.ratio_median, self.ideal)
+        """The share of the possible gain realised; NaN where the repeats' range hides it (trace.share_of_gain)."""
+        return share_of_gain(self.ratios, self.ideal)[0]
 
     def to_json(self) -> dict:
         med = lambda runs, key: statistics.median(getattr(r, key) for r in runs)  # noqa: E731

@@ -106,7 +106,8 @@ busy, idle: device busy fraction and device idle per forward, normal/overlap.
 ideal: (G+C) over the mean of max(G_k, C_k), step by step (the chart's ○); the
 chart's curve is (G+C)/max(G,C) of the means (JSON: ideal_of_means).  ovl/norm,
 range: overlap/normal throughput, median and range over the repeats.
-share: (median-1)/(ideal-1), the part of the possible gain that was realised."""
+share: (median-1)/(ideal-1), the part of the possible gain that was realised;
+– where the range is as wide as the possible gain (ideal-1), or one repeat."""
 
 
 def report(points: list[dict], runtime_s: float) -> None:

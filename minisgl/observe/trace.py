@@ -6,7 +6,7 @@
   spans, plus the io spans of a serving loop that records them, lesson 13; waiting
   excluded). These are the only G and C in minisgl: bench, lab, lessons and the timeline
   all read them here. The serial loop's step is about G + C; the overlap
-  loop's about max(G, C): `ideal_ratio`, and `realised_share` of a measured ratio. On a GPU
+  loop's about max(G, C): `ideal_ratio`, and `share_of_gain` of measured ratios. On a GPU
   a forward's span also holds the end of its own launch; `forward_after_launch_s` is G
   without it, the G of the ideal in `bench` and `lab`.
 - `request_metrics`: TTFT, TPOT and end-to-end latency over finished requests.
@@ -18,6 +18,7 @@ Everything here reads a finished list of spans (call `Tracer.resolve()` first on
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from ..tracer import HOST_LANE, HOST_WORK, Span, SpanName
@@ -199,6 +200,21 @@ def realised_share(ratio: float, ideal: float) -> float:
     """The part of the possible gain that was realised: (ratio - 1) / (ideal - 1). 1 = all of
     it, 0 = none; noise can put it a little above 1. NaN when there was nothing to gain."""
     return (ratio - 1) / (ideal - 1) if ideal > 1 else float("nan")
+
+
+def share_of_gain(ratios: list[float], ideal: float) -> tuple[float, str]:
+    """realised_share of the median of paired overlap/normal ratios (one per round), where the
+    rounds can show it: (share, ""). Otherwise (NaN, why not): one round shows nothing of the
+    spread, and a spread (largest - smallest ratio) not below the possible gain (ideal - 1)
+    makes the share noise divided by a small number (-190 % and 668 % on a loaded 2-core
+    machine). Lesson 8, `bench --compare-loops` and the lab all print the share through this."""
+    if len(ratios) < 2:
+        return float("nan"), "one round shows nothing of the spread"
+    spread = max(ratios) - min(ratios)
+    if spread >= ideal - 1:
+        return float("nan"), (f"the possible gain ({ideal - 1:.0%}) is not larger than the run-to-run spread "
+                              f"of the ratio ({spread:.0%}), so it would be noise")
+    return realised_share(statistics.median(ratios), ideal), ""
 
 
 def request_metrics(outputs: list) -> dict:

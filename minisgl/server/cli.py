@@ -22,16 +22,18 @@ SCHEDULER_EXIT_S = 60.0  # after the drain: checking the pools, freeing the engi
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=count(65535), default=30000)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=count(65535), default=30000, help="the port to listen on (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the model directory's name; 'demo' for the demo model)")
     p.add_argument("--max-inflight", type=count(MAX_RUNNING_REQUESTS), default=DEFAULT_MAX_INFLIGHT,
-                   help="generations queued or running at most; beyond it a request gets 503 with Retry-After")
+                   help="generations queued or running at most; beyond it a request gets 503 with Retry-After "
+                   "(default: %(default)s)")
     p.add_argument("--drain-timeout", type=Number(float, 0.0, 86400.0), default=30.0,
                    help="on SIGTERM or Ctrl-C: seconds the requests in flight get to finish before they are aborted "
-                   "(a second signal exits at once)")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+                   "(a second signal exits at once; default: %(default)g)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: %(default)s)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -69,6 +71,8 @@ async def serve(args: argparse.Namespace) -> int:
     serving = asyncio.create_task(server.serve())
     print(f"minisgl serve: {name} ({info.loop} loop, {info.device}, {info.kv_tokens} KV slots) on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    print(f"minisgl serve: HTTP process pid {os.getpid()}, scheduler process pid {client.process.pid}",
+          file=sys.stderr, flush=True)
     drained = False
     try:
         while not (server.should_exit or serving.done()):

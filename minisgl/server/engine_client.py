@@ -194,11 +194,15 @@ class EngineClient:
     def _route(self, out: StepOutput) -> None:
         now = time.perf_counter()
         self.metrics.observe_load(out.load)
+        tokens = 0
         for delta in out.deltas:
-            self._record(delta, now)
+            tokens += self._record(delta, now)
             sub = self._submissions.get(delta.rid)
             if sub is not None:  # else its client is gone, or a stop string ended it
                 sub.queue.put_nowait(delta)
+        if tokens:  # counted once a step, not once a delta: per-token work is what limits this process
+            self.metrics.generation_tokens.inc(tokens)
+            self.metrics.rate.add(tokens, time.monotonic())
 
     def _fail(self, reason: str) -> None:
         """No more tokens will come: every open generation ends with an error."""
@@ -206,16 +210,15 @@ class EngineClient:
         for rid, sub in list(self._submissions.items()):
             sub.queue.put_nowait(TokenDelta(rid, [], error=reason))
 
-    def _record(self, delta: TokenDelta, now: float) -> None:
+    def _record(self, delta: TokenDelta, now: float) -> int:
+        """TTFT or ITL of one delta; its tokens, counted (0 for a request already gone)."""
         n = len(delta.token_ids)
         timing = self._timing.get(delta.rid)
         if not n or timing is None:
-            return
-        self.metrics.generation_tokens.inc(n)
-        self.metrics.rate.add(n, time.monotonic())
+            return 0
         if timing.last_token is None:
             self.metrics.ttft.observe(now - timing.submitted)
         else:
-            for _ in range(n):  # tokens that came together share the gap
-                self.metrics.itl.observe((now - timing.last_token) / n)
+            self.metrics.itl.observe((now - timing.last_token) / n, times=n)  # tokens that came together share the gap
         timing.last_token = now
+        return n

@@ -4,9 +4,13 @@ the server's own (so that two servers in one process never share figures)."""
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import deque
+from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from .messages import Load
 
@@ -35,6 +39,28 @@ class TokenRate:
             self.events.popleft()
 
 
+class LatencyHistogram:
+    """A histogram of seconds in /metrics, observed and read on the event loop's thread only: plain
+    counts, where prometheus_client's Histogram takes a lock per observation (one per token here)."""
+
+    def __init__(self, name: str, doc: str, model_name: str, registry: CollectorRegistry) -> None:
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last: above every bucket's bound
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, seconds: float, times: int = 1) -> None:
+        self.counts[bisect_left(LATENCY_BUCKETS, seconds)] += times  # the first bound >= seconds
+        self.sum += seconds * times
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        cumulative = list(accumulate(self.counts))
+        bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+        family.add_metric([self.model_name], list(zip(bounds, cumulative)), self.sum)
+        yield family
+
+
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -49,10 +75,10 @@ class Metrics:
         self.gen_throughput = gauge("gen_throughput", f"Generated tokens/s over the last {THROUGHPUT_WINDOW_S:g} s")
         self.rate = TokenRate()
         self.gen_throughput.set_function(self.rate.rate)
-        self.ttft = Histogram("minisgl:time_to_first_token_seconds", "Arrival at the server to the first token",
-                              labels.keys(), buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)
-        self.itl = Histogram("minisgl:inter_token_latency_seconds", "Gap between two tokens of a request",
-                             labels.keys(), buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)
+        self.ttft = LatencyHistogram("minisgl:time_to_first_token_seconds", "Arrival at the server to the first token",
+                                     model_name, self.registry)
+        self.itl = LatencyHistogram("minisgl:inter_token_latency_seconds", "Gap between two tokens of a request",
+                                    model_name, self.registry)
         self.prompt_tokens = Counter("minisgl:prompt_tokens", "Prompt tokens submitted", labels.keys(),
                                      registry=self.registry).labels(**labels)
         self.generation_tokens = Counter("minisgl:generation_tokens", "Tokens generated", labels.keys(),

@@ -7,6 +7,7 @@ import time
 import uuid
 
 from ..sampling_params import TokenLogprob
+from .detokenizer import text_decoder
 from .generation import Choice, Piece
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives no chance (JSON has no -inf)
@@ -26,7 +27,7 @@ class Format:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
-        self.tokenizer = tokenizer
+        self.decode = text_decoder(tokenizer, skip_special_tokens=False)
 
     def envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -40,7 +41,7 @@ class Format:
         return {**self.envelope(self.object_chunk, []), "usage": self.usage(prompt_tokens, completion_tokens)}
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.decode([token_id])
 
     def first_chunks(self, n: int) -> list[dict]:
         return []

@@ -90,7 +90,7 @@ def test_a_row_no_batch_in_flight_uses_is_free_at_once():
     rows = RowTracker(ReqToTokenPool(1, 8, torch.device("cpu")), Mechanisms())
     req = Req.__new__(Req)
     rows.assign(req)
-    rows.launched([req.row], 0)
+    rows.planned([req.row], 0)
     rows.committed(0)  # its last batch is done: nothing in flight uses the row
     rows.free(req.row)
     assert rows.req_to_token.free_count == 1 and not rows.deferred_rows, (
@@ -115,7 +115,7 @@ def test_each_row_is_freed_as_soon_as_its_own_last_batch_has_passed():
     c, a, b = Req.__new__(Req), Req.__new__(Req), Req.__new__(Req)
     for req, batch in ((c, 2), (a, 3), (b, 4)):
         rows.assign(req)
-        rows.launched([req.row], batch)
+        rows.planned([req.row], batch)
     rows.committed(2)
     rows.free(c.row)
     assert rows.req_to_token.free_count == 1 and not rows.deferred_rows, (
