@@ -230,10 +230,12 @@ def test_the_judge_trusts_no_report_the_child_could_forge(tmp_path):
         "canary without its text": records(**{t: "passed" for t in expected}, **{canary: "failed|boom"}) + done,
         "no nonce": records(False, **{t: "passed" for t in expected}, **{canary: f"failed|{secret}"}) + done,
         "a test twice": honest[:1] + honest,
-        "an unknown test": records(**{"t::zzz": "passed"}) + honest,
+        "an unknown test": records(**{"t::LEAK from the teacher's guide": "passed"}) + honest,
     }
     for why, recs in cases.items():
-        assert j._verdict(3, recs, "exited", 1.0, canary, secret, expected).status == "forged", why
+        verdict = j._verdict(3, recs, "exited", 1.0, canary, secret, expected)
+        assert verdict.status == "forged", why
+        assert "LEAK" not in verdict.summary + "".join(t.rule for t in verdict.tests), verdict  # the judge's words only
     missing = j._verdict(3, honest[:1] + honest[2:], "exited", 1.0, canary, secret, expected)
     assert missing.status == "failed" and not missing.tests[1].passed
     assert j._verdict(3, honest[:1], "hang", 60.0, canary, secret, expected).status == "hang"
@@ -329,27 +331,38 @@ def test_a_rule_is_the_whole_message_the_student_saw():
 
 
 def test_the_sheet_says_what_happened_beyond_each_mark(tmp_path):
-    def ex(number, status, *rules):
-        return grade.ExerciseGrade(number, float(status == "passed"), status, rules)
+    """grades.csv: a status in a word or two per student, and the whole rule behind it (a rule cut
+    to 100 characters lost its point: "may import only bisect, ..., tim…"); grade-details.csv: a row
+    per test."""
+    def ex(number, status, *rules, tests=()):
+        return grade.ExerciseGrade(number, float(status == "passed"), status, rules, tests)
 
+    numpy = region_policy.refusal({"publish": "import numpy\nimport os\nx = open"})
+    assert numpy.startswith("not run: a region may not import `numpy` (only ") and len(numpy) > 250, numpy
+    notes = tuple(f"minisgl/batch.py line {n} changed outside the regions (not graded)" for n in range(5))
     grades = [
-        grade.StudentGrade("ada", (ex(1, "passed"), ex(2, "failed", "test_x: a rule"), ex(3, "passed")), ()),
-        grade.StudentGrade("bob", (ex(1, "refused", "not run: a region may not use the name `sys` (it reaches "
-                                                    "outside the engine); a region may not use `global`"),
-                                   ex(2, "memory limit", "memory limit: used more than 8 GiB"),
+        grade.StudentGrade("ada", (ex(1, "passed"), ex(2, "failed", "test_x: a rule", tests=(("t::a", True, ""), (
+            "t::x", False, "test_x: a rule"))), ex(3, "passed")), ()),
+        grade.StudentGrade("bob", (ex(1, "refused", numpy), ex(2, "memory limit", "memory limit: used more than 8 GiB"),
                                    ex(3, "interrupted", "the check was interrupted (KeyboardInterrupt raised by the "
-                                                        "submission)")), ("scratch.py added",)),
-        grade.StudentGrade("cy", tuple(ex(n, "not gradable", "not gradable: cy.patch does not apply")
-                                       for n in (1, 2, 3)), ()),
+                                                        "submission)")), notes),
+        grade.StudentGrade("cy", tuple(ex(n, "not gradable", "cy.patch does not apply") for n in (1, 2, 3)), ()),
     ]
     grade.write_sheet(grades, [1, 2, 3], tmp_path)
     with open(tmp_path / "grades.csv", newline="") as f:
         rows = {row["student"]: row for row in csv.DictReader(f)}
-    assert rows["ada"]["status"] == "" and rows["bob"]["notes"] == "scratch.py added"
-    assert rows["bob"]["status"] == (
-        "ex1: not run: a region may not use the name `sys` (it reaches outside the engine); ex2: memory limit: used "
-        "more than 8 GiB; ex3: the check was interrupted (KeyboardInterrupt raised by the submission)")
-    assert rows["cy"]["status"] == "not gradable: cy.patch does not apply"
+    assert [(r["ex1"], r["ex2"], r["ex3"], r["total"], r["status"]) for r in rows.values()] == [
+        ("1", "0", "1", "2", "graded"), ("0", "0", "0", "0", "ex1: refused; ex2: memory limit; ex3: interrupted"),
+        ("0", "0", "0", "0", "not gradable")]
+    assert rows["ada"]["why"] == "" and rows["cy"]["why"] == "cy.patch does not apply"
+    assert rows["bob"]["why"] == (f"ex1: {numpy} | ex2: memory limit: used more than 8 GiB | ex3: the check was "
+                                  f"interrupted (KeyboardInterrupt raised by the submission)")
+    assert rows["bob"]["notes"] == " | ".join(notes[:3]) + " (and 2 more)"
+    with open(tmp_path / "grade-details.csv", newline="") as f:
+        details = [(d["student"], d["exercise"], d["status"], d["test"], d["passed"], d["rule"]) for d in csv.DictReader(f)]
+    assert details[:3] == [("ada", "2", "failed", "t::a", "True", ""), ("ada", "2", "failed", "t::x", "False",
+                                                                         "test_x: a rule"),
+                           ("bob", "1", "refused", "", "False", numpy)], details
 
 
 def test_the_folders_the_grader_skips_are_named(tmp_path):

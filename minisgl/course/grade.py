@@ -28,8 +28,10 @@ outlives it.
 
 Writes, only when every check has run:
 - DIR/grades.csv: one row per student, a column per exercise (1 when every check passes, the
-  checker's half of the guide's rubric; 0 otherwise), the total, the status (each exercise that
-  was not simply passed or failed, e.g. `ex3: hang: ...`) and notes (edits reported);
+  checker's half of the guide's rubric; 0 otherwise), the total, the status (`graded`: every
+  exercise ran and passed or failed its tests; `not gradable`; else each exercise that did not,
+  e.g. `ex2: hang; ex3: memory limit`), why (the whole rule behind that status) and notes (edits
+  reported);
 - DIR/grade-details.csv: one row per student, exercise and test (or edit that costs a mark), with
   the rule it breaks in the test's own words;
 - DIR/grades.json: both, for scripts.
@@ -205,23 +207,33 @@ class StudentGrade:
 
     @property
     def status(self) -> str:
-        """What happened beyond passing or failing, in a few words for grades.csv: 'ex1: not run: a
-        region may not use the name `sys` (...); ex3: hang: the checks ran past the limit of 180 s'."""
+        """In a word or two, for grades.csv: 'graded' (every exercise ran and passed or failed its
+        tests), 'not gradable', or each exercise that did not: 'ex2: hang; ex3: memory limit'."""
         if self.exercises and self.exercises[0].status == "not gradable":  # then every exercise is
+            return "not gradable"
+        return "; ".join(f"ex{e.exercise}: {e.status}" for e in self._not_graded()) or "graded"
+
+    @property
+    def why(self) -> str:
+        """The whole first rule behind the status, per exercise: 'ex2: hang: the checks ran past the
+        limit of 180 s | ex3: memory limit: used more than 8 GiB' (the rest is in grade-details.csv)."""
+        if self.exercises and self.exercises[0].status == "not gradable":
             return self.exercises[0].rules[0]
-        return "; ".join(f"ex{e.exercise}: {_short(e.rules[0] if e.rules else e.status)}" for e in self.exercises
-                         if e.status not in ("passed", "failed"))
+        return " | ".join(f"ex{e.exercise}: {e.rules[0] if e.rules else e.status}" for e in self._not_graded())
+
+    def _not_graded(self) -> list[ExerciseGrade]:
+        return [e for e in self.exercises if e.status not in ("passed", "failed")]
 
 
-def _short(said: str, most: int = 100) -> str:
-    """The first clause of a line, at most `most` characters."""
-    said = said.split("; ")[0]
-    return said if len(said) <= most else said[:most - 1] + "…"
+def listed(items: tuple[str, ...] | list[str], most: int = 3) -> str:
+    """The first `most` items whole, and how many more: a cell that is short and never cut mid-sentence."""
+    more = f" (and {len(items) - most} more)" if len(items) > most else ""
+    return " | ".join(items[:most]) + more
 
 
 def grade_of(sub: Submission, number: int, verdict: CheckVerdict | None) -> ExerciseGrade:
     if sub.not_gradable:
-        return ExerciseGrade(number, 0.0, "not gradable", (f"not gradable: {sub.not_gradable}",))
+        return ExerciseGrade(number, 0.0, "not gradable", (sub.not_gradable,))
     if number in sub.costs:
         return ExerciseGrade(number, 0.0, "edited", tuple(f"edited outside the markers: {c}" for c in sub.costs[number]))
     assert verdict is not None
@@ -238,9 +250,9 @@ def _cell(text: str) -> str:
 def write_sheet(grades: list[StudentGrade], numbers: list[int], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     files = {}
-    header = ["student", *(f"ex{n}" for n in numbers), "total", "of", "status", "notes"]
+    header = ["student", *(f"ex{n}" for n in numbers), "total", "of", "status", "why", "notes"]
     rows = [[_cell(g.student), *(f"{e.mark:g}" for e in g.exercises), f"{g.total:g}", str(len(numbers)),
-             _cell(g.status), _cell(" | ".join(g.notes)[:400])] for g in grades]
+             g.status, _cell(g.why), _cell(listed(g.notes))] for g in grades]
     files["grades.csv"] = [header, *rows]
     detail = [["student", "exercise", "mark", "status", "test", "passed", "rule"]]
     for g in grades:
@@ -258,7 +270,7 @@ def write_sheet(grades: list[StudentGrade], numbers: list[int], out: Path) -> No
             csv.writer(f).writerows(table)
         os.replace(tmp, out / name)
     tmp = out / ".grades.json.tmp"
-    tmp.write_text(json.dumps([dict(asdict(g), total=g.total, status=g.status) for g in grades], indent=1,
+    tmp.write_text(json.dumps([dict(asdict(g), total=g.total, status=g.status, why=g.why) for g in grades], indent=1,
                               ensure_ascii=False) + "\n")
     os.replace(tmp, out / "grades.json")
 
@@ -394,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.out / 'grades.csv'} (per test: {args.out / 'grade-details.csv'})")
     for g in grades:
         marks = " ".join(f"{e.mark:g}" for e in g.exercises)
-        print(f"{g.student:24} {marks}  total {g.total:g}" + (f"  ({g.status})" if g.status else ""))
+        print(f"{g.student:24} {marks}  total {g.total:g}  {g.status}" + (f" ({g.why})" if g.why else ""))
     return 0
 
 

@@ -352,7 +352,7 @@ class Judge:
     def _verdict(self, number: int, records: list[dict], ended: str, seconds: float, canary: str, secret: str,
                  expected: dict[str, str], peak_rss: int = 0) -> CheckVerdict:
         outcomes: dict[str, dict] = {}
-        forged, started, interrupted = [], "", ""
+        forged, started, interrupted = [], "", ""  # forged: the judge's own words, never the child's text
         for r in records:
             if not r["_nonce_ok"]:
                 forged.append("a record without the run's nonce")
@@ -364,9 +364,9 @@ class Judge:
             elif r.get("event") == "outcome":
                 test = str(r.get("id"))
                 if test in outcomes and not (outcomes[test].get("outcome") == "passed" and r.get("when") != "call"):
-                    forged.append(f"{test} reported twice")
+                    forged.append("a test reported twice")
                 if test not in expected and test != canary:
-                    forged.append(f"an unknown test {test}")
+                    forged.append("a test the reference run did not report")
                 if test not in outcomes or r.get("outcome") == "failed":
                     outcomes[test] = r
         finished = any(r["_nonce_ok"] and r.get("event") == "done" for r in records)

@@ -305,10 +305,11 @@ def _resolve(root: str, attrs: list[str]):
 # --------------------------------------------------------------------------- the check
 
 def _import_rule(name: str) -> str:
+    """The import refused first, then what a region may import."""
     modules = sorted(ALLOWED_IMPORTS)
     names = "".join(f", {' and '.join(sorted(held))} from {module}" for module, held in NAMES_FROM.items())
-    return (f"a region may import only {', '.join(modules[:-1])} and {modules[-1]}{names}, and the package's own "
-            f"classes and functions; not `{name}`")
+    return (f"a region may not import `{name}` (only {', '.join(modules[:-1])} and {modules[-1]}{names}, and the "
+            f"package's own classes and functions)")
 
 
 class _PlainGetattr(ast.NodeTransformer):
@@ -420,7 +421,7 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
 def refusal(bodies: dict[str, str], vet: Callable[[str], list[str]] = region_problems) -> str:
     """Why an exercise's region code (region name -> code) may not run, in the one line that the
     grader records and the student's checker prints ('' where it may run)."""
-    problems = list(dict.fromkeys(p[:300] for code in bodies.values() for p in vet(code)))
+    problems = list(dict.fromkeys(p for code in bodies.values() for p in vet(code)))  # whole sentences
     more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
     return f"not run: {'; '.join(problems[:3])}{more}" if problems else ""
 
