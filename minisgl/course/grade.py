@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.out / 'grades.csv'} (per test: {args.out / 'grade-details.csv'})")
     for g in grades:
         marks = " ".join(f"{e.mark:g}" for e in g.exercises)
-        print(f"{g.student:24} {marks}  total {g.total:g}  {g.status}" + (f" ({g.why})" if g.why else ""))
+        said = f"not gradable: {g.why}" if g.status == "not gradable" else g.why  # why names each exercise
+        print(f"{g.student:24} {marks}  total {g.total:g}" + (f"  ({said})" if said else ""))
     return 0
 
 
