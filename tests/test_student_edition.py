@@ -7,6 +7,7 @@ region still a stub."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -79,6 +80,22 @@ def test_the_teachers_files_and_the_history_are_left_out(student):
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=student, capture_output=True, text=True).stdout
     assert dirty == "", dirty
 
+
+def test_no_file_of_the_edition_imports_a_teachers_module(student):
+    """A file that imports the grader fails in the edition (tests/test_grading_class.py did: a
+    collection error in its `make test-all`). Absolute imports: the package's own files use them."""
+    teachers = {name.removesuffix(".py").replace("/", ".") for name in edition.TEACHER_ONLY if name.startswith("minisgl/")}
+    found = []
+    for path in sorted(student.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            found += [f"{path.relative_to(student)}: {name}" for name in names if name in teachers]
+    assert found == []
 
 def test_every_region_holds_its_catalog_stub_and_the_reference_fits_back(student, tmp_path):
     for rel in tool.marked_files():

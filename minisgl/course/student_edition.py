@@ -45,6 +45,7 @@ TEACHER_ONLY = frozenset({
     "tests/test_exercises.py",
     "tests/test_student_edition.py",
     "tests/test_grading.py",
+    "tests/test_grading_class.py",
     "minisgl/course/check_figures.py",  # checks the guide's figures: reads TEACHER.md
     "benchmarks/grading_class.py",  # a synthetic class for timing the grader: made from the wrong solutions
 })
