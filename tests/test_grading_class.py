@@ -378,18 +378,30 @@ def _named(proc: Path, name: str) -> bool:
         return False
 
 
-def test_an_interrupted_grading_records_no_mark_and_exits_non_zero(tmp_path):
+@pytest.mark.parametrize("stop", ["Ctrl-C twice", "SIGTERM to its pid"])
+def test_an_interrupted_grading_records_no_mark_exits_non_zero_and_leaves_nothing(stop, tmp_path):
+    """Through the teacher's command, `python -m minisgl course grade`, which runs the grader in a
+    process of its own: a SIGTERM to the command is passed on (the grader went on, orphaned, and
+    recorded marks), and Ctrl-C, pressed twice, neither kills the grader mid-clean-up nor cuts its
+    clean-up short (its scratch folder was left behind)."""
     base = edition.write_student_edition(tmp_path / "edition")
-    subs = tmp_path / "subs"
-    subs.mkdir()
+    subs, temp = tmp_path / "subs", tmp_path / "tmp"
+    subs.mkdir(), temp.mkdir()
     with_regions(base, subs / "reference", REFERENCE)
-    run = subprocess.Popen([sys.executable, "-m", "minisgl.course.grade", str(subs), "--out", str(tmp_path / "out"),
+    run = subprocess.Popen([sys.executable, "-m", "minisgl", "course", "grade", str(subs), "--out", str(tmp_path / "out"),
                             "--exercises", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+                           start_new_session=True, env=dict(os.environ, TMPDIR=str(temp)))
     for line in run.stdout:  # into the checks: the class is read, the reference's check starts next
         if "submissions read" in line:
             break
-    os.killpg(run.pid, signal.SIGINT)  # as a script's Ctrl-C reaches the whole group
+    if stop == "SIGTERM to its pid":
+        os.kill(run.pid, signal.SIGTERM)  # as kill or a time-out does: the command alone
+    else:
+        for _ in range(2):  # as a terminal's Ctrl-C does: the whole group
+            os.killpg(run.pid, signal.SIGINT)
+            time.sleep(0.1)
     _, err = run.communicate(timeout=120)
     assert run.returncode == grade.INTERRUPTED and "no marks were recorded" in err, err[-2000:]
-    assert not (tmp_path / "out").exists()
+    time.sleep(2)  # time for an orphaned grader to go on
+    assert not (tmp_path / "out").exists() and list(temp.iterdir()) == []
+    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p, f"{temp}/")]

@@ -35,8 +35,9 @@ Writes, only when every check has run:
 - DIR/grade-details.csv: one row per student, exercise and test (or edit that costs a mark), with
   the rule it breaks in the test's own words;
 - DIR/grades.json: both, for scripts.
-An interrupted run (Ctrl-C, SIGTERM) records nothing and exits 130. A run killed outright leaves
-its scratch folder behind; the next run removes it.
+An interrupted run (Ctrl-C, SIGTERM) records nothing, cleans up (a second Ctrl-C is ignored
+meanwhile) and exits 130. A run killed outright leaves its scratch folder behind; the next run
+removes it.
 """
 
 from __future__ import annotations
@@ -322,7 +323,7 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     finally:
-        judge.close()  # every check still running ends, and no new one starts
+        judge.close()  # every check still running ends, no new one starts, and none is left in the scratch folder
     pool.shutdown()
     grades = []
     for sub in subs:
@@ -361,7 +362,12 @@ def gibibytes(text: str) -> float:
     return value
 
 
+STOP_SIGNALS = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+
+
 def _interrupt(signum, frame):
+    for s in STOP_SIGNALS:  # a second Ctrl-C cannot cut the clean-up short (checks left running)
+        signal.signal(s, signal.SIG_IGN)
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
@@ -384,9 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.submissions.is_dir():
         ap.error(f"{args.submissions} is not a folder of submissions")
-    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if signum is not None:
-            signal.signal(signum, _interrupt)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _interrupt)
     start = time.monotonic()
     scratch = new_run_folder()
     try:

@@ -48,6 +48,7 @@ import shutil
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -253,11 +254,14 @@ class Judge:
         self._running: set[int] = set()
         self._stopped = False
         self.starter = ProcessStarter(scratch, [str(guard)] if guard is not None else [])
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._in_scratch = 0  # checks with a copy in the scratch folder (close() waits for them)
         self._serial = 0
 
     def close(self) -> None:
-        """Kill every check still running and the process starter: the end of grading, or an interrupt."""
+        """Kill every check still running and the process starter: the end of grading, or an interrupt.
+        Returns once no check is left in the scratch folder (its caller removes it next: a check
+        still copying would write it back)."""
         with self._lock:
             self._stopped = True
             running = list(self._running)
@@ -265,6 +269,23 @@ class Judge:
             kill_session(pid)
         self.starter.close()
         kill_run_processes(f"{self.token}:", self.scratch)
+        with self._lock:
+            self._lock.wait_for(lambda: self._in_scratch == 0, timeout=60)
+
+    @contextmanager
+    def _checking(self):
+        """A check's time in the scratch folder, from its copy to the copy's removal: none begins
+        once the judge is closed."""
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("grading was stopped")
+            self._in_scratch += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_scratch -= 1
+                self._lock.notify_all()
 
     # ------------------------------------------------------------------ the copy
 
@@ -411,16 +432,22 @@ class Judge:
         return TestVerdict(test, False, self.texts.rule(test, str(got.get("message", "")),
                                                         str(got.get("exception", ""))))
 
+    def _check_in_copy(self, number: int, bodies: dict[str, str]) -> tuple[list[dict], str, float, int, str, str]:
+        """Exercise `number`'s checks on `bodies`, in a copy removed after: _run's four results, and
+        the canary's test and secret."""
+        with self._checking():
+            copy, canary, secret = self._copy(number, bodies)
+            try:
+                return (*self._run(copy, [*EXERCISES[number].tests, canary.split("::")[0]]), canary, secret)
+            finally:
+                shutil.rmtree(copy, ignore_errors=True)
+
     # ------------------------------------------------------------------ the public steps
 
     def learn_expected(self, number: int) -> None:
         """Run exercise `number`'s checks on the reference code: the tests they must report, and
         each one's outcome (passed, or skipped where this machine lacks a GPU)."""
-        copy, canary, secret = self._copy(number, self.fill[number])
-        try:
-            records, ended, _, peak_rss = self._run(copy, [*EXERCISES[number].tests, canary.split("::")[0]])
-        finally:
-            shutil.rmtree(copy, ignore_errors=True)
+        records, ended, _, peak_rss, canary, _ = self._check_in_copy(number, self.fill[number])
         outcomes = {str(r["id"]): str(r["outcome"]) for r in records
                     if r["_nonce_ok"] and r.get("event") == "outcome" and r.get("id") != canary}
         if ended != "exited" or not outcomes or "failed" in outcomes.values():
@@ -440,12 +467,8 @@ class Judge:
         if refused:
             return CheckVerdict(number, "refused", tuple(TestVerdict(t, False, refused) for t in expected), 0.0,
                                 refused)
-        copy, canary, secret = self._copy(number, bodies)
         before = self.watch.listing() if self.watch else {}
-        try:
-            records, ended, seconds, peak_rss = self._run(copy, [*EXERCISES[number].tests, canary.split("::")[0]])
-        finally:
-            shutil.rmtree(copy, ignore_errors=True)
+        records, ended, seconds, peak_rss, canary, secret = self._check_in_copy(number, bodies)
         changed = self.watch.changed(before, self.watch.listing()) if self.watch else []
         confined = self.confine and bool((self.starter.confinement or {}).get("landlock"))
         if changed:  # the paths go to the teacher's console only: no name of the teacher's reaches a sheet
