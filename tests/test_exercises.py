@@ -24,6 +24,7 @@ WRONG_LIMIT_S = 60  # a wrong solution must be reported within a minute, a hang 
 
 
 from minisgl.course import make_exercise as tool
+from minisgl.course import markers as marker
 from minisgl.course import runner
 
 
@@ -72,7 +73,7 @@ def test_markers_are_comments_only():
     for rel in tool.marked_files():
         source = (tool.PACKAGE / rel).read_text()
         lines = source.splitlines(keepends=True)
-        markers = [line for line in lines if tool.START.match(line) or tool.END.match(line)]
+        markers = [line for line in lines if marker.START.match(line) or marker.END.match(line)]
         assert all(line.lstrip().startswith("#") for line in markers)
         bare = "".join(line for line in lines if line not in markers)
         assert ast.dump(ast.parse(source)) == ast.dump(ast.parse(bare))

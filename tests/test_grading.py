@@ -5,6 +5,7 @@ leaves. (A whole class, hostile submissions included, is graded in test_grading_
 from __future__ import annotations
 
 import codecs
+import csv
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 from minisgl.course import ROOT, grade, judge, judge_process, region_policy, submission
 from minisgl.course import student_edition as edition
+from minisgl.course.catalog import EXERCISES
 from minisgl.course.make_exercise import WRONG
 
 IMPORT_LINE = "import copy\n"
@@ -140,14 +142,19 @@ def test_every_reference_and_known_wrong_region_may_run_and_code_that_reaches_ou
     for code in ("import sys\nsys.modules['_pytest.reports'].TestReport.outcome = 'passed'",
                  "open('/tmp/x', 'w').write('x')", "import os\nos.fork()", "x = self.__class__",
                  "t = torch.load('/etc/passwd')", "e = RuntimeError()\nf = e.__traceback__.tb_frame.f_globals",
-                 "s = '{0.__globals__}'.format(self.commit)", "from .course import runner", "g = getattr(self, 'x')",
+                 "s = '{0.__globals__}'.format(self.commit)", "from .course import runner", "g = getattr(self, name)",
+                 "g = getattr(self, '__class__')", "f = getattr", "m = getattr(torch, 'os')", "t = type(self)",
+                 "c = type(ValueError)('C', (), {'__eq__': lambda s, o: True})", "import dataclasses",
+                 "from dataclasses import make_dataclass", "import numpy",
                  "import subprocess", "x = self.engine._thread", *REACHES_OUTSIDE.values()):
         assert region_policy.region_problems(code), code
     for code in ("x: torch.Tensor = torch.zeros(1)", "def f(v: BatchView) -> torch.Tensor:\n    return v.mask",
                  "ok = isinstance(x, (torch.Tensor, BatchView))", "s = SpanName['SAMPLE']", "same = x is InFlight",
                  "try:\n    pass\nexcept (ValueError, KVAccountingError):\n    pass", "raise KVAccountingError('x')",
                  "import collections\nq = collections.deque()", "from collections import deque\nq = deque()",
-                 "import torch\ntorch.cuda.synchronize()", "n = max(len(r.output_ids) for r in self.reqs)"):
+                 "import torch\ntorch.cuda.synchronize()", "n = max(len(r.output_ids) for r in self.reqs)",
+                 'mailbox = getattr(self, "tokens")', 'g = getattr(req.params, "grammar", None)',
+                 "same = type(a) == type(b)", "from dataclasses import replace\nv = replace(view, reqs=[])"):
         assert region_policy.region_problems(code) == [], code  # what a student may well write
 
 
@@ -223,10 +230,12 @@ def test_the_judge_trusts_no_report_the_child_could_forge(tmp_path):
         "canary without its text": records(**{t: "passed" for t in expected}, **{canary: "failed|boom"}) + done,
         "no nonce": records(False, **{t: "passed" for t in expected}, **{canary: f"failed|{secret}"}) + done,
         "a test twice": honest[:1] + honest,
-        "an unknown test": records(**{"t::zzz": "passed"}) + honest,
+        "an unknown test": records(**{"t::LEAK from the teacher's guide": "passed"}) + honest,
     }
     for why, recs in cases.items():
-        assert j._verdict(3, recs, "exited", 1.0, canary, secret, expected).status == "forged", why
+        verdict = j._verdict(3, recs, "exited", 1.0, canary, secret, expected)
+        assert verdict.status == "forged", why
+        assert "LEAK" not in verdict.summary + "".join(t.rule for t in verdict.tests), verdict  # the judge's words only
     missing = j._verdict(3, honest[:1] + honest[2:], "exited", 1.0, canary, secret, expected)
     assert missing.status == "failed" and not missing.tests[1].passed
     assert j._verdict(3, honest[:1], "hang", 60.0, canary, secret, expected).status == "hang"
@@ -243,6 +252,124 @@ def test_a_students_message_holds_only_the_tests_own_text():
     said = rule.split(": ", 1)[1]
     named = test.split("::")[1].removeprefix("test_").replace("_", " ")
     assert said == named or " ".join(said.split()) in " ".join(source.split()), rule
+
+
+def test_an_interrupt_or_the_memory_limit_is_named_and_earns_nothing():
+    j = judge.Judge.__new__(judge.Judge)
+    j.limit_s, j.memory_gib, j.texts = 60, 4.0, judge.TestTexts([ROOT / "lessons" / "exercises" / "tests"])
+    first, second = "tests/test_ex3_snapshot.py::test_the_request_list_is_copied", "t::b"
+    expected = {first: "passed", second: "passed"}
+    canary, secret = "tests/test_c.py::test_c", "s3cret"
+    done = [{"_nonce_ok": True, "event": "done", "exit_code": "2"}]
+    # a region raised KeyboardInterrupt in the first test: pytest stopped there and never ran the canary
+    stopped = [{"_nonce_ok": True, "event": "start", "id": first},
+               {"_nonce_ok": True, "event": "interrupted", "exception": "KeyboardInterrupt"}, *done]
+    verdict = j._verdict(3, stopped, "exited", 1.0, canary, secret, expected)
+    assert verdict.status == "interrupted" and verdict.mark == 0.0, verdict
+    assert verdict.summary == "the check was interrupted (KeyboardInterrupt raised by the submission)"
+    assert all(t.rule.endswith("did not run: " + verdict.summary) for t in verdict.tests), verdict.tests
+    refused = ("RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+               "memory: you tried to allocate 9663676416 bytes. Error code 12 (Cannot allocate memory)")
+    oom = records(**{first: f"failed|{refused}", second: "passed", canary: f"failed|assert False, {secret}"}) + done
+    verdict = j._verdict(3, oom, "exited", 1.0, canary, secret, expected)
+    assert verdict.status == "memory limit" and verdict.mark == 0.0, verdict
+    assert verdict.summary == "memory limit: used more than 4 GiB" and verdict.tests[0].rule.endswith(verdict.summary)
+    honest = records(**{first: "passed", second: "passed", canary: f"failed|assert False, {secret}"}) + done
+    assert j._verdict(3, honest, "exited", 1.0, canary, secret, expected).status == "passed"
+    # where the OS does not enforce the limit (macOS), the peak resident size tells
+    assert j._verdict(3, honest, "exited", 1.0, canary, secret, expected, peak_rss=5 << 30).status == "memory limit"
+    j.memory_gib = 0.0  # no limit: the same failure is the test's own
+    assert j._verdict(3, oom, "exited", 1.0, canary, secret, expected).status == "failed"
+
+
+def test_a_rule_is_the_whole_message_the_student_saw():
+    """The rule of a failure is the message its test wrote, whole (the longest string of the test
+    that the failure held used to be shown: an f-string's fragment, or a prompt); a value the run
+    put into it shows only where it is a number or a string of the test file."""
+    folders = [ROOT / "lessons" / "exercises" / "tests", ROOT / "tests"]
+    texts = judge.TestTexts(folders)
+    ex1 = "tests/test_ex1_overlap_loop.py::"
+    seen = {  # the trial saw fragments of these, e.g. "schedule() in every call with a batch in flight; ..."
+        ex1 + "test_an_early_commit_happens_where_must_commit_first_says":
+            ("overlap_loop must ask _must_commit_first(last, planned) after schedule() in every call with a batch in "
+             "flight; it never asked that while batch 5 was in flight assert []"),
+        "tests/test_ex5_checkpoint.py::test_a_second_request_reuses_the_checkpoint_and_reads_the_right_kv":
+            "the second request should reuse the first one's checkpointed prefix; reused 0\nassert 0 > 0",
+        "tests/test_ex3_snapshot.py::test_the_snapshot_is_a_batch_view_not_the_live_batch_or_a_copy_of_it":
+            ("snapshot() must build a BatchView of the values at launch; a copy of the RunningBatch (copy.copy) "
+             "shares the live request list and its fields are computed when read, not at launch (got RunningBatch)"),
+    }
+    rules = [texts.rule(test, "AssertionError: " + message, "AssertionError") for test, message in seen.items()]
+    assert rules == [
+        "test_an_early_commit_happens_where_must_commit_first_says: overlap_loop must ask _must_commit_first(last, "
+        "planned) after schedule() in every call with a batch in flight; it never asked that while batch 5 was in "
+        "flight",
+        "test_a_second_request_reuses_the_checkpoint_and_reads_the_right_kv: the second request should reuse the "
+        "first one's checkpointed prefix; reused 0",
+        "test_the_snapshot_is_a_batch_view_not_the_live_batch_or_a_copy_of_it: snapshot() must build a BatchView of "
+        "the values at launch; a copy of the RunningBatch (copy.copy) shares the live request list and its fields "
+        "are computed when read, not at launch (got …)",
+    ], rules
+    leak = " ".join((ROOT / "README.md").read_text().split()[:40])
+    checked = 0
+    for number, exercise in EXERCISES.items():
+        for test in exercise.tests:
+            if test.split("::")[0].startswith("tests/test_ex"):  # each message of the exercise's own tests
+                file = Path(test).name
+                for name, (templates, _) in texts._by_file[file][2].items():
+                    for template in templates:
+                        text = "".join(part for part in template if part is not None)
+                        if len(" ".join(text.split())) < 12:
+                            continue
+                        said = " ".join("".join(part if part is not None else "7" for part in template).split())
+                        message = f"AssertionError: {said}\nassert 7 == 8"
+                        assert texts.rule(f"tests/{file}::{name}", message, "") == f"{name}: {said}", (file, name)
+                        hostile = "".join(part if part is not None else leak for part in template)
+                        assert leak not in texts.rule(f"tests/{file}::{name}", hostile, ""), (file, name)
+                        checked += 1
+    assert checked > 100, checked
+
+
+def test_the_sheet_says_what_happened_beyond_each_mark(tmp_path):
+    """grades.csv: a status in a word or two per student, and the whole rule behind it (a rule cut
+    to 100 characters lost its point: "may import only bisect, ..., tim…"); grade-details.csv: a row
+    per test."""
+    def ex(number, status, *rules, tests=()):
+        return grade.ExerciseGrade(number, float(status == "passed"), status, rules, tests)
+
+    numpy = region_policy.refusal({"publish": "import numpy\nimport os\nx = open"})
+    assert numpy.startswith("not run: a region may not import `numpy` (only ") and len(numpy) > 250, numpy
+    notes = tuple(f"minisgl/batch.py line {n} changed outside the regions (not graded)" for n in range(5))
+    grades = [
+        grade.StudentGrade("ada", (ex(1, "passed"), ex(2, "failed", "test_x: a rule", tests=(("t::a", True, ""), (
+            "t::x", False, "test_x: a rule"))), ex(3, "passed")), ()),
+        grade.StudentGrade("bob", (ex(1, "refused", numpy), ex(2, "memory limit", "memory limit: used more than 8 GiB"),
+                                   ex(3, "interrupted", "the check was interrupted (KeyboardInterrupt raised by the "
+                                                        "submission)")), notes),
+        grade.StudentGrade("cy", tuple(ex(n, "not gradable", "cy.patch does not apply") for n in (1, 2, 3)), ()),
+    ]
+    grade.write_sheet(grades, [1, 2, 3], tmp_path)
+    with open(tmp_path / "grades.csv", newline="") as f:
+        rows = {row["student"]: row for row in csv.DictReader(f)}
+    assert [(r["ex1"], r["ex2"], r["ex3"], r["total"], r["status"]) for r in rows.values()] == [
+        ("1", "0", "1", "2", "graded"), ("0", "0", "0", "0", "ex1: refused; ex2: memory limit; ex3: interrupted"),
+        ("0", "0", "0", "0", "not gradable")]
+    assert rows["ada"]["why"] == "" and rows["cy"]["why"] == "cy.patch does not apply"
+    assert rows["bob"]["why"] == (f"ex1: {numpy} | ex2: memory limit: used more than 8 GiB | ex3: the check was "
+                                  f"interrupted (KeyboardInterrupt raised by the submission)")
+    assert rows["bob"]["notes"] == " | ".join(notes[:3]) + " (and 2 more)"
+    with open(tmp_path / "grade-details.csv", newline="") as f:
+        details = [(d["student"], d["exercise"], d["status"], d["test"], d["passed"], d["rule"]) for d in csv.DictReader(f)]
+    assert details[:3] == [("ada", "2", "failed", "t::a", "True", ""), ("ada", "2", "failed", "t::x", "False",
+                                                                         "test_x: a rule"),
+                           ("bob", "1", "refused", "", "False", numpy)], details
+
+
+def test_the_folders_the_grader_skips_are_named(tmp_path):
+    for name in ("alice", "work", "build", "venv", ".git", "__MACOSX"):
+        (tmp_path / name).mkdir()
+    (tmp_path / ".DS_Store").write_bytes(b"\0")
+    assert grade.skipped_folders(tmp_path) == [".git", "__MACOSX", "build", "venv", "work"]
 
 
 def test_a_grader_killed_outright_leaves_nothing_for_the_next_run(base, reference, tmp_path):

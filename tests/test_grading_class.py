@@ -15,6 +15,14 @@ Exercises 2 and 3 only (a check is a fresh process: seconds each). The class:
   monkeypatcher (torch.equal and a class of the package patched): 0 on exercise 3, 1 on exercise 2;
 - spinner: `while True: pass` in exercise 2's publish, which runs on the engine stream's worker
   thread: a hang on exercise 2, 1 on exercise 3;
+- the forms the teacher trial's checker passed and its grader refused (computed-getattr, type-call,
+  make-dataclass, numpy): 0 on exercise 3, 1 on exercise 2; the student's checker
+  (`course exercise 3`, run in the submission) refuses each of them, and the forger, with the line
+  the grader records; written-getattr (`getattr(self, "reqs")`, allowed by both): full marks;
+- hog: 5 GiB in exercise 3's snapshot, past the teacher's memory limit (--memory-limit 4, a
+  process): status memory limit on exercise 3, 1 on exercise 2; interrupter: `raise
+  KeyboardInterrupt` there: status interrupted (not "forged"), 1 on exercise 2;
+- a folder named `venv`: skipped, and named on the console;
 - twice (a folder and a patch of one name), a FIFO, a symlink loop, a broken patch: one
   "not gradable" row each.
 """
@@ -23,7 +31,6 @@ from __future__ import annotations
 
 import codecs
 import csv
-import json
 import os
 import shutil
 import signal
@@ -32,6 +39,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -107,6 +115,19 @@ t.snapshot = lambda self: self
 return self
 """,
 }
+TRIAL_EX3 = {  # the teacher trial's checker passed these, its grader refused them
+    "computed-getattr": "name = 're' + 'qs'\nreqs = getattr(self, name)\n" + SNAPSHOT,
+    "type-call": "view = type(self)\n" + SNAPSHOT,
+    "make-dataclass": "from dataclasses import make_dataclass\n" + SNAPSHOT,
+    "numpy": "import numpy\n" + SNAPSHOT,
+}
+CHECKED_AT_HOME = [*TRIAL_EX3, "forger"]  # the student's checker runs in these too
+MEMORY_GIB = 4  # the teacher's --memory-limit
+WRITTEN_GETATTR = "reqs = getattr(self, 'reqs')\n" + SNAPSHOT  # a form a student may well write: allowed
+OTHER_EX3 = {  # run, and stopped by the judge
+    "hog": f"import torch\nhog = torch.ones({MEMORY_GIB + 1} << 30, dtype=torch.uint8)\n" + SNAPSHOT,
+    "interrupter": "raise KeyboardInterrupt\n",
+}
 
 
 def with_regions(base: Path, dest: Path, code: dict[int, dict[str, str]]) -> Path:
@@ -142,8 +163,10 @@ def graded(tmp_path_factory):
         (added / "scratch.py").write_text("print('trying')\n")
         wrong3 = next(w for w in WRONG if w.exercise == 3)
         with_regions(base, subs / "known-wrong", {**REFERENCE, 3: wrong3.regions})
-        for name, code in HOSTILE_EX3.items():
+        for name, code in {**HOSTILE_EX3, **TRIAL_EX3, **OTHER_EX3, "written-getattr": WRITTEN_GETATTR}.items():
             with_regions(base, subs / name, {**REFERENCE, 3: {"snapshot": textwrap.dedent(code)}})
+        at_home = checker_lines(subs, CHECKED_AT_HOME)
+        with_regions(base, subs / "venv", REFERENCE)
         with_regions(base, subs / "spinner", {**REFERENCE, 2: {**REFERENCE[2], "publish": "while True:\n    pass\n"}})
         with_regions(base, subs / "twice", REFERENCE)
         (subs / "twice.patch").write_text(diff)
@@ -156,14 +179,37 @@ def graded(tmp_path_factory):
         temp = root / "tmp"  # this grader's scratch, apart from any other grading run on the machine
         temp.mkdir()
         done = subprocess.run([sys.executable, "-m", "minisgl", "course", "grade", str(subs), "--out", str(out),
-                               "--exercises", *GRADED, "--jobs", "2", "--check-limit", str(LIMIT_S)],
+                               "--exercises", *GRADED, "--jobs", "2", "--check-limit", str(LIMIT_S),
+                               "--memory-limit", str(MEMORY_GIB)],
                               capture_output=True, text=True, timeout=1800, env=dict(os.environ, TMPDIR=str(temp)))
         wall = time.monotonic() - started
         changed_in_checkout = sorted(set(snapshot(ROOT).items()) - set(teacher_files.items()))
         changed_in_home = sorted(set(snapshot(Path.home(), depth=1)) - set(home_before))
     finally:
         shutil.rmtree(subs, ignore_errors=True)
-    return done, out, wall, changed_in_checkout, changed_in_home, temp
+    return Graded(done, out, wall, changed_in_checkout, changed_in_home, temp, at_home)
+
+
+class Graded(NamedTuple):
+    done: subprocess.CompletedProcess  # the grader's run
+    out: Path
+    wall: float
+    changed_in_checkout: list
+    changed_in_home: list
+    temp: Path  # the grader's temporary folder
+    at_home: dict[str, tuple[int, str]]  # student -> what `course exercise 3` in their tree said: exit code, line
+
+
+def checker_lines(subs: Path, names: list[str]) -> dict[str, tuple[int, str]]:
+    """Run the student's checker of exercise 3 in each of these submissions, side by side: its exit
+    code and the line it printed for exercise 3."""
+    runs = {name: subprocess.Popen([sys.executable, "-m", "minisgl", "course", "exercise", "3"], cwd=subs / name,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in names}
+    said = {}
+    for name, run in runs.items():
+        out, _ = run.communicate(timeout=600)
+        said[name] = (run.returncode, next((line for line in out.splitlines() if line.startswith("exercise 3: ")), ""))
+    return said
 
 
 def snapshot(folder: Path, depth: int = 64) -> dict[str, int]:
@@ -186,14 +232,15 @@ def sheet(out: Path) -> dict[str, dict[str, str]]:
 
 
 def test_every_mark_of_the_class_is_right(graded):
-    done, out, wall, _, _, _ = graded
+    done, out, wall = graded.done, graded.out, graded.wall
     print(f"graded the class in {wall:.0f} s")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = sheet(out)
     marks = {name: (row["ex2"], row["ex3"]) for name, row in rows.items()}
     assert marks == {
         "reference": ("1", "1"), "crlf": ("1", "1"), "powershell": ("1", "1"), "added-import": ("1", "1"),
-        "known-wrong": ("1", "0"), **{name: ("1", "0") for name in HOSTILE_EX3}, "spinner": ("0", "1"),
+        "known-wrong": ("1", "0"), **{name: ("1", "0") for name in {**HOSTILE_EX3, **TRIAL_EX3, **OTHER_EX3}},
+        "written-getattr": ("1", "1"), "spinner": ("0", "1"),
         "twice": ("0", "0"), "fifo": ("0", "0"), "loop": ("0", "0"), "broken": ("0", "0"),
     }, marks
     assert rows["added-import"]["notes"] and "batch.py" in rows["added-import"]["notes"]
@@ -203,14 +250,42 @@ def test_every_mark_of_the_class_is_right(graded):
     assert spin and all(d["status"] == "hang" for d in spin)
     for name in ("twice", "fifo", "loop", "broken"):
         assert {d["status"] for d in details if d["student"] == name} == {"not gradable"}, name
-    for name in HOSTILE_EX3:  # stopped before they ran, with the rule they broke
+    for name in {**HOSTILE_EX3, **TRIAL_EX3}:  # stopped before they ran, with the rule they broke
         rows = [d for d in details if d["student"] == name and d["exercise"] == "3"]
         assert rows and {d["status"] for d in rows} == {"refused"} and all("a region may" in d["rule"] for d in rows)
+    for name, status in (("hog", "memory limit"), ("interrupter", "interrupted")):
+        assert {d["status"] for d in details if d["student"] == name and d["exercise"] == "3"} == {status}, name
+    said = {name: (row["status"], row["why"]) for name, row in sheet(out).items()}
+    assert said["reference"] == ("graded", "") and said["known-wrong"] == ("graded", ""), said
+    assert said["spinner"] == ("ex2: hang", f"ex2: hang: the checks ran past the limit of {LIMIT_S} s"), said
+    assert said["hog"] == ("ex3: memory limit", f"ex3: memory limit: used more than {MEMORY_GIB} GiB"), said
+    assert said["interrupter"] == ("ex3: interrupted", "ex3: the check was interrupted (KeyboardInterrupt raised by "
+                                                       "the submission)"), said
+    assert said["numpy"] == ("ex3: refused", "ex3: not run: a region may not import `numpy` (only bisect, "
+                             "collections, copy, functools, heapq, itertools, math, time and torch, fields and replace "
+                             "from dataclasses, and the package's own classes and functions)"), said
+    assert said["loop"][0] == "not gradable" and "loop.patch" in said["loop"][1], said
+
+
+def test_the_students_checker_refuses_what_the_grader_refused_with_its_line(graded):
+    """The teacher trial's checker passed code its grader refused: now `course exercise 3`, run in
+    the submission, refuses it first, with the line the grader recorded, and exits 1."""
+    details = list(csv.DictReader(open(graded.out / "grade-details.csv", newline="")))
+    for name in CHECKED_AT_HOME:
+        recorded = {d["rule"] for d in details if d["student"] == name and d["exercise"] == "3"}
+        assert len(recorded) == 1 and graded.at_home[name] == (1, f"exercise 3: {recorded.pop()}"), name
+
+
+def test_the_console_says_what_it_grades_and_skips(graded):
+    said = graded.done.stdout.splitlines()
+    assert said[0] == "grading exercises 2, 3 (as --exercises asks)", said[:3]
+    assert any(line.startswith("skipped") and line.endswith(": venv") for line in said[:3]), said[:3]
+    assert any(line.startswith("checking the reference solutions first") for line in said), said[:8]
 
 
 def test_nothing_was_written_outside_the_copies_and_no_teacher_text_reached_a_message(graded):
-    done, out, _, changed_in_checkout, changed_in_home, _ = graded
-    assert not ESCAPED.exists() and changed_in_checkout == [] and changed_in_home == []
+    done, out = graded.done, graded.out
+    assert not ESCAPED.exists() and graded.changed_in_checkout == [] and graded.changed_in_home == []
     assert sorted(p.name for p in out.iterdir()) == ["grade-details.csv", "grades.csv", "grades.json"]
     guide = TEACHER.read_text()
     lines = {line.strip() for line in guide.splitlines() if len(line.strip()) > 40}
@@ -223,7 +298,7 @@ def test_nothing_was_written_outside_the_copies_and_no_teacher_text_reached_a_me
 
 
 def test_no_process_of_the_class_outlived_its_check(graded):
-    temp = graded[-1]
+    temp = graded.temp
     alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p, f"{temp}/")]
     assert alive == [] and list(temp.iterdir()) == []  # and its scratch is gone
 
@@ -303,18 +378,30 @@ def _named(proc: Path, name: str) -> bool:
         return False
 
 
-def test_an_interrupted_grading_records_no_mark_and_exits_non_zero(tmp_path):
+@pytest.mark.parametrize("stop", ["Ctrl-C twice", "SIGTERM to its pid"])
+def test_an_interrupted_grading_records_no_mark_exits_non_zero_and_leaves_nothing(stop, tmp_path):
+    """Through the teacher's command, `python -m minisgl course grade`, which runs the grader in a
+    process of its own: a SIGTERM to the command is passed on (the grader went on, orphaned, and
+    recorded marks), and Ctrl-C, pressed twice, neither kills the grader mid-clean-up nor cuts its
+    clean-up short (its scratch folder was left behind)."""
     base = edition.write_student_edition(tmp_path / "edition")
-    subs = tmp_path / "subs"
-    subs.mkdir()
+    subs, temp = tmp_path / "subs", tmp_path / "tmp"
+    subs.mkdir(), temp.mkdir()
     with_regions(base, subs / "reference", REFERENCE)
-    run = subprocess.Popen([sys.executable, "-m", "minisgl.course.grade", str(subs), "--out", str(tmp_path / "out"),
+    run = subprocess.Popen([sys.executable, "-m", "minisgl", "course", "grade", str(subs), "--out", str(tmp_path / "out"),
                             "--exercises", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+                           start_new_session=True, env=dict(os.environ, TMPDIR=str(temp)))
     for line in run.stdout:  # into the checks: the class is read, the reference's check starts next
         if "submissions read" in line:
             break
-    os.killpg(run.pid, signal.SIGINT)  # as a script's Ctrl-C reaches the whole group
+    if stop == "SIGTERM to its pid":
+        os.kill(run.pid, signal.SIGTERM)  # as kill or a time-out does: the command alone
+    else:
+        for _ in range(2):  # as a terminal's Ctrl-C does: the whole group
+            os.killpg(run.pid, signal.SIGINT)
+            time.sleep(0.1)
     _, err = run.communicate(timeout=120)
     assert run.returncode == grade.INTERRUPTED and "no marks were recorded" in err, err[-2000:]
-    assert not (tmp_path / "out").exists()
+    time.sleep(2)  # time for an orphaned grader to go on
+    assert not (tmp_path / "out").exists() and list(temp.iterdir()) == []
+    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _grading_process(p, f"{temp}/")]

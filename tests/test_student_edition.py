@@ -7,6 +7,7 @@ region still a stub."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from minisgl.course import grade
 from minisgl.course import make_exercise as tool
 from minisgl.course import student_edition as edition
 from minisgl.course.catalog import EXERCISES
-from minisgl.course.region_policy import region_problems
+from minisgl.course.region_policy import refusal, region_problems
 from minisgl.course.runner import run_checks
 
 
@@ -80,6 +81,22 @@ def test_the_teachers_files_and_the_history_are_left_out(student):
     assert dirty == "", dirty
 
 
+def test_no_file_of_the_edition_imports_a_teachers_module(student):
+    """A file that imports the grader fails in the edition (tests/test_grading_class.py did: a
+    collection error in its `make test-all`). Absolute imports: the package's own files use them."""
+    teachers = {name.removesuffix(".py").replace("/", ".") for name in edition.TEACHER_ONLY if name.startswith("minisgl/")}
+    found = []
+    for path in sorted(student.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            found += [f"{path.relative_to(student)}: {name}" for name in names if name in teachers]
+    assert found == []
+
 def test_every_region_holds_its_catalog_stub_and_the_reference_fits_back(student, tmp_path):
     for rel in tool.marked_files():
         text = (student / "minisgl" / rel).read_text()
@@ -111,6 +128,36 @@ def test_the_exercise_checker_tests_minisgl_in_place_in_the_student_edition(stud
     done = subprocess.run([sys.executable, "-m", "minisgl.course.make_exercise", "generate", "2"], cwd=student,
                           capture_output=True, text=True)
     assert done.returncode != 0 and "minisgl/ itself" in done.stderr, done.stderr
+
+
+def test_the_checker_refuses_what_the_grader_would_not_run_with_the_graders_message(student, tmp_path):
+    """`course exercise N` holds the code between the markers to the grader's rules before any test
+    runs (region_policy.py ships in the edition): a refusal is the line the grader records."""
+    reference = grade.written_regions(ROOT)
+    hostile = dict(reference[2], publish="import numpy\nx = getattr(self, name)\n" + reference[2]["publish"])
+    work = grade.put_regions(student, {2: hostile}, tmp_path / "work")
+    done = run_in(work, "-m", "minisgl", "course", "exercise", "2")
+    line = refusal(hostile)
+    assert line.startswith("not run: a region may not import `numpy` (only ") and "getattr" in line, line
+    assert done.returncode == 1 and f"exercise 2: {line}\n" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "pytest" not in done.stdout + done.stderr  # no test ran
+
+
+def test_the_rules_read_the_same_in_the_edition_as_in_the_checkout(student, tmp_path):
+    """The package is read with the regions' bodies left out: the student's checker (on the
+    edition's stubs, or on the student's own code, a debugging write to a file included) and the
+    grader (on the reference) judge alike."""
+    from .test_grading import REACHES_OUTSIDE
+
+    debugging = "open('/tmp/debug.txt', 'a').write('release')\n" + textwrap.dedent(EXERCISES[5].stubs["checkpoint"])
+    home = grade.put_regions(student, {5: {"checkpoint": debugging}}, tmp_path / "home")  # KVLedger's region
+    codes = [*REACHES_OUTSIDE.values(), *(code for bodies in grade.written_regions(ROOT).values()
+                                          for code in bodies.values()),
+             *(textwrap.dedent(stub) for e in EXERCISES.values() for stub in e.stubs.values()),
+             "from .kv_ledger import KVLedger\nok = isinstance(x, KVLedger)"]
+    for code in codes:
+        graded = region_problems(code)
+        assert region_problems(code, student / "minisgl") == graded == region_problems(code, home / "minisgl"), code
 
 
 def test_no_text_of_the_edition_points_at_a_file_it_lacks(student):

@@ -1,12 +1,15 @@
 """Grade a class: every exercise of every submission, into a grade sheet.
 
     python -m minisgl course grade SUBMISSIONS --out DIR [--jobs 2] [--exercises 1 2] [--check-limit 180]
+                                   [--memory-limit 8]
 
 Each entry of SUBMISSIONS is one student, named by the entry: a work tree (a folder of the
 student edition, edited) or a patch against it (`NAME.patch` or `NAME.diff`, from `git diff` in
 the student's tree, in any encoding PowerShell or Git writes). Entries may be malformed (a
-symlink, a FIFO, a patch that does not apply): each is one "not gradable" row. SUBMISSIONS may
-be anywhere, this checkout included.
+symlink, a FIFO, a patch that does not apply): each is one "not gradable" row. Hidden entries
+and the folders of tools and OSes (`work`, `build`, `venv`, `__MACOSX`, ...) are skipped, the
+folders among them named on the console. SUBMISSIONS may be anywhere, this checkout included.
+Every exercise is graded unless --exercises names some (the run's first line says which).
 
 How a submission is read (submission.py): normalized (line ends, BOMs, OS litter), its code
 between the markers taken per exercise; an edit inside a function that holds exercise N's
@@ -14,8 +17,9 @@ region costs exercise N; any other edit is reported and costs nothing.
 
 How an exercise is checked (judge.py): in a fresh process, in a throw-away copy of the student
 edition with the submission's code between that exercise's markers and the reference code
-between the others, with a limit per check (a hang is reported as one). The verdict is the
-judge's, not the child's: a forged report, a crash or a hang earns nothing. Submissions with the
+between the others, with a limit in time per check (a hang is reported as one) and in memory per
+process of a check (--memory-limit). The verdict is the judge's, not the child's: a forged
+report, a crash, a hang or a check over the memory limit earns nothing. Submissions with the
 same code in an exercise's regions (comments and spacing aside) share one check. A check may
 not write outside its copy (Landlock, on Linux; the run's first lines say whether this machine
 has it); without that wall, a write into the teacher's checkout is seen by a listing before
@@ -24,12 +28,16 @@ outlives it.
 
 Writes, only when every check has run:
 - DIR/grades.csv: one row per student, a column per exercise (1 when every check passes, the
-  checker's half of the guide's rubric; 0 otherwise), the total, and notes;
+  checker's half of the guide's rubric; 0 otherwise), the total, the status (`graded`: every
+  exercise ran and passed or failed its tests; `not gradable`; else each exercise that did not,
+  e.g. `ex2: hang; ex3: memory limit`), why (the whole rule behind that status) and notes (edits
+  reported);
 - DIR/grade-details.csv: one row per student, exercise and test (or edit that costs a mark), with
   the rule it breaks in the test's own words;
 - DIR/grades.json: both, for scripts.
-An interrupted run (Ctrl-C, SIGTERM) records nothing and exits 130. A run killed outright leaves
-its scratch folder behind; the next run removes it.
+An interrupted run (Ctrl-C, SIGTERM) records nothing, cleans up (a second Ctrl-C is ignored
+meanwhile) and exits 130. A run killed outright leaves its scratch folder behind; the next run
+removes it.
 """
 
 from __future__ import annotations
@@ -51,32 +59,23 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from minisgl.course import PACKAGE, ROOT
+from minisgl.course import ROOT
 from minisgl.course.catalog import EXERCISES
 from minisgl.course.judge import CheckVerdict, Judge
 from minisgl.course.judge_process import kill_run_processes
-from minisgl.course.make_exercise import Wrong, marked_files, regions, replace_regions
+from minisgl.course.make_exercise import Wrong, replace_regions
+from minisgl.course.markers import marked_files, written_regions
 from minisgl.course.student_edition import write_student_edition
 from minisgl.course.submission import NotGradable, Submission, is_submission, read_tree, student_name, tree_from_entry
 from minisgl.frontend.options import OneLineParser, count
 
 MAX_JOBS = 64  # checks at once, one process each
+MEMORY_LIMIT_GIB = 8  # a reference check peaks at 0.4-0.7 GiB; torch adds about 17 MiB a thread (TEACHER.md)
 RUN_PREFIX = "minisgl-grade-run-"  # this run's scratch folder in the system's temporary folder
 INTERRUPTED = 130
 
 
 # --------------------------------------------------------------------------- regions of a tree
-
-def written_regions(tree: Path) -> dict[int, dict[str, str]]:
-    """exercise -> region name -> the code between its markers in tree/minisgl (dedented)."""
-    found: dict[int, dict[str, str]] = {}
-    for rel in marked_files(PACKAGE):
-        lines = (tree / "minisgl" / rel).read_text().splitlines(keepends=True)
-        for region in regions(lines):
-            found.setdefault(region.number, {})[region.name] = textwrap.dedent(
-                "".join(lines[region.first + 1:region.last]))
-    return found
-
 
 def put_regions(tree: Path, code: dict[int, dict[str, str]], dest: Path) -> Path:
     """A copy of tree (its git history left out) in dest, with `code` between the markers of its
@@ -147,6 +146,12 @@ def new_run_folder() -> Path:
 
 # --------------------------------------------------------------------------- submissions
 
+def skipped_folders(submissions: Path) -> list[str]:
+    """The folders of SUBMISSIONS that are not read as submissions (hidden, or named like a tool's
+    or an OS's folder): said on the console, so that no student's folder is passed over unseen."""
+    return sorted(p.name for p in submissions.iterdir() if p.is_dir() and not is_submission(p))
+
+
 def read_class(submissions: Path, edition: Path, scratch: Path) -> list[Submission]:
     """One Submission per student name, malformed ones included (not gradable)."""
     entries = sorted(p for p in submissions.iterdir() if is_submission(p))
@@ -185,7 +190,8 @@ def read_class(submissions: Path, edition: Path, scratch: Path) -> list[Submissi
 class ExerciseGrade:
     exercise: int
     mark: float  # 1.0: every check passed and no edit around the region
-    status: str  # passed, failed, hang, crash, forged, refused, escaped, edited, not gradable
+    status: str  # passed, failed, hang, crash, memory limit, interrupted, forged, refused, escaped, edited,
+    #              not gradable
     rules: tuple[str, ...]  # why not 1.0, one short line each
     tests: tuple[tuple[str, bool, str], ...] = ()  # (test, passed, rule)
 
@@ -200,10 +206,35 @@ class StudentGrade:
     def total(self) -> float:
         return sum(e.mark for e in self.exercises)
 
+    @property
+    def status(self) -> str:
+        """In a word or two, for grades.csv: 'graded' (every exercise ran and passed or failed its
+        tests), 'not gradable', or each exercise that did not: 'ex2: hang; ex3: memory limit'."""
+        if self.exercises and self.exercises[0].status == "not gradable":  # then every exercise is
+            return "not gradable"
+        return "; ".join(f"ex{e.exercise}: {e.status}" for e in self._not_graded()) or "graded"
+
+    @property
+    def why(self) -> str:
+        """The whole first rule behind the status, per exercise: 'ex2: hang: the checks ran past the
+        limit of 180 s | ex3: memory limit: used more than 8 GiB' (the rest is in grade-details.csv)."""
+        if self.exercises and self.exercises[0].status == "not gradable":
+            return self.exercises[0].rules[0]
+        return " | ".join(f"ex{e.exercise}: {e.rules[0] if e.rules else e.status}" for e in self._not_graded())
+
+    def _not_graded(self) -> list[ExerciseGrade]:
+        return [e for e in self.exercises if e.status not in ("passed", "failed")]
+
+
+def listed(items: tuple[str, ...] | list[str], most: int = 3) -> str:
+    """The first `most` items whole, and how many more: a cell that is short and never cut mid-sentence."""
+    more = f" (and {len(items) - most} more)" if len(items) > most else ""
+    return " | ".join(items[:most]) + more
+
 
 def grade_of(sub: Submission, number: int, verdict: CheckVerdict | None) -> ExerciseGrade:
     if sub.not_gradable:
-        return ExerciseGrade(number, 0.0, "not gradable", (f"not gradable: {sub.not_gradable}",))
+        return ExerciseGrade(number, 0.0, "not gradable", (sub.not_gradable,))
     if number in sub.costs:
         return ExerciseGrade(number, 0.0, "edited", tuple(f"edited outside the markers: {c}" for c in sub.costs[number]))
     assert verdict is not None
@@ -220,9 +251,9 @@ def _cell(text: str) -> str:
 def write_sheet(grades: list[StudentGrade], numbers: list[int], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     files = {}
-    header = ["student", *(f"ex{n}" for n in numbers), "total", "of", "notes"]
+    header = ["student", *(f"ex{n}" for n in numbers), "total", "of", "status", "why", "notes"]
     rows = [[_cell(g.student), *(f"{e.mark:g}" for e in g.exercises), f"{g.total:g}", str(len(numbers)),
-             _cell(" | ".join(g.notes)[:400])] for g in grades]
+             g.status, _cell(g.why), _cell(listed(g.notes))] for g in grades]
     files["grades.csv"] = [header, *rows]
     detail = [["student", "exercise", "mark", "status", "test", "passed", "rule"]]
     for g in grades:
@@ -240,20 +271,26 @@ def write_sheet(grades: list[StudentGrade], numbers: list[int], out: Path) -> No
             csv.writer(f).writerows(table)
         os.replace(tmp, out / name)
     tmp = out / ".grades.json.tmp"
-    tmp.write_text(json.dumps([dict(asdict(g), total=g.total) for g in grades], indent=1, ensure_ascii=False) + "\n")
+    tmp.write_text(json.dumps([dict(asdict(g), total=g.total, status=g.status, why=g.why) for g in grades], indent=1,
+                              ensure_ascii=False) + "\n")
     os.replace(tmp, out / "grades.json")
 
 
 # --------------------------------------------------------------------------- the class
 
 def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, limit_s: float,
-                scratch: Path, confine: bool = True) -> list[StudentGrade]:
+                scratch: Path, confine: bool = True, memory_gib: float = MEMORY_LIMIT_GIB) -> list[StudentGrade]:
     start = time.monotonic()
+    print(exercises_line(numbers), flush=True)
+    skipped = skipped_folders(submissions)
+    if skipped:
+        print(f"skipped (not read as submissions: hidden, or a tool's or an OS's folder): {', '.join(skipped)}",
+              flush=True)
     edition = write_student_edition(scratch / "edition", exclude=(submissions, out))
     subs = read_class(submissions, edition, scratch)
     reference = written_regions(ROOT)
     judge = Judge(edition, scratch, reference, limit_s, scratch.name, guard=ROOT, guard_skip=[submissions, out],
-                  confine=confine)
+                  confine=confine, memory_gib=memory_gib)
     checks: dict[CheckKey, dict[str, str]] = {}
     sharing: Counter[CheckKey] = Counter()
     for sub in subs:
@@ -264,7 +301,8 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
                 sharing[key] += 1
     print(f"{len(subs)} submissions read in {time.monotonic() - start:.0f} s: {sharing.total()} exercises to grade, "
           f"{len(checks)} distinct checks (identical region code is checked once), {jobs} at a time, "
-          f"{limit_s:g} s at most each", flush=True)
+          f"{limit_s:g} s and {f'{memory_gib:g} GiB' if memory_gib else 'any memory'} at most each", flush=True)
+    print("checking the reference solutions first (one check per exercise, 10-20 s of CPU each)…", flush=True)
     verdicts: dict[CheckKey, CheckVerdict] = {}
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
@@ -285,7 +323,7 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     finally:
-        judge.close()  # every check still running ends, and no new one starts
+        judge.close()  # every check still running ends, no new one starts, and none is left in the scratch folder
     pool.shutdown()
     grades = []
     for sub in subs:
@@ -293,6 +331,14 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
         grades.append(StudentGrade(sub.student, exercises, tuple(sub.notes)))
     write_sheet(grades, numbers, out)
     return grades
+
+
+def exercises_line(numbers: list[int]) -> str:
+    """Which exercises this run grades, and how to choose them, for the console's first line."""
+    every = numbers == sorted(EXERCISES)
+    return (f"grading exercises {', '.join(map(str, numbers))}"
+            + (" (the default: every exercise; to grade only those the class was given, name them: "
+               "--exercises 1 2 3 ...)" if every else " (as --exercises asks)"))
 
 
 def confinement_line(word: dict | None) -> str:
@@ -305,7 +351,23 @@ def confinement_line(word: dict | None) -> str:
     return f"checks run in their own copies, {walls}{reaper}; the teacher's checkout is listed around each check"
 
 
+def gibibytes(text: str) -> float:
+    """--memory-limit's value: GiB, 0 (no limit) or at least 1 (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value == 0 or 1 <= value <= 4096):
+        raise argparse.ArgumentTypeError(f"{text!r} is not 0 (no limit) or a number of GiB from 1 to 4096")
+    return value
+
+
+STOP_SIGNALS = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+
+
 def _interrupt(signum, frame):
+    for s in STOP_SIGNALS:  # a second Ctrl-C cannot cut the clean-up short (checks left running)
+        signal.signal(s, signal.SIG_IGN)
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
@@ -319,20 +381,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exercises", type=int, nargs="+", default=sorted(EXERCISES), choices=sorted(EXERCISES))
     ap.add_argument("--check-limit", type=count(3600), default=180, metavar="SECONDS",
                     help="a check that runs longer is a hang (default 180)")
+    ap.add_argument("--memory-limit", type=gibibytes, default=MEMORY_LIMIT_GIB, metavar="GIB",
+                    help=f"the memory each process of a check may take, in GiB: a check that needs more earns nothing "
+                         f"(default {MEMORY_LIMIT_GIB}; 0: no limit; Linux enforces it, macOS may not)")
     ap.add_argument("--unconfined", action="store_true",
                     help="no Landlock wall around the checks (only if the reference fails behind it, e.g. a GPU "
                          "driver that writes elsewhere): writes into this checkout are then only detected")
     args = ap.parse_args(argv)
     if not args.submissions.is_dir():
         ap.error(f"{args.submissions} is not a folder of submissions")
-    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if signum is not None:
-            signal.signal(signum, _interrupt)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _interrupt)
     start = time.monotonic()
     scratch = new_run_folder()
     try:
         grades = grade_class(args.submissions.resolve(), args.out.resolve(), sorted(set(args.exercises)), args.jobs,
-                             args.check_limit, scratch, confine=not args.unconfined)
+                             args.check_limit, scratch, confine=not args.unconfined, memory_gib=args.memory_limit)
     except ValueError as exc:
         ap.error(str(exc))
     except RuntimeError as exc:
@@ -347,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.out / 'grades.csv'} (per test: {args.out / 'grade-details.csv'})")
     for g in grades:
         marks = " ".join(f"{e.mark:g}" for e in g.exercises)
-        print(f"{g.student:24} {marks}  total {g.total:g}" + ("  NOT GRADABLE" if any(
-            e.status == "not gradable" for e in g.exercises) else ""))
+        said = f"not gradable: {g.why}" if g.status == "not gradable" else g.why  # why names each exercise
+        print(f"{g.student:24} {marks}  total {g.total:g}" + (f"  ({said})" if said else ""))
     return 0
 
 

@@ -36,6 +36,9 @@ def run(nonce: str, report_fd: int, tests: list[str]) -> int:
                 send(event="outcome", id=report.nodeid, outcome=report.outcome, when=report.when,
                      exception=exception, message=_failure_lines(report.longreprtext) if report.failed else "")
 
+        def pytest_keyboard_interrupt(self, excinfo):  # the run stops here: the canary never runs
+            send(event="interrupted", exception=excinfo.typename)
+
         def pytest_collectreport(self, report):
             if report.failed:
                 send(event="collect-error", id=report.nodeid, message=_failure_lines(report.longreprtext))

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 RUN_ENV = "MINISGL_GRADE_RUN"  # set in every child: the grader finds (and kills) what a check left running
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "SYSTEMROOT")
@@ -139,6 +140,11 @@ class CheckoutWatch:
         return sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
 
 
+class Exit(NamedTuple):
+    code: int  # the exit code (negative: the signal that ended it)
+    peak_rss: int  # the largest resident size it reached, in bytes
+
+
 class ProcessStarter:
     """The judge's side of judge_zygote.py: a process that imported torch, transformers and pytest
     once, and forks each check's fresh process from there."""
@@ -157,7 +163,7 @@ class ProcessStarter:
         theirs.close()
         self.sock, self.cond = ours, threading.Condition()
         self.pids: dict[int, int] = {}  # request -> the pid of its process
-        self.exits: dict[int, int] = {}  # pid -> exit code (negative: the signal that ended it)
+        self.exits: dict[int, Exit] = {}  # pid -> how it ended
         self.requests, self.dead = 0, False
         self.confinement: dict | None = None  # the zygote's first word: Landlock's ABI, a subreaper or not
         threading.Thread(target=self._listen, daemon=True).start()
@@ -181,20 +187,22 @@ class ProcessStarter:
                 elif "pid" in message:
                     self.pids[message["id"]] = message["pid"]
                 else:
-                    self.exits[message["exited"]] = message["code"]
+                    self.exits[message["exited"]] = Exit(message["code"], message["peak_rss"])
                 self.cond.notify_all()
             if message is None:
                 return
 
     def start(self, copy: Path, env: dict[str, str], tests: list[str], nonce: str, report_fd: int,
-              confine: bool = True) -> int:
+              confine: bool = True, memory: int = 0) -> int:
         """Start a check's process in `copy`; its pid (the id of its session too). `confine`:
-        behind Landlock where the kernel has it (off only in a test of what the judge sees without)."""
+        behind Landlock where the kernel has it (off only in a test of what the judge sees without).
+        `memory`: the bytes of data it may hold (RLIMIT_DATA; 0: no limit)."""
         with self.cond:
             self.requests += 1
             request = self.requests
         socket.send_fds(self.sock, [json.dumps({"id": request, "copy": str(copy), "env": env, "tests": tests,
-                                                "nonce": nonce, "hide": self.hidden, "confine": confine}).encode()],
+                                                "nonce": nonce, "hide": self.hidden, "confine": confine,
+                                                "memory": memory}).encode()],
                         [report_fd])
         with self.cond:
             self.cond.wait_for(lambda: request in self.pids or self.dead, timeout=120)
@@ -202,8 +210,8 @@ class ProcessStarter:
                 raise RuntimeError("the judge's process starter is gone: no mark can be given")
             return self.pids.pop(request)
 
-    def wait(self, pid: int, timeout: float) -> int | None:
-        """The exit code of `pid`, or None if it is still running after `timeout` seconds."""
+    def wait(self, pid: int, timeout: float) -> Exit | None:
+        """How `pid` ended, or None if it is still running after `timeout` seconds."""
         with self.cond:
             self.cond.wait_for(lambda: pid in self.exits or self.dead, timeout=timeout)
             return self.exits.pop(pid, None)

@@ -4,11 +4,12 @@
 
 Run by path (not as a module of the package: this process imports no minisgl at all, so no
 teacher's code is in any child's memory) and started by judge.py, which sends it one datagram per
-check on the socket FD: the check's copy, environment, tests and nonce as JSON, with the write
-end of the check's report pipe attached. The zygote forks; the child starts a session of its
-own, moves into the copy and runs judge_child there exactly as a fresh interpreter would, only
+check on the socket FD: the check's copy, environment, tests, nonce and memory limit as JSON, with
+the write end of the check's report pipe attached. The zygote forks; the child starts a session of
+its own, moves into the copy and runs judge_child there exactly as a fresh interpreter would, only
 without paying for `import torch`, transformers and pytest again (seconds of CPU a check). The
-zygote answers with the child's pid, and with its exit status once it is reaped.
+zygote answers with the child's pid, and with its exit status and peak resident size once it is
+reaped.
 
 Defence in depth, where the OS offers it (Linux): the zygote is a child subreaper, so whatever a
 check leaves behind (a daemon that left its session, its working folder and its environment) is
@@ -23,6 +24,7 @@ in the run's scratch folder: no path of the teacher's checkout is in any process
 import ctypes
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -113,8 +115,8 @@ def confine(abi: int, writable: str) -> None:
 
 def child(request: dict, report_fd: int, control: socket.socket) -> None:
     """In the forked child: become the fresh process judge_child expects, then run it. (The
-    zygote's limits on core files and file sizes are inherited; dying with it is not.) Never
-    returns into the zygote's loop, whatever happens."""
+    zygote's limits on core files and file sizes are inherited; dying with it is not; the limit
+    on memory is the check's own.) Never returns into the zygote's loop, whatever happens."""
     code = 1
     try:
         control.close()
@@ -137,6 +139,11 @@ def child(request: dict, report_fd: int, control: socket.socket) -> None:
         sys.dont_write_bytecode = True
         sys.path.insert(0, request["copy"])  # the copy's minisgl, as PYTHONPATH does for an interpreter
         confine(request.get("landlock", 0), request["copy"])
+        if request.get("memory"):  # before any code of the submission runs
+            try:
+                resource.setrlimit(resource.RLIMIT_DATA, (request["memory"], request["memory"]))
+            except (OSError, ValueError):  # an OS that refuses it: the judge still sees the peak resident size
+                pass
         sys.argv = ["judge_child", str(report_fd), *request["tests"]]
         from minisgl.course.judge_child import run  # the copy's (the student edition's) harness
 
@@ -177,7 +184,7 @@ def main() -> None:
         ready, _, _ = select.select([control], [], [], 0.05)
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
@@ -186,7 +193,9 @@ def main() -> None:
                 children.discard(pid)
                 if subreaper:  # what it left behind goes with it (before the judge hears it ended)
                     kill_strays(children)
-                control.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+                peak_rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes there, KiB here
+                control.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status),
+                                         "peak_rss": peak_rss}).encode())
         if subreaper and not children and time.monotonic() > swept + 1:
             kill_strays(children)
             swept = time.monotonic()

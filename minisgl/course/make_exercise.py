@@ -46,11 +46,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 
 from minisgl.course import EXERCISE_TESTS, PACKAGE, ROOT, WORK
 from minisgl.course.catalog import EXERCISES, Wrong
+from minisgl.course.markers import Region, marked_files, regions, written_regions
+from minisgl.course.region_policy import refusal
 from minisgl.frontend.options import OneLineParser
 
 # The known-wrong solutions are course content (lessons/exercises/), loaded by path; the student
@@ -71,8 +72,6 @@ def _known_wrong() -> list[Wrong]:
 
 WRONG = _known_wrong()
 
-START = re.compile(r"^(?P<indent>[ \t]*)# >>> exercise (?P<n>\d+): (?P<name>.+?)\s*$")
-END = re.compile(r"^[ \t]*# <<< exercise (?P<n>\d+)\s*$")
 HANG_S = 40  # a half-written loop can wait forever: stop it well inside a minute, with the stacks
 HANG_ADVICE = (
     "The test above never finished. Find the thread whose stack runs through the test file and read it "
@@ -134,37 +133,6 @@ def pytest_configure(config):
 
 # --------------------------------------------------------------------------- skeletons
 
-@dataclass(frozen=True)
-class Region:
-    number: int
-    name: str
-    first: int  # line of the start marker, 0-based
-    last: int  # line of the end marker
-    indent: str
-
-
-def regions(lines: list[str]) -> list[Region]:
-    """Every marked region, in file order."""
-    found, i = [], 0
-    while i < len(lines):
-        m = START.match(lines[i])
-        if not m:
-            if END.match(lines[i]):
-                raise ValueError(f"line {i + 1}: '# <<< exercise' without a start marker")
-            i += 1
-            continue
-        n, j = int(m["n"]), i + 1
-        while j < len(lines) and not END.match(lines[j]):
-            if START.match(lines[j]):
-                raise ValueError(f"line {j + 1}: exercise regions cannot nest")
-            j += 1
-        if j == len(lines) or int(END.match(lines[j])["n"]) != n:
-            raise ValueError(f"line {i + 1}: exercise {n} region is not closed by '# <<< exercise {n}'")
-        found.append(Region(n, m["name"], i, j, m["indent"]))
-        i = j + 1
-    return found
-
-
 def names_used_below(lines: list[str], region: Region) -> list[str]:
     """The names the region's reference assigns that the rest of its block reads: without them the
     code after the region cannot run, so the skeleton must say that the region defines them."""
@@ -217,16 +185,6 @@ def replace_regions(source: str, number: int, wrong: Wrong | None = None,
         pos, count = region.last + 1, count + 1
     out += lines[pos:]
     return "".join(out), count
-
-
-def marked_files(package: Path = PACKAGE) -> dict[Path, list[int]]:
-    """Package file -> exercise numbers it has regions of."""
-    found = {}
-    for path in sorted(package.rglob("*.py")):
-        numbers = sorted({r.number for r in regions(path.read_text().splitlines())})
-        if numbers:
-            found[path.relative_to(package)] = numbers
-    return found
 
 
 def region_names(number: int) -> set[str]:
@@ -311,6 +269,18 @@ def run_tests(tests: list[str], dest: Path, extra: list[str], learner: bool = Tr
         print(HANG_ADVICE, flush=True)
         return 1
     return code
+
+
+REFUSED_ADVICE = (
+    "The grader refuses this code the same way: it is not run and earns no marks. Code between the markers "
+    "works on the engine's own objects (lessons/exercises/README.md, What to hand in).")
+
+
+def refused(numbers: list[int]) -> list[str]:
+    """For each of these exercises whose code in minisgl/ the grader would not run, the line the
+    grader records (region_policy.refusal)."""
+    written = written_regions(ROOT)
+    return [f"exercise {n}: {line}" for n in numbers if (line := refusal(written.get(n, {})))]
 
 
 def print_hint(number: int, level: int) -> None:
@@ -399,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'wrote' if made else 'kept your existing copy'}: {dest / 'minisgl'}"
               + ("" if made else "  (use --force to start over)"))
         return 0
+    if STUDENT_EDITION:  # the grader's rules on the code first: what it would not run is not run here either
+        lines = refused(sorted(EXERCISES) if args.number == "all" else [args.number])
+        if lines:
+            print("\n".join(lines) + "\n" + REFUSED_ADVICE)
+            return 1
     if args.reference or args.wrong or STUDENT_EDITION:  # the student edition: test minisgl/ as it is
         wrong = find_wrong(args.number, args.wrong) if args.wrong else None
         prefix = "minisgl-your-code-" if STUDENT_EDITION else "minisgl-reference-"

@@ -6,15 +6,19 @@ report, change what the tests call, or read and write files it must not. No exer
 of that: a region works on the engine's own objects (`self`, the batch, tensors), calls torch and
 a few harmless modules, and makes or reads the package's classes. So a region is held to this:
 
-- names: no dunder; of the builtins only the harmless ones (no getattr, vars, type, open, ...);
-  no module or foreign object that a file of the package imported (`os`, `gc`, `Path`, ...);
+- names: no dunder; of the builtins only the harmless ones (no setattr, vars, open, ...), and two
+  only in their harmless form: `getattr(obj, "name"[, default])` with the name written out (read
+  as `obj.name`, under the attribute rules) and `type(x)` in a comparison (`type(x) is T`; a call
+  of it would make classes); no module or foreign object that a file of the package imported
+  (`os`, `gc`, `Path`, ...);
 - attributes: no dunder, no private one except on `self`, none on the deny lists below, and
   every name a region may not use bare is an attribute it may not use either (`cfg.gc`,
   `torch.os`, `x.getattr`);
 - imports: `import M` of a few harmless modules; `from M import NAME` with NAME held to the
-  attribute rules; from the package only a class, function or constant it defines itself
-  (`from .grammar import TokenMask`), never a module (`from . import config`) nor what a module
-  of the package imported;
+  attribute rules; of dataclasses only `replace` and `fields` (its `make_dataclass` makes
+  classes); from the package only a class, function or constant it defines itself (`from
+  .grammar import TokenMask`), never a module (`from . import config`) nor what a module of the
+  package imported;
 - modules stay put: a module is used only as `module.name` (never stored, passed or returned),
   what a module holds is never assigned or deleted (`torch.equal = ...`), a name that resolves to
   a module is never handed around (`m = torch.cuda`);
@@ -23,7 +27,10 @@ a few harmless modules, and makes or reads the package's classes. So a region is
   `c = BatchView` are refused); a type hint may name any class or module;
 - no `global`, `nonlocal`, class definition, async code, nor `file=` argument.
 
-A region that breaks a rule is not run; its exercise gets no marks, with the rule it broke.
+A region that breaks a rule is not run; its exercise gets no marks, with the rule it broke. The
+student's checker (`course exercise N`) applies the same rules first, with the same message
+(`refusal`); the package is read with every region's body left out, so that the verdict does not
+depend on what the other regions hold (the reference at the grader, a student's code at home).
 
 This is a check on the source, not a sandbox: the judge (judge.py) still runs every check in a
 fresh process in a throw-away copy, confined to that copy where the OS allows, and trusts no
@@ -40,10 +47,14 @@ import sys
 import textwrap
 import types
 from pathlib import Path
+from typing import Callable
+
+from minisgl.course.markers import regions
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the package whose regions are checked
 ALLOWED_IMPORTS = frozenset({"torch", "copy", "math", "time", "itertools", "functools", "collections",
                              "heapq", "bisect"})
+NAMES_FROM = {"dataclasses": frozenset({"replace", "fields"})}  # modules a region may take only these names from
 # modules a file of the package may take names from that a region may use bare (a dataclass's
 # `replace`, typing's names); everything imported from any other module is out of reach
 HARMLESS_SOURCES = ALLOWED_IMPORTS | {"__future__", "typing", "dataclasses", "enum", "numbers", "abc"}
@@ -100,6 +111,11 @@ REACHING_MODULES = frozenset({
 # builtins that make a function of the package one a region may not import
 REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",
                                "locals", "vars"})
+# denied builtins a region may use in one harmless form (_PlainGetattr, _compared_type)
+NARROWED = {
+    "getattr": 'only as getattr(obj, "name") or getattr(obj, "name", default), with the name written out',
+    "type": "only to compare, as in type(x) is T or type(a) == type(b) (never called, stored or passed)",
+}
 DENIED_NODES = (ast.Global, ast.Nonlocal, ast.ClassDef, ast.AsyncFunctionDef, ast.Await, ast.AsyncFor,
                 ast.AsyncWith)
 _MISSING = object()
@@ -241,12 +257,22 @@ class PackageNames:
 
 
 def _parsed_modules(package: Path):
-    """(module path a/b.py, its tree) for each file of the package that parses."""
+    """(module path a/b.py, its tree) for each file of the package that parses, each exercise
+    region's body left out."""
     for path in sorted(package.rglob("*.py")):
         try:
-            yield path.relative_to(package).as_posix(), ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
+            yield path.relative_to(package).as_posix(), ast.parse(_without_regions(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
             continue
+
+
+def _without_regions(source: str) -> str:
+    """The source with `pass` as each exercise region's body: what the package names and reaches
+    is then the same in the teacher's checkout and in any student's edition."""
+    lines = source.splitlines(keepends=True)
+    for region in reversed(regions(lines)):
+        lines[region.first + 1:region.last] = [f"{region.indent}pass\n"]
+    return "".join(lines)
 
 
 def _top_level(body: list[ast.stmt]):
@@ -278,12 +304,37 @@ def _resolve(root: str, attrs: list[str]):
 
 # --------------------------------------------------------------------------- the check
 
+def _import_rule(name: str) -> str:
+    """The import refused first, then what a region may import."""
+    modules = sorted(ALLOWED_IMPORTS)
+    names = "".join(f", {' and '.join(sorted(held))} from {module}" for module, held in NAMES_FROM.items())
+    return (f"a region may not import `{name}` (only {', '.join(modules[:-1])} and {modules[-1]}{names}, and the "
+            f"package's own classes and functions)")
+
+
+class _PlainGetattr(ast.NodeTransformer):
+    """getattr(obj, "name") read as obj.name, getattr(obj, "name", default) as `obj.name or
+    default`: the attribute is then held to the attribute rules. A getattr with a computed name
+    stays, and is refused."""
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        args = node.args
+        if not (isinstance(node.func, ast.Name) and node.func.id == "getattr" and len(args) in (2, 3)
+                and not node.keywords and isinstance(args[1], ast.Constant) and isinstance(args[1].value, str)
+                and args[1].value.isidentifier()):
+            return node
+        read = ast.copy_location(ast.Attribute(args[0], args[1].value, ast.Load()), node)
+        return read if len(args) == 2 else ast.copy_location(ast.BoolOp(ast.Or(), [read, args[2]]), node)
+
+
 def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
     """Why the code of one region may not run, one short rule each (empty: it may)."""
     try:
         tree = ast.parse("def region():\n" + textwrap.indent(code or "pass\n", "    "))
     except SyntaxError as exc:
         return [f"not valid Python (line {max((exc.lineno or 2) - 1, 1)})"]
+    tree = _PlainGetattr().visit(tree)
     known = package_names(package)
     denied_everywhere = DENIED_NAMES | known.foreign
     denied_attributes = DENIED_ATTRIBUTES | DENIED_NAMES | known.modules
@@ -305,15 +356,16 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] not in ALLOWED_IMPORTS or "." in alias.name:
-                    problems.append(f"a region may import only {', '.join(sorted(ALLOWED_IMPORTS))} (or a class or "
-                                    f"function of the package), not `{alias.name}`")
+                    problems.append(_import_rule(alias.name))
                 else:
                     modules[alias.asname or alias.name] = alias.name
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             module = node.module or ""
+            if module in NAMES_FROM:
+                problems += [_import_rule(f"{module}.{a.name}") for a in node.names if a.name not in NAMES_FROM[module]]
+                continue
             if module.split(".")[0] not in ALLOWED_IMPORTS or "." in module:
-                problems.append(f"a region may import only {', '.join(sorted(ALLOWED_IMPORTS))} (or a class or "
-                                f"function of the package), not `{module}`")
+                problems.append(_import_rule(module))
                 continue
             for alias in node.names:
                 why = attribute_problem(alias.name) if alias.name != "*" else "a region may not import `*`"
@@ -366,9 +418,21 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
     return list(dict.fromkeys(problems))
 
 
+def refusal(bodies: dict[str, str], vet: Callable[[str], list[str]] = region_problems) -> str:
+    """Why an exercise's region code (region name -> code) may not run, in the one line that the
+    grader records and the student's checker prints ('' where it may run)."""
+    problems = list(dict.fromkeys(p for code in bodies.values() for p in vet(code)))  # whole sentences
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return f"not run: {'; '.join(problems[:3])}{more}" if problems else ""
+
+
 def _name_problems(node: ast.Name, parent: ast.AST | None, parents: dict, modules: dict[str, str],
                    classes: set[str], denied: frozenset[str] | set[str], hint: bool = False) -> list[str]:
     name = node.id
+    if name == "type" and _compared_type(node, parent, parents):
+        return []
+    if name in NARROWED:
+        return [f"a region may use `{name}` {NARROWED[name]}"]
     if name in denied or _is_dunder(name):
         return [f"a region may not use the name `{name}` (it reaches outside the engine)"]
     if hint:  # inside a type hint: named, never used
@@ -400,6 +464,13 @@ def _name_problems(node: ast.Name, parent: ast.AST | None, parents: dict, module
     if name in classes and (not isinstance(node.ctx, ast.Load) or not _class_use_ok(node, parents)):
         return [f"a region may only call, read from or test with isinstance the class `{name}`"]
     return []
+
+
+def _compared_type(node: ast.Name, parent: ast.AST | None, parents: dict) -> bool:
+    """type(x), one argument, as an operand of a comparison: the one use of `type` a region may
+    make (a call of the class it gives, type(t)(name, bases, namespace), would make a class)."""
+    return (isinstance(parent, ast.Call) and parent.func is node and len(parent.args) == 1 and not parent.keywords
+            and not isinstance(parent.args[0], ast.Starred) and isinstance(parents.get(parent), ast.Compare))
 
 
 def _class_use_ok(node: ast.expr, parents: dict) -> bool:

@@ -27,10 +27,12 @@ import sys
 from pathlib import Path
 
 from minisgl.course.catalog import EXERCISES
-from minisgl.course.make_exercise import ROOT, marked_files, replace_regions
+from minisgl.course.make_exercise import ROOT, replace_regions
+from minisgl.course.markers import marked_files
 
 # What only a teacher gets: the answers to the written questions, the known-wrong solutions (near
-# copies of the reference), and the tools and tests that need the reference to work.
+# copies of the reference), and the tools and tests that need the reference to work. The rules on
+# region code (region_policy.py) are the student's too: the checker applies them before the tests.
 TEACHER_ONLY = frozenset({
     "lessons/TEACHER.md",
     "lessons/exercises/wrong_solutions.py",
@@ -40,10 +42,10 @@ TEACHER_ONLY = frozenset({
     "minisgl/course/judge_zygote.py",
     "minisgl/course/judge_process.py",
     "minisgl/course/submission.py",
-    "minisgl/course/region_policy.py",
     "tests/test_exercises.py",
     "tests/test_student_edition.py",
     "tests/test_grading.py",
+    "tests/test_grading_class.py",
     "minisgl/course/check_figures.py",  # checks the guide's figures: reads TEACHER.md
     "benchmarks/grading_class.py",  # a synthetic class for timing the grader: made from the wrong solutions
 })

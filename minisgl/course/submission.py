@@ -30,7 +30,7 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minisgl.course.make_exercise import regions
+from minisgl.course.markers import regions
 
 PATCH_SUFFIXES = (".patch", ".diff")
 MAX_PATCH_BYTES = 16 << 20  # a patch of the exercise regions is kilobytes
