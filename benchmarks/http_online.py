@@ -1,6 +1,7 @@
 """The online benchmark through HTTP, beside the in-process one at the same arrival rates.
 
     python benchmarks/http_online.py [--model DIR] [--num-requests N] [--rate R1,R2] [--loops normal,overlap]
+                                     [--server-cpus 0,1 --client-cpus 2]
 
 For each loop: a `minisgl serve` process; Poisson arrivals (seed 0) of the online workload
 (`bench --workload online`: the offline lengths, ignore_eos), each request a streaming
@@ -10,6 +11,11 @@ the in-process online bench (minisgl/observe/online.py) on the same requests at 
 rates, and the ratio of the two throughputs. Under the table, each run's CPU seconds by process
 (the HTTP process, the scheduler process, this benchmark's client; in process, the engine's),
 also per 1,000 output tokens, and the load average before and after it (1 minute).
+
+With --server-cpus (Linux), the server's two processes and the in-process engine run on those
+cores alone, and with --client-cpus the benchmark's client on others: the comparison a deployment
+makes, where the load comes from another machine. Without them all three share every core, and
+on 2 cores the client's own work (about as much as the HTTP process's) is taken from the engine.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import os
 import resource
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 from urllib.request import urlopen
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +119,24 @@ async def http_online(url: str, workload: Workload, rate: float, label: str, pid
             "itl_p50_s": _percentile(itl, 50), "itl_p99_s": _percentile(itl, 99)}
 
 
+@contextmanager
+def on_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """Run this process (and the processes it starts meanwhile) on `cpus`; None leaves it as it is."""
+    if cpus is None:
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
+def cpu_list(text: str) -> set[int]:
+    return {int(c) for c in text.split(",")}
+
+
 def in_process(model: Path, loop: str, workload: Workload, rates: list[float]) -> list[dict]:
     """The in-process online bench at each rate; also its CPU seconds (this process: the engine's)."""
     from minisgl import LLM
@@ -131,6 +157,9 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--rate", type=NumberList(Number(float, 1e-3, 1e6)), default=[4.0, 16.0])
     ap.add_argument("--loops", default="normal,overlap")
+    ap.add_argument("--server-cpus", type=cpu_list, default=None,
+                    help="cores for the server's processes and the in-process engine, e.g. 0,1 (Linux)")
+    ap.add_argument("--client-cpus", type=cpu_list, default=None, help="cores for the benchmark's client, e.g. 2")
     args = ap.parse_args()
     from minisgl.demo.paths import demo_model_path
     from transformers import AutoConfig
@@ -144,13 +173,18 @@ def main() -> int:
                  f"pass --model DIR (make-tiny DIR --arch qwen3)")
     rows = []
     for loop in args.loops.split(","):
-        with running_server("--model", str(model), "--loop", loop, "--served-model-name", "bench") as (url, proc):
+        # A process keeps the cores it was started on: the server's two keep the server's cores
+        # when this one moves to the client's.
+        with (on_cpus(args.server_cpus),
+              running_server("--model", str(model), "--loop", loop, "--served-model-name", "bench") as (url, proc),
+              on_cpus(args.client_cpus)):
             pids = (proc.pid, scheduler_pid(proc))
             warm_up = Workload("warm-up", [workload.prompts[0][:8]], [SamplingParams(max_new_tokens=4)])
             asyncio.run(http_online(url, warm_up, 1e6, "warm-up", pids))
             http = [asyncio.run(http_online(url, workload, rate, f"{loop} HTTP {rate:g} req/s", pids))
                     for rate in args.rate]
-        local = in_process(model, loop, workload, args.rate)
+        with on_cpus(args.server_cpus):
+            local = in_process(model, loop, workload, args.rate)
         for h, l in zip(http, local):
             rows += [(loop, "HTTP", h, h["output_tok_per_s"] / l["output_tok_per_s"]), (loop, "in-process", l, None)]
     table = Table(title=f"online: {len(workload.prompts)} requests ({workload.input_tokens} input, "

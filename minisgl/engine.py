@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .models.attention import AttentionBackend, KVCache, TorchAttentionBackend, paged_metadata
+from . import host_memory
 from .gpu import cuda_lifecycle
 from .gpu.cuda_graph import CudaGraphRunner
 from .config import EngineConfig
@@ -83,6 +84,8 @@ class Engine:
         device = config.device
         if device.type == "cuda":
             cuda_lifecycle.before_engine_start()
+        else:
+            host_memory.keep_freed_blocks()  # else the first engine in a process pays a page fault per tensor page
         self.config = config
         self.device = device
         self.dtype = config.dtype
