@@ -2,7 +2,9 @@
 
 Kept small on purpose: a lesson script should read top to bottom without jumping here
 more than once or twice. Every figure a lesson wants you to look at is printed by
-`figure()` as one line `» name = value` (tests/test_lessons.py parses those lines).
+`figure()` as one line `» name = value` (tests/test_lessons.py parses those lines); in the
+student edition, a figure that an exercise's stub cannot show is one line `» name: not shown
+until exercise N is written; ...` instead, with no number (tests/test_student_edition.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import minisgl  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.batch import SchedulerStats  # noqa: E402
 from minisgl.course import missing_exercise  # noqa: E402
+from minisgl.course.markers import stub_note  # noqa: E402
 from minisgl.observe.timeline import render_timeline  # noqa: E402
 from minisgl.observe.trace import pipeline_metrics, request_metrics  # noqa: E402
 
@@ -186,8 +189,31 @@ def section(text: str) -> None:
     console.print(f"[bold cyan]{text}[/]")  # wraps at the terminal's width (a rule would cut it)
 
 
-def figure(name: str, value: float | int, fmt: str = "{:.3f}", note: str = "") -> float:
-    """Print a key figure on its own line: `» name = value  (note)`. Returns the value."""
+_STUBS_EXPLAINED: set[tuple[int, str]] = set()  # a stub's note is printed in full once per run
+
+
+def unwritten(number: int, part: str) -> bool:
+    """Whether exercise `number`'s region `part` still holds the student edition's stub (never in
+    the teacher's checkout): for a sentence about a symptom that the stub cannot show."""
+    return stub_note(number, part) is not None
+
+
+def figure(name: str, value: float | int, fmt: str = "{:.3f}", note: str = "",
+           needs: tuple[int, str] | None = None) -> float:
+    """Print a key figure on its own line: `» name = value  (note)`. Returns the value.
+
+    `needs`: (exercise, region name) of the part whose mechanism this figure shows, where the
+    student edition's stub there cannot show it (it ignores the switch the lesson turns off, or
+    does without the mechanism). While that stub is in place, one line says so in the figure's
+    place, in the stub's own words, and no number: a 0 would read "switch it off and nothing
+    happens". Once anything else is written there (and in the teacher's checkout) the figure is
+    printed as usual."""
+    missing = stub_note(*needs) if needs else None
+    if missing is not None:
+        said = "see above" if needs in _STUBS_EXPLAINED else missing
+        _STUBS_EXPLAINED.add(needs)
+        console.print(f"» {name}: not shown until exercise {needs[0]} is written; its stub ({needs[1]}): {said}")
+        return value
     console.print(f"» {name} = {fmt.format(value)}" + (f"   [dim]({note})[/]" if note else ""))
     return value
 

@@ -37,7 +37,7 @@ def kv_pool_and_request_table() -> None:
     report = llm.memory_report()
     console.print(f"  finished: " + ", ".join(f"{k} {v}" for k, v in report.items()))
     figure("slots the radix cache holds now", report["kv_cached"], "{:d}",
-           f"{req.prompt_len} prompt + 4 outputs - 1: the last output's KV is never computed")
+           f"{req.prompt_len} prompt + 4 outputs - 1: the last output's KV is never computed", needs=(5, "checkpoint"))
     figure("pool whole (kv_free + kv_cached == kv_total)",
            int(report["kv_free"] + report["kv_cached"] == report["kv_total"]), "{:d}")
     llm.close()
@@ -55,10 +55,12 @@ def radix_cache() -> None:
     console.print(f"  {first!r} = {a}\n  {second!r} = {b}\n  {second!r} → {out.text!r}")
     figure("tokens the two prompts share", shared, "{:d}")
     figure("prompt tokens served from the cache", llm.stats.cached_tokens - before, "{:d}",
-           "their KV is not computed again")
+           "their KV is not computed again", needs=(5, "checkpoint"))
+    before = llm.stats.cached_tokens
     llm.generate([second], SamplingParams(max_new_tokens=32))
-    figure("the same prompt again: tokens served from the cache", llm.stats.cached_tokens - before - shared, "{:d}",
-           f"all but the last of its {len(b)}: one token must run to give the next token's logits")
+    figure("the same prompt again: tokens served from the cache", llm.stats.cached_tokens - before, "{:d}",
+           f"all but the last of its {len(b)}: one token must run to give the next token's logits",
+           needs=(5, "checkpoint"))
     llm.close()
 
 

@@ -67,7 +67,7 @@ def main() -> None:
               disable=("retract_skip_inflight",))
     wrong = sum(a != b for a, b in zip(off.tokens, reference))
     figure("outputs that differ from reserve (skip off)", wrong, "{:d}",
-           "the late token, then the re-prefill samples the same step again: a repeated token")
+           "the late token, then the re-prefill samples the same step again: a repeated token", needs=(3, "snapshot"))
     notice("optimistic admission keeps more requests decoding per step, so the same tokens take fewer steps; "
            "the price is retraction, and in the overlap loop the in-flight result of a retracted request must be "
            "skipped. Resumed requests re-prefill through the radix cache and produce exactly the same tokens.")

@@ -70,11 +70,14 @@ def protections(prompts, delay_ms: float, plain) -> None:
         "KV slots held after the drain": lambda r: str(held_after_flush(r)),
     })
     figure("outputs differing (publish wait off)", sum(a != b for a, b in zip(runs[1].tokens, plain.tokens)), "{:d}",
-           "the host read last step's lengths: attention over too few positions")
+           "the host read last step's lengths: attention over too few positions",
+           needs=(11, "wait for the publish before reading the mirror"))
     figure("verify rows past their slots (reserve off)", runs[2].llm.scheduler.features.speculation.unallocated_writes,
-           "{:d}", "the verify in flight moved the start of the next one by up to K+1")
+           "{:d}", "the verify in flight moved the start of the next one by up to K+1",
+           needs=(11, "allocate for the most a step can accept"))
     figure("KV slots leaked (release_allocated off)", held_after_flush(runs[3]), "{:d}",
-           "the rejected drafts' slots and the reserve stay with finished requests")
+           "the rejected drafts' slots and the reserve stay with finished requests",
+           needs=(4, "release by allocated length"))
 
 
 def held_after_flush(r) -> int:
@@ -102,7 +105,8 @@ def mixed_chunk(prompts, delay_ms: float) -> None:
            "{:d}")
     figure("outputs differing (mixed, committed - 1 under the overlap)",
            sum(a != b for a, b in zip(runs[3].tokens, runs[0].tokens)), "{:d}",
-           "SGLang's serial formula without the overlap's delta: every decode row one position early")
+           "SGLang's serial formula without the overlap's delta: every decode row one position early",
+           needs=(12, "the decode row"))
 
 
 def mixed_rows(r) -> int:

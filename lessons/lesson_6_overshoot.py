@@ -42,13 +42,14 @@ def lookahead_and_release(pairs, delay_ms: float) -> None:
     })
     on, no_lookahead, no_release = runs
     figure("overshoot steps (length_lookahead on)", on.stats.overshoot_steps, "{:d}")
-    figure("overshoot steps (length_lookahead off)", no_lookahead.stats.overshoot_steps, "{:d}")
+    figure("overshoot steps (length_lookahead off)", no_lookahead.stats.overshoot_steps, "{:d}",
+           needs=(4, "length lookahead"))
     figure("overshoot tokens (all on)", on.stats.overshoot_tokens, "{:d}",
            "EOS cannot be foreseen: one late result per request that stopped while its next step was in flight "
            "(not those that hit EOS at their cap: the lookahead had left them out already)")
     figure("leaked KV slots (release_allocated on)", leaked(on), "{:d}")
     figure("leaked KV slots (release_allocated off)", leaked(no_release), "{:d}",
-           "one per overshoot token: the slot the extra step wrote")
+           "one per overshoot token: the slot the extra step wrote", needs=(4, "release by allocated length"))
 
 
 def token_after_stop(prompt: str, delay_ms: float) -> None:

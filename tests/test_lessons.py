@@ -33,6 +33,7 @@ def run_lesson(number: int, *args: str) -> tuple[str, dict[str, float]]:
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     figures = {m["name"]: float(m["value"]) for m in FIGURE.finditer(done.stdout)}
     assert "Notice:" in done.stdout or number == 9
+    assert "not shown until exercise" not in done.stdout  # the exercises are written here: every figure is shown
     return done.stdout, figures
 
 

@@ -8,6 +8,7 @@ region still a stub."""
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -189,6 +190,74 @@ def test_the_demo_and_every_lesson_run_to_the_end_before_any_exercise_is_written
         assert done.returncode == 0 and "Traceback" not in done.stderr + done.stdout, (
             args, done.stdout[-2000:], done.stderr[-2000:])
         assert "needs exercise" not in done.stdout + done.stderr, (args, done.stdout[-2000:])
+
+
+# The figures by which the lessons show a mechanism's symptom (most of them with its switch off),
+# as tests/test_lessons.py checks them in this checkout: lesson -> figure -> the exercise whose stub
+# cannot show it (it ignores the switch, or does without the mechanism), or None where the edition
+# as handed out shows the symptom itself. Neither may read 0 there: "switch it off and nothing
+# happens" teaches the wrong thing. Where a stub cannot show it the lesson says which exercise the
+# figure needs (lessons/common.py figure(needs=...)), in the figure's place and without a number.
+SYMPTOMS = {
+    0: {"slots the radix cache holds now": 5, "prompt tokens served from the cache": 5,
+        "the same prompt again: tokens served from the cache": 5},
+    4: {"early commits (future_map off)": None},
+    5: {"misrouted batches (batch_snapshot off)": None, "wrong outputs (batch_snapshot off)": None},
+    6: {"overshoot steps (length_lookahead off)": 4, "leaked KV slots (release_allocated off)": 4,
+        "tokens after stop (skip_finished off)": None},
+    7: {"wrong outputs (commit_point_cache off)": None, "wrong outputs (staging both off)": None,
+        "unread overwrites (staging both off)": None, "stale row results (deferred_row_free off)": None,
+        "wrong D (deferred_row_free off)": 5},
+    8: {"early commits (prefill_sync on)": 1},  # the symptom of prefill_sync off is this count's absence
+    10: {"outputs that differ from reserve (skip off)": 3},
+    11: {"outputs breaking the grammar (naive mask)": 10, "misplaced logprobs (live lengths)": None},
+    12: {"outputs differing (publish wait off)": 11, "verify rows past their slots (reserve off)": 11,
+         "KV slots leaked (release_allocated off)": 4,
+         "outputs differing (mixed, committed - 1 under the overlap)": 12},
+}
+FIGURE_LINE = re.compile(r"^» (?P<name>.+?)(?: = (?P<value>-?[\d.]+)(?: .*)?|: not shown until exercise (?P<needs>\d+) is "
+                         r"written; its stub \((?P<part>[^)]+)\): (?P<why>.+))$", re.MULTILINE)
+
+
+def test_a_lesson_says_which_exercise_a_figure_needs_only_while_its_stub_is_there(student, tmp_path):
+    """stub_note: the stub's own words while the region holds it unchanged, None once anything
+    else is written there, and None in this checkout (the reference)."""
+    from minisgl.course.markers import stub_note
+
+    for number, exercise in EXERCISES.items():
+        for name in exercise.stubs:
+            note = stub_note(number, name, student / "minisgl")
+            assert note and not note.startswith(("#", "STUB")), (number, name, note)
+            assert stub_note(number, name) is None, (number, name)
+    written = grade.put_regions(student, {4: {"length lookahead": "pass\n"}}, tmp_path / "written")
+    assert stub_note(4, "length lookahead", written / "minisgl") is None
+    assert stub_note(4, "release by allocated length", written / "minisgl") is not None
+
+
+@pytest.mark.parametrize("number", [pytest.param(n, marks=() if n == 6 else pytest.mark.full) for n in SYMPTOMS])
+def test_no_lesson_shows_a_symptom_as_0_in_the_student_edition(student, number):
+    """Each lesson's symptom figures in the edition as handed out: a count above 0, or, where the
+    stub cannot show it, the line naming the exercise it needs, in the stub's words. (Before this,
+    10 of them printed 0 there: lesson 6's length_lookahead and release_allocated off, lesson 10's
+    retract_skip_inflight off, lesson 11's naive mask, lesson 12's four, lesson 7's wrong D and
+    lesson 8's early commits; lesson 0's cache counts 0, 0 and -5.) Lesson 6 is the fast tier's."""
+    from minisgl.course.markers import stub_note
+
+    script = next(student.glob(f"lessons/lesson_{number}_*.py"))
+    done = subprocess.run([sys.executable, str(script.relative_to(student)), "--quick"], cwd=student,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "LESSON_WIDTH": "400"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    lines = {m["name"]: m for m in FIGURE_LINE.finditer(done.stdout)}
+    for name, needs in SYMPTOMS[number].items():
+        line = lines.get(name)
+        assert line is not None, (name, done.stdout[-4000:])
+        if needs is None:
+            assert line["value"] is not None and float(line["value"]) > 0, (number, line[0])
+        else:
+            assert line["value"] is None and int(line["needs"]) == needs, (number, line[0])
+            assert line["why"] in (stub_note(needs, line["part"], student / "minisgl"), "see above"), line[0]
+    if number == 12:  # the stub mixes no decode row, and the count says so (it counted the rows offered)
+        assert float(lines["decode rows mixed into prefill batches"]["value"]) == 0
 
 
 # What each stub is told by its own exercise's check: the first failure names the rule it breaks.

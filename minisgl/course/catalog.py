@@ -321,7 +321,8 @@ EXERCISES = {e.number: e for e in (
         "SpanName.SAMPLE with that batch id, call launch_sample with the engine, the result and build_mask of "
         "the grammars and states of the view's requests; then add one to the delayed_samples statistic.",
     ), {"delay the sampling": """
-        # STUB (exercise 10 not written): every grammar batch waits, whatever the switch says.
+        # STUB (exercise 10 not written): every grammar batch waits, whatever the grammar_delayed_sample
+        # switch says.
         delay_sample = True
     """, "launch the delayed sampling": """
         # STUB (exercise 10 not written): samples with masks from the states now, but neither checks
@@ -351,7 +352,8 @@ EXERCISES = {e.number: e for e in (
         "prefill_len plus the reserve. host_lengths: when there is a publish_ready event and the switch is on, "
         "synchronize it; then the mirror's entries at `rows`, as a Python list.",
     ), {"allocate for the most a step can accept": """
-        # STUB (exercise 11 not written): correct, not precise: KV for the request's whole life at once.
+        # STUB (exercise 11 not written): correct, not precise: KV for the request's whole life at once,
+        # whatever the spec_alloc_reserve switch says.
         return req.prompt_len + req.max_new_tokens + 2 * (self.num_steps + 1)
     """, "wait for the publish before reading the mirror": """
         # STUB (exercise 11 not written): waits for the publish whatever spec_publish_wait says.

@@ -56,9 +56,9 @@ def plain(qwen3) -> list[list[int]]:
 @pytest.mark.parametrize("loop", ["overlap", "normal"])
 def test_mixed_batches_give_the_plain_tokens(qwen3, plain, loop):
     llm, outs = generate(qwen3, loop)
-    assert llm.scheduler.features.mixed_chunk.decode_rows > 0  # the workload does mix
     assert sum(llm.rows_mixed) > 0, ("mixed chunk: each running request's decode row must ride in the prefill batch "
                                      "(appended after the region); no prefill batch carried one")
+    assert llm.scheduler.features.mixed_chunk.decode_rows == sum(llm.rows_mixed)  # counted: the rows that rode
     assert outs == plain, ROW_RULE
     llm.check_invariants()
     llm.close()
