@@ -32,7 +32,8 @@ from minisgl.course.markers import marked_files
 
 # What only a teacher gets: the answers to the written questions, the known-wrong solutions (near
 # copies of the reference), and the tools and tests that need the reference to work. The rules on
-# region code (region_policy.py) are the student's too: the checker applies them before the tests.
+# region code (region_policy.py, with region_policy_lists.py and region_policy_package.py) are the
+# student's too: the checker applies them before the tests.
 TEACHER_ONLY = frozenset({
     "lessons/TEACHER.md",
     "lessons/exercises/wrong_solutions.py",
