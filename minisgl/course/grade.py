@@ -61,8 +61,9 @@ from pathlib import Path
 
 from minisgl.course import ROOT
 from minisgl.course.catalog import EXERCISES
-from minisgl.course.judge import CheckVerdict, Judge
+from minisgl.course.judge import Judge
 from minisgl.course.judge_process import kill_run_processes
+from minisgl.course.judge_verdict import CheckVerdict
 from minisgl.course.make_exercise import Wrong, replace_regions
 from minisgl.course.markers import marked_files, written_regions
 from minisgl.course.student_edition import write_student_edition

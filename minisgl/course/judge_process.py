@@ -1,5 +1,5 @@
 """The processes of a grading run: how a check's child is started, limited and killed, and the
-watch on the teacher's checkout (judge.py decides the verdicts).
+watch on the teacher's checkout (judge_verdict.py decides the verdicts).
 
 - ProcessStarter talks to the zygote (judge_zygote.py), which forks each check's child in a
   session of its own, from a copy of itself in the run's scratch, with no path of the teacher's

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import functools
 import importlib
 import sys
 import textwrap
@@ -49,246 +48,15 @@ import types
 from pathlib import Path
 from typing import Callable
 
-from minisgl.course.markers import regions
+from minisgl.course.region_policy_lists import (ALLOWED_IMPORTS, DENIED_ATTRIBUTES, DENIED_NAMES, DENIED_NODES,
+                                                NAMES_FROM, NARROWED, SAFE_BUILTINS)
+from minisgl.course.region_policy_package import PACKAGE_DIR, package_names
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the package whose regions are checked
-ALLOWED_IMPORTS = frozenset({"torch", "copy", "math", "time", "itertools", "functools", "collections",
-                             "heapq", "bisect"})
-NAMES_FROM = {"dataclasses": frozenset({"replace", "fields"})}  # modules a region may take only these names from
-# modules a file of the package may take names from that a region may use bare (a dataclass's
-# `replace`, typing's names); everything imported from any other module is out of reach
-HARMLESS_SOURCES = ALLOWED_IMPORTS | {"__future__", "typing", "dataclasses", "enum", "numbers", "abc"}
-SAFE_BUILTINS = frozenset({
-    "abs", "all", "any", "ascii", "bin", "bool", "bytearray", "bytes", "callable", "chr", "complex", "dict",
-    "divmod", "enumerate", "filter", "float", "frozenset", "hasattr", "hash", "hex", "id", "int", "isinstance",
-    "issubclass", "iter", "len", "list", "map", "max", "min", "next", "oct", "ord", "pow", "print", "range", "repr",
-    "reversed", "round", "set", "slice", "sorted", "str", "sum", "tuple", "zip", "NotImplemented", "Ellipsis",
-})  # and the exception classes (capitalized builtins)
-DENIED_NAMES = frozenset({
-    # builtins that reach the interpreter, its objects by name, or the files
-    "eval", "exec", "compile", "open", "getattr", "setattr", "delattr", "globals", "locals", "vars", "dir",
-    "breakpoint", "input", "help", "memoryview", "type", "object", "super", "exit", "quit", "classmethod",
-    "staticmethod", "property", "format", "aiter", "anext", "copyright", "credits", "license",
-    # modules a file of the package may have imported
-    "os", "sys", "subprocess", "gc", "inspect", "ctypes", "importlib", "builtins", "signal", "socket", "shutil",
-    "pathlib", "Path", "io", "pickle", "marshal", "faulthandler", "multiprocessing", "tempfile", "threading",
-    "pytest", "_pytest", "runpy", "atexit", "resource", "weakref", "traceback", "linecache", "site", "typing",
-    "operator", "logging", "json", "contextlib", "dataclasses", "types", "copyreg", "platform", "glob", "codecs",
-    "warnings", "asyncio", "concurrent", "selectors", "mmap", "fcntl", "pty", "shlex", "string", "sysconfig",
-    "zipfile", "tarfile", "urllib", "http", "code", "codeop", "pdb", "cProfile", "profile", "tracemalloc",
-    "_thread", "posix", "nt", "fileinput", "filecmp", "uuid", "webbrowser", "ssl", "select", "queue",
-})
-DENIED_ATTRIBUTES = frozenset({
-    # the interpreter, its frames and code
-    "modules", "f_globals", "f_locals", "f_back", "f_code", "f_builtins", "f_trace", "tb_frame", "tb_next",
-    "gi_frame", "gi_code", "gi_yieldfrom", "cr_frame", "cr_code", "cr_await", "ag_frame", "ag_code", "co_consts",
-    "mro", "format_map", "vformat", "settrace", "setprofile", "attrgetter", "methodcaller", "get_type_hints",
-    "environ", "putenv", "obj", "with_traceback",
-    # processes
-    "system", "popen", "fork", "forkpty", "kill", "killpg", "setsid", "spawnv", "execv", "execve", "Thread",
-    "Process", "Popen", "start_new_thread",
-    # files
-    "load", "loads", "save", "dump", "dumps", "tofile", "fromfile", "from_file", "memmap", "savetxt",
-    "savez", "loadtxt", "write_text", "write_bytes", "read_text", "read_bytes", "unlink", "rmdir", "rmtree",
-    "rename", "chmod", "symlink", "mkdir", "makedirs", "touch", "export_chrome_trace", "export_stacks",
-    "export_memory_timeline", "debug_dump", "read_file", "write_file", "set_filename", "tune_gemm_in_file",
-    "download_url_to_file", "load_state_dict_from_url", "to_folder", "load_nvprof", "metal_capture",
-    "load_compiled_function", "GdsFile",
-    # torch's doors to compiled code, other processes, native libraries and files
-    "ops", "library", "utils", "hub", "jit", "serialization", "distributed", "package", "testing", "fx",
-    "overrides", "export", "classes", "profiler", "autograd", "onnx", "np", "numpy", "import_module",
-    "compiler", "tunable", "gds", "cudart", "CUDAPluggableAllocator", "change_current_allocator", "load_library",
-    "load_inline", "cpp_extension", "prepare_multiprocessing_environment", "monitor",
-})
-# modules whose names make a function of the package one a region may not import
-REACHING_MODULES = frozenset({
-    "os", "sys", "subprocess", "pathlib", "io", "pickle", "marshal", "shutil", "tempfile", "socket", "ctypes",
-    "importlib", "builtins", "multiprocessing", "threading", "_thread", "signal", "gc", "inspect", "runpy",
-    "faulthandler", "resource", "mmap", "fcntl", "pty", "asyncio", "urllib", "http", "zipfile", "tarfile", "glob",
-    "codecs", "webbrowser", "ssl", "select", "selectors", "pdb", "code", "platform", "logging", "csv", "sqlite3",
-    "safetensors", "uvicorn", "zmq", "starlette", "concurrent", "tracemalloc", "cProfile", "profile",
-})
-# builtins that make a function of the package one a region may not import
-REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",
-                               "locals", "vars"})
-# denied builtins a region may use in one harmless form (_PlainGetattr, _compared_type)
-NARROWED = {
-    "getattr": 'only as getattr(obj, "name") or getattr(obj, "name", default), with the name written out',
-    "type": "only to compare, as in type(x) is T or type(a) == type(b) (never called, stored or passed)",
-}
-DENIED_NODES = (ast.Global, ast.Nonlocal, ast.ClassDef, ast.AsyncFunctionDef, ast.Await, ast.AsyncFor,
-                ast.AsyncWith)
 _MISSING = object()
 
 
 def _is_dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
-
-
-# --------------------------------------------------------------------------- what the package holds
-
-class PackageNames:
-    """What the package's files bind at their top level, read from their source: the names a region
-    may find there bare (its file's globals) and the package modules it may import from."""
-
-    def __init__(self, package: Path):
-        self.package = package
-        self.defined: dict[str, set[str]] = {}  # module path (a/b.py) -> names it defines (class, def, =)
-        self.imported: dict[str, set[str]] = {}  # module path -> names it binds by import
-        self.classes: set[str] = set()  # names of the package's classes (and classes it imports)
-        self.foreign: set[str] = set()  # names bound to modules, or imported from modules not harmless
-        self.modules: set[str] = set()  # names bound to modules (`import x`, `from . import module`)
-        trees = dict(_parsed_modules(package))  # module path (a/b.py) -> its tree, parsed once for both passes
-        for rel, tree in trees.items():
-            path = self.package / rel
-            defined, imported = self.defined.setdefault(rel, set()), self.imported.setdefault(rel, set())
-            for node in _top_level(tree.body):
-                if isinstance(node, ast.ClassDef):
-                    defined.add(node.name)
-                    self.classes.add(node.name)
-                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    defined.add(node.name)
-                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                    defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-                elif isinstance(node, ast.Import):
-                    for alias in node.names:
-                        bound = alias.asname or alias.name.split(".")[0]
-                        imported.add(bound)
-                        self.foreign.add(bound)
-                        self.modules.add(bound)
-                elif isinstance(node, ast.ImportFrom):
-                    for alias in node.names:
-                        bound = alias.asname or alias.name
-                        imported.add(bound)
-                        if node.level == 0 and (node.module or "").split(".")[0] != package.name:
-                            if (node.module or "").split(".")[0] not in HARMLESS_SOURCES:
-                                self.foreign.add(bound)
-                            elif alias.name[:1].isupper():
-                                self.classes.add(bound)
-                        elif self.is_module(path.parent, node.level, node.module, alias.name):
-                            self.foreign.add(bound)
-                            self.modules.add(bound)
-                        elif alias.name[:1].isupper():
-                            self.classes.add(bound)
-        self.foreign -= ALLOWED_IMPORTS  # `import torch` in a file: a region may use torch.name
-        self.modules -= ALLOWED_IMPORTS
-        self.unsafe = self._unsafe_definitions(trees)
-
-    def _unsafe_definitions(self, trees: dict[str, ast.Module]) -> dict[str, set[str]]:
-        """module path -> its top-level functions and classes whose code reaches outside the engine:
-        a name its module took from outside the harmless modules (`Path`, `json`), a denied builtin
-        (`open`) or attribute (`.write_text`), or a function or class of the package that does.
-        A region may not import these (`write_chrome_trace(spans, path)` writes a file)."""
-        uses: dict[tuple[str, str], tuple[bool, set[tuple[str, str]]]] = {}
-        for rel, tree in trees.items():
-            path = self.package / rel
-            origin: dict[str, tuple[str, str]] = {}  # a name imported from the package -> (module, name)
-            foreign: set[str] = set()  # names from the modules that reach files, processes or the interpreter
-            for node in _top_level(tree.body):
-                if isinstance(node, ast.Import):
-                    foreign.update(a.asname or a.name.split(".")[0] for a in node.names
-                                   if a.name.split(".")[0] in REACHING_MODULES)
-                elif isinstance(node, ast.ImportFrom):
-                    local = node.level > 0 or (node.module or "").split(".")[0] == self.package.name
-                    for alias in node.names:
-                        if not local:
-                            if (node.module or "").split(".")[0] in REACHING_MODULES:
-                                foreign.add(alias.asname or alias.name)
-                            continue
-                        files = self.candidates(node.level, node.module, path.parent) if node.level else [
-                            p for p in self.candidates(1, ".".join((node.module or "").split(".")[1:]) or None)]
-                        if files:
-                            origin[alias.asname or alias.name] = (files[0], alias.name)
-            top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-            for node in tree.body:
-                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    continue
-                bad, calls = False, set()
-                for sub in ast.walk(node):
-                    if isinstance(sub, ast.Name):
-                        if sub.id in foreign or sub.id in REACHING_BUILTINS:
-                            bad = True
-                        elif sub.id in origin:
-                            calls.add(origin[sub.id])
-                        elif sub.id in top and sub.id != node.name:
-                            calls.add((rel, sub.id))
-                    elif isinstance(sub, ast.Attribute) and sub.attr in DENIED_ATTRIBUTES:
-                        bad = True
-                uses[(rel, node.name)] = (bad, calls)
-        unsafe = {key for key, (bad, _) in uses.items() if bad}
-        grew = True
-        while grew:
-            grew = False
-            for key, (_, calls) in uses.items():
-                if key not in unsafe and calls & unsafe:
-                    unsafe.add(key)
-                    grew = True
-        found: dict[str, set[str]] = {}
-        for rel, name in unsafe:
-            found.setdefault(rel, set()).add(name)
-        return found
-
-    def is_module(self, folder: Path, level: int, module: str | None, name: str) -> bool:
-        """Whether `from <level dots><module> import name` in a file of `folder` names a module."""
-        base = folder
-        for _ in range(max(level - 1, 0)):
-            base = base.parent
-        target = base.joinpath(*(module or "").split(".")) if module else base
-        return (target / f"{name}.py").exists() or (target / name / "__init__.py").exists()
-
-    def candidates(self, level: int, module: str | None, folder: Path | None = None) -> list[str]:
-        """The files of the package that `from <level dots><module> import ...` may mean, from
-        `folder` or else from any folder of the package (a region does not say which file it is in)."""
-        found = []
-        folders = {folder} if folder is not None else {self.package,
-                                                       *(p.parent for p in self.package.rglob("__init__.py"))}
-        for folder in sorted(folders):
-            base = folder
-            for _ in range(level - 1):
-                base = base.parent
-            if not base.is_relative_to(self.package):
-                continue
-            target = base.joinpath(*module.split(".")) if module else base
-            for path in (target.with_name(target.name + ".py"), target / "__init__.py"):
-                if path.is_file() and path.is_relative_to(self.package):
-                    found.append(path.relative_to(self.package).as_posix())
-        return sorted(set(found))
-
-
-def _parsed_modules(package: Path):
-    """(module path a/b.py, its tree) for each file of the package that parses, each exercise
-    region's body left out."""
-    for path in sorted(package.rglob("*.py")):
-        try:
-            yield path.relative_to(package).as_posix(), ast.parse(_without_regions(path.read_text(encoding="utf-8")))
-        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
-            continue
-
-
-def _without_regions(source: str) -> str:
-    """The source with `pass` as each exercise region's body: what the package names and reaches
-    is then the same in the teacher's checkout and in any student's edition."""
-    lines = source.splitlines(keepends=True)
-    for region in reversed(regions(lines)):
-        lines[region.first + 1:region.last] = [f"{region.indent}pass\n"]
-    return "".join(lines)
-
-
-def _top_level(body: list[ast.stmt]):
-    """A module's top-level statements, those under `if`/`try` included (TYPE_CHECKING imports)."""
-    for node in body:
-        yield node
-        if isinstance(node, ast.If):
-            yield from _top_level(node.body + node.orelse)
-        elif isinstance(node, ast.Try):
-            yield from _top_level(node.body + node.orelse + node.finalbody + [s for h in node.handlers
-                                                                             for s in h.body])
-
-
-@functools.lru_cache(maxsize=4)
-def package_names(package: Path = PACKAGE_DIR) -> PackageNames:
-    return PackageNames(package)
 
 
 def _resolve(root: str, attrs: list[str]):
@@ -301,8 +69,6 @@ def _resolve(root: str, attrs: list[str]):
     except Exception:  # noqa: BLE001 - a name the module does not hold: the region fails at run time
         return _MISSING
 
-
-# --------------------------------------------------------------------------- the check
 
 def _import_rule(name: str) -> str:
     """The import refused first, then what a region may import."""

@@ -32,13 +32,17 @@ from minisgl.course.markers import marked_files
 
 # What only a teacher gets: the answers to the written questions, the known-wrong solutions (near
 # copies of the reference), and the tools and tests that need the reference to work. The rules on
-# region code (region_policy.py) are the student's too: the checker applies them before the tests.
+# region code (region_policy.py, with region_policy_lists.py and region_policy_package.py) are the
+# student's too: the checker applies them before the tests.
 TEACHER_ONLY = frozenset({
     "lessons/TEACHER.md",
     "lessons/exercises/wrong_solutions.py",
     "minisgl/course/student_edition.py",
     "minisgl/course/grade.py",
     "minisgl/course/judge.py",
+    "minisgl/course/judge_copy.py",
+    "minisgl/course/judge_messages.py",
+    "minisgl/course/judge_verdict.py",
     "minisgl/course/judge_zygote.py",
     "minisgl/course/judge_process.py",
     "minisgl/course/submission.py",

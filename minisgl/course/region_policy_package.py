@@ -1,0 +1,181 @@
+"""What the package's own files bind and reach, read from their source (PackageNames): the names
+a region may find bare, the package modules it may import from, and the functions and classes it
+may not import because their code reaches outside the engine. region_policy.py holds a region's
+names and imports to these."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+from minisgl.course.markers import regions
+from minisgl.course.region_policy_lists import (ALLOWED_IMPORTS, DENIED_ATTRIBUTES, HARMLESS_SOURCES,
+                                                REACHING_BUILTINS, REACHING_MODULES)
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the package whose regions are checked
+
+
+class PackageNames:
+    """What the package's files bind at their top level, read from their source: the names a region
+    may find there bare (its file's globals) and the package modules it may import from."""
+
+    def __init__(self, package: Path):
+        self.package = package
+        self.defined: dict[str, set[str]] = {}  # module path (a/b.py) -> names it defines (class, def, =)
+        self.imported: dict[str, set[str]] = {}  # module path -> names it binds by import
+        self.classes: set[str] = set()  # names of the package's classes (and classes it imports)
+        self.foreign: set[str] = set()  # names bound to modules, or imported from modules not harmless
+        self.modules: set[str] = set()  # names bound to modules (`import x`, `from . import module`)
+        trees = dict(_parsed_modules(package))  # module path (a/b.py) -> its tree, parsed once for both passes
+        for rel, tree in trees.items():
+            path = self.package / rel
+            defined, imported = self.defined.setdefault(rel, set()), self.imported.setdefault(rel, set())
+            for node in _top_level(tree.body):
+                if isinstance(node, ast.ClassDef):
+                    defined.add(node.name)
+                    self.classes.add(node.name)
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    defined.add(node.name)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+                elif isinstance(node, ast.Import):
+                    for alias in node.names:
+                        bound = alias.asname or alias.name.split(".")[0]
+                        imported.add(bound)
+                        self.foreign.add(bound)
+                        self.modules.add(bound)
+                elif isinstance(node, ast.ImportFrom):
+                    for alias in node.names:
+                        bound = alias.asname or alias.name
+                        imported.add(bound)
+                        if node.level == 0 and (node.module or "").split(".")[0] != package.name:
+                            if (node.module or "").split(".")[0] not in HARMLESS_SOURCES:
+                                self.foreign.add(bound)
+                            elif alias.name[:1].isupper():
+                                self.classes.add(bound)
+                        elif self.is_module(path.parent, node.level, node.module, alias.name):
+                            self.foreign.add(bound)
+                            self.modules.add(bound)
+                        elif alias.name[:1].isupper():
+                            self.classes.add(bound)
+        self.foreign -= ALLOWED_IMPORTS  # `import torch` in a file: a region may use torch.name
+        self.modules -= ALLOWED_IMPORTS
+        self.unsafe = self._unsafe_definitions(trees)
+
+    def _unsafe_definitions(self, trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+        """module path -> its top-level functions and classes whose code reaches outside the engine:
+        a name its module took from outside the harmless modules (`Path`, `json`), a denied builtin
+        (`open`) or attribute (`.write_text`), or a function or class of the package that does.
+        A region may not import these (`write_chrome_trace(spans, path)` writes a file)."""
+        uses: dict[tuple[str, str], tuple[bool, set[tuple[str, str]]]] = {}
+        for rel, tree in trees.items():
+            path = self.package / rel
+            origin: dict[str, tuple[str, str]] = {}  # a name imported from the package -> (module, name)
+            foreign: set[str] = set()  # names from the modules that reach files, processes or the interpreter
+            for node in _top_level(tree.body):
+                if isinstance(node, ast.Import):
+                    foreign.update(a.asname or a.name.split(".")[0] for a in node.names
+                                   if a.name.split(".")[0] in REACHING_MODULES)
+                elif isinstance(node, ast.ImportFrom):
+                    local = node.level > 0 or (node.module or "").split(".")[0] == self.package.name
+                    for alias in node.names:
+                        if not local:
+                            if (node.module or "").split(".")[0] in REACHING_MODULES:
+                                foreign.add(alias.asname or alias.name)
+                            continue
+                        files = self.candidates(node.level, node.module, path.parent) if node.level else [
+                            p for p in self.candidates(1, ".".join((node.module or "").split(".")[1:]) or None)]
+                        if files:
+                            origin[alias.asname or alias.name] = (files[0], alias.name)
+            top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            for node in tree.body:
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    continue
+                bad, calls = False, set()
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.Name):
+                        if sub.id in foreign or sub.id in REACHING_BUILTINS:
+                            bad = True
+                        elif sub.id in origin:
+                            calls.add(origin[sub.id])
+                        elif sub.id in top and sub.id != node.name:
+                            calls.add((rel, sub.id))
+                    elif isinstance(sub, ast.Attribute) and sub.attr in DENIED_ATTRIBUTES:
+                        bad = True
+                uses[(rel, node.name)] = (bad, calls)
+        unsafe = {key for key, (bad, _) in uses.items() if bad}
+        grew = True
+        while grew:
+            grew = False
+            for key, (_, calls) in uses.items():
+                if key not in unsafe and calls & unsafe:
+                    unsafe.add(key)
+                    grew = True
+        found: dict[str, set[str]] = {}
+        for rel, name in unsafe:
+            found.setdefault(rel, set()).add(name)
+        return found
+
+    def is_module(self, folder: Path, level: int, module: str | None, name: str) -> bool:
+        """Whether `from <level dots><module> import name` in a file of `folder` names a module."""
+        base = folder
+        for _ in range(max(level - 1, 0)):
+            base = base.parent
+        target = base.joinpath(*(module or "").split(".")) if module else base
+        return (target / f"{name}.py").exists() or (target / name / "__init__.py").exists()
+
+    def candidates(self, level: int, module: str | None, folder: Path | None = None) -> list[str]:
+        """The files of the package that `from <level dots><module> import ...` may mean, from
+        `folder` or else from any folder of the package (a region does not say which file it is in)."""
+        found = []
+        folders = {folder} if folder is not None else {self.package,
+                                                       *(p.parent for p in self.package.rglob("__init__.py"))}
+        for folder in sorted(folders):
+            base = folder
+            for _ in range(level - 1):
+                base = base.parent
+            if not base.is_relative_to(self.package):
+                continue
+            target = base.joinpath(*module.split(".")) if module else base
+            for path in (target.with_name(target.name + ".py"), target / "__init__.py"):
+                if path.is_file() and path.is_relative_to(self.package):
+                    found.append(path.relative_to(self.package).as_posix())
+        return sorted(set(found))
+
+
+def _parsed_modules(package: Path):
+    """(module path a/b.py, its tree) for each file of the package that parses, each exercise
+    region's body left out."""
+    for path in sorted(package.rglob("*.py")):
+        try:
+            yield path.relative_to(package).as_posix(), ast.parse(_without_regions(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+
+
+def _without_regions(source: str) -> str:
+    """The source with `pass` as each exercise region's body: what the package names and reaches
+    is then the same in the teacher's checkout and in any student's edition."""
+    lines = source.splitlines(keepends=True)
+    for region in reversed(regions(lines)):
+        lines[region.first + 1:region.last] = [f"{region.indent}pass\n"]
+    return "".join(lines)
+
+
+def _top_level(body: list[ast.stmt]):
+    """A module's top-level statements, those under `if`/`try` included (TYPE_CHECKING imports)."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If):
+            yield from _top_level(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            yield from _top_level(node.body + node.orelse + node.finalbody + [s for h in node.handlers
+                                                                             for s in h.body])
+
+
+@functools.lru_cache(maxsize=4)
+def package_names(package: Path = PACKAGE_DIR) -> PackageNames:
+    return PackageNames(package)
+
