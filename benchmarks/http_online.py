@@ -111,6 +111,7 @@ async def http_online(url: str, workload: Workload, rate: float, label: str, pid
                         for s in ("sum", "count"))
         return sums / counts if counts else float("nan")
 
+    console.print(f"{label}: {tokens / (end - start):.0f} tok/s", highlight=False)  # a line a run, before the table
     return {"cpu_s": dict(zip(("http", "scheduler", "client"), cpu)), "load": (load, os.getloadavg()[0]),
             "server_ttft_mean_s": server_mean("time_to_first_token"),
             "server_itl_mean_s": server_mean("inter_token_latency"), "rate": rate, "output_tokens": tokens,
@@ -147,6 +148,7 @@ def in_process(model: Path, loop: str, workload: Workload, rates: list[float]) -
         for rate in rates:
             load, cpu = os.getloadavg()[0], cpu_s()
             run = run_online(llm, workload.prompts, workload.params, rate, seed=0)
+            console.print(f"{loop} in-process {rate:g} req/s: {run['output_tok_per_s']:.0f} tok/s", highlight=False)
             runs.append({**run, "cpu_s": {"in-process": cpu_s() - cpu}, "load": (load, os.getloadavg()[0])})
     return runs
 
