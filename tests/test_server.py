@@ -96,11 +96,15 @@ def test_chat_streams_with_usage_and_ends_in_done(server, llm):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
-    # the raw stream: server-sent events, the last one [DONE]
-    body = {"model": "demo", "messages": [{"role": "user", "content": prompt}], "stream": True, "temperature": 0}
+    # the raw stream: server-sent events, the last one [DONE]; with include_usage, as OpenAI's, every
+    # chunk before the usage chunk carries "usage": null
+    body = {"model": "demo", "messages": [{"role": "user", "content": prompt}], "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
     status, raw = request(server, "POST", "/v1/chat/completions", json.dumps(body).encode())
     events = [e for e in raw.decode().split("\n\n") if e]
     assert status == 200 and all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunk_bodies = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all("usage" in c and c["usage"] is None for c in chunk_bodies[:-1]) and chunk_bodies[-1]["usage"]
 
 
 def test_logprobs_match_the_engine(server, llm):

@@ -328,11 +328,13 @@ async def stream(gen: Generation, fmt: Format, with_logprobs: bool, prompt_token
                  include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events. A client that disconnects or stalls ends this generator (EventStream),
     and the finally clause aborts its generations in the engine."""
+    # With include_usage, OpenAI's every chunk before the last carries "usage": null.
+    usage = {"usage": None} if include_usage else {}
     try:
         for chunk in fmt.first_chunks(len(gen.choices)):
-            yield sse(chunk)
+            yield sse({**chunk, **usage})
         async for pieces in gen.pieces():  # one write for all: a socket write costs more than a chunk's JSON
-            yield "".join(sse(fmt.chunk(piece, with_logprobs)) for piece in pieces)
+            yield "".join(sse({**fmt.chunk(piece, with_logprobs), **usage}) for piece in pieces)
         if include_usage:
             yield sse(fmt.usage_chunk(prompt_tokens, gen.completion_tokens))
     except GenerationFailed as exc:

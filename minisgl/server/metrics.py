@@ -1,5 +1,9 @@
 """Prometheus metrics under SGLang's names (`sglang:` becomes `minisgl:`), in a registry of
-the server's own (so that two servers in one process never share figures)."""
+the server's own (so that two servers in one process never share figures). Two differ from
+SGLang's: `minisgl:aborted_requests_total` is minisgl's own (SGLang's `num_aborted_requests`
+counts requests refused by a full queue; this one, generations stopped while running), and
+`minisgl:gen_throughput` is a window over the last seconds in the HTTP process (SGLang's: the
+scheduler's decode log interval)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Anything wrong is an `APIError` (HTTP 400 unless said otherwise) naming the field, before
 anything reaches the engine. Fields OpenAI defines that this server does not implement are
 refused when set to anything but their default, never silently ignored; unknown fields are
-ignored, as OpenAI's own server does.
+ignored, as SGLang's server does (OpenAI's own answers them with a 400).
 """
 
 from __future__ import annotations
