@@ -206,8 +206,8 @@ def share_of_gain(ratios: list[float], ideal: float) -> tuple[float, str]:
     """realised_share of the median of paired overlap/normal ratios (one per round), where the
     rounds can show it: (share, ""). Otherwise (NaN, why not): one round shows nothing of the
     spread, and a spread (largest - smallest ratio) not below the possible gain (ideal - 1)
-    makes the share noise divided by a small number (-190 % and 668 % on a loaded 2-core
-    machine). Lesson 8, `bench --compare-loops` and the lab all print the share through this."""
+    makes the share noise divided by a small number (shares far outside 0-100 % on a loaded
+    2-core machine). Lesson 8, `bench --compare-loops` and the lab all print the share through this."""
     if len(ratios) < 2:
         return float("nan"), "one round shows nothing of the spread"
     spread = max(ratios) - min(ratios)

@@ -4,8 +4,8 @@ Compiling a grammar can take seconds, and longer than its size suggests; on the 
 stop every running request for that long. So the scheduler process compiles on a worker thread
 (xgrammar releases the GIL while it compiles), and a generation with a grammar waits here until
 its grammar is ready, then enters the engine. The compile happens in this process because a
-compiled grammar does not leave it cheaply: xgrammar's serialized form measured 35 times its
-memory (55 MB for a schema of 500 properties) and took longer to read back than to compile.
+compiled grammar does not leave it cheaply: xgrammar's serialized form is many times its memory
+and took longer to read back than to compile (benchmarks/history/2026-12-04.md).
 
 A compile past the time limit refuses its generations; the thread cannot be stopped, so the
 compile runs to its end and its grammar is dropped. A waiting generation that is aborted (its
