@@ -536,6 +536,21 @@ if (req.row, req.row_generation) != (row, generation) and self.on("retract_skip_
     self.stats.retracted_late_results += 1
     continue
 """}),
+    Wrong(8, "no-wait-on-early-commit", "waits for copy_done except at an early commit (a sync boundary), where "
+          "the batch is thought to be over already: a failed batch committed early is read as if it had worked",
+          "where a failure of the device's work",
+          {"the host waits for copy_done": """
+if not early:
+    result.copy_done.synchronize()
+"""}),
+    Wrong(9, "generation-only", "compares the request's generation with the batch's, not its row: generations "
+          "count per row, so a request admitted again into another row may carry the generation it launched with",
+          "not the generation alone",
+          {"skip a retracted request's in-flight result": """
+if req.row_generation != generation and self.on("retract_skip_inflight"):
+    self.stats.retracted_late_results += 1
+    continue
+"""}),
     Wrong(10, "masks-without-finished-rows", "builds the delayed masks without the rows whose request finished "
           "while the batch was in flight", "also for a request that finished",
           delayed_sample(reqs="[r for r in inflight.view.reqs if not r.finished]")),

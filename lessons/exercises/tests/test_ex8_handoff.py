@@ -117,26 +117,28 @@ def test_a_commit_waits_for_its_own_batch_only(qwen3):
         f"still running during the commit of batch n-1 in {sum(next_busy)} of {len(next_busy)} commits")
 
 
-def commit_once_over(commit):
+def commit_once_over(commit, as_early: bool):
     """The scheduler's commit, begun only once the batch's copy_done event has passed (failed or
-    not): the order a host slower than its device gives, forced rather than timed."""
+    not): the order a host slower than its device gives, forced rather than timed. With
+    `as_early`, every commit is made as one at a sync boundary (early=True)."""
     def each_commit(inflight, early=False):
         deadline = time.monotonic() + 10
         while not inflight.result.copy_done.query() and time.monotonic() < deadline:
             time.sleep(0.001)
-        return commit(inflight, early)
+        return commit(inflight, early or as_early)
     return each_commit
 
 
-@pytest.mark.parametrize("batch_over_at_commit", [False, True], ids=["device-slow", "batch-over-at-commit"])
-def test_a_fault_in_the_devices_work_is_raised_on_the_host_and_nothing_of_it_is_committed(qwen3, batch_over_at_commit):
+@pytest.mark.parametrize("order", ["device-slow", "batch-over-at-commit", "early-commit"])
+def test_a_fault_in_the_devices_work_is_raised_on_the_host_and_nothing_of_it_is_committed(qwen3, order):
     """The engine's work fails on its stream; the host's wait for copy_done re-raises the failure.
     A host that reads on without that wait commits whatever the empty token buffer held. When the
     failed batch is over (its event passed) before its commit begins, a wait only when query()
-    says it has not passed yet misses the failure."""
-    llm = LLM(qwen3, loop="overlap", device_delay_ms=1 if batch_over_at_commit else 5)
-    if batch_over_at_commit:
-        llm.scheduler.commit = commit_once_over(llm.scheduler.commit)
+    says it has not passed yet misses the failure; an early commit (at a sync boundary) waits the
+    same."""
+    llm = LLM(qwen3, loop="overlap", device_delay_ms=5 if order == "device-slow" else 1)
+    if order != "device-slow":
+        llm.scheduler.commit = commit_once_over(llm.scheduler.commit, as_early=order == "early-commit")
     forward, failing_batch = llm.engine._forward_and_sample, []
 
     def fails_on_the_third_batch(batch, *args):

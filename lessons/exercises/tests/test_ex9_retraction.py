@@ -128,3 +128,22 @@ def test_the_generation_tells_a_row_given_back_to_the_same_request():
         "admitted again into the very row it had, and only the generation says the late result is not its own "
         f"(retracted_late_results {sched.stats.retracted_late_results}, stale_row_results "
         f"{sched.stats.stale_row_results})")
+
+
+def test_the_row_tells_a_request_admitted_into_another_row():
+    """Retracted while its step is in flight, then admitted into another row whose generation
+    happens to equal the one it launched with (generations count per row): the generation alone
+    cannot tell the late result from a current one, the row can. Staged here by moving the request
+    to a free row while its decode step is in flight."""
+    llm = engine()
+    sched = llm.scheduler
+    batch, (_, req) = decode_batch_in_flight(llm)
+    other = sched.req_to_token.free_rows()[0]
+    sched.req_to_token.generation[other] = req.row_generation
+    req.row = other
+    sched.commit(batch)
+    assert sched.stats.retracted_late_results == 1, (
+        "compare the request's (row, generation) with the batch's, not the generation alone: generations count "
+        "per row, so a retracted request admitted again into another row may have the generation it launched "
+        f"with, and only the row says the late result is not its own (retracted_late_results "
+        f"{sched.stats.retracted_late_results})")
