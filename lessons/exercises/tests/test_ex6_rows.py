@@ -2,12 +2,26 @@
 overshoot step (still in flight when the old owner finished) has been committed (readings §9,
 lesson 7). The row rule is checked first, so that the first failure names it."""
 
+from contextlib import contextmanager
+
 import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.tracer import SpanName
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+@contextmanager
+def the_engine_stopping_names_the_row_rule():
+    """A row freed twice, or never, stops the engine (a double free; a request waiting for a row
+    nothing will free): the failure then names the rule, with the engine's own error after it."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise AssertionError(
+            "every parked row must be freed exactly once, at the first commit after its last batch (and taken "
+            f"off the parked rows then); the engine stopped with {type(exc).__name__}: {exc}") from None
 
 
 def one_row_run(model: str, *disabled: str):
@@ -26,7 +40,8 @@ def one_row_run(model: str, *disabled: str):
 
     llm.scheduler.launch = spy
     a_params = SamplingParams(max_new_tokens=12, stop_token_ids=(ref.token_ids[k],))
-    a, b = llm.generate(["abc", "hello there"], [a_params, GREEDY])
+    with the_engine_stopping_names_the_row_rule():
+        a, b = llm.generate(["abc", "hello there"], [a_params, GREEDY])
     a_last = max(bid for bid, rids in batches.items() if a.rid in rids)  # A's overshoot step
     b_first = min(bid for bid, rids in batches.items() if b.rid in rids)
     order = {event: i for i, event in enumerate(llm.stats.events)}
@@ -57,7 +72,8 @@ def test_switched_off_the_row_is_reused_at_once_and_the_generation_check_sees_it
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_rows_all_come_back(qwen3, loop):
     llm = LLM(qwen3, loop=loop, max_running_requests=2)
-    llm.generate([f"request {i}" for i in range(5)], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    with the_engine_stopping_names_the_row_rule():
+        llm.generate([f"request {i}" for i in range(5)], SamplingParams(max_new_tokens=4, ignore_eos=True))
     mem = llm.memory_report()
     assert mem["rows_free"] == mem["rows_total"], f"rows not all free after the workload: {mem}"
 
@@ -68,7 +84,8 @@ def test_rows_parked_together_all_come_back(qwen3):
     (ref,) = LLM(qwen3, loop="normal").generate(["abc"], GREEDY)
     k = next(i for i, t in enumerate(ref.token_ids) if i >= 2 and t not in ref.token_ids[:i])
     llm = LLM(qwen3, loop="overlap", max_running_requests=4)
-    outs = llm.generate(["abc"] * 4, SamplingParams(max_new_tokens=12, stop_token_ids=(ref.token_ids[k],)))
+    with the_engine_stopping_names_the_row_rule():
+        outs = llm.generate(["abc"] * 4, SamplingParams(max_new_tokens=12, stop_token_ids=(ref.token_ids[k],)))
     assert all(o.finish_reason == "stop" for o in outs) and llm.stats.overshoot_tokens == 4
     mem = llm.memory_report()
     assert mem["rows_free"] == mem["rows_total"], (
