@@ -13,6 +13,20 @@ FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (kernels ma
 TOP_K_MAX = (1 << 31) - 1  # int32 range: already far more than any vocabulary
 
 
+SPECULATIVE_WHY = ("its verify step applies no token mask and computes no logprobs (SGLang's EAGLE/STANDALONE "
+                   "verify does both)")
+
+
+def speculative_refuses(grammar: object | None, logprobs: int | None) -> str | None:
+    """What speculative decoding cannot run, "grammar" or "logprobs" (SPECULATIVE_WHY says why), else
+    None. The engine refuses it at add() (features/speculative), the server as a 400 before any work."""
+    if grammar is not None:
+        return "grammar"
+    if logprobs is not None:
+        return "logprobs"
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each new token. Checked when built: a bad value is a TypeError/ValueError here,

@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import SPECULATIVE_WHY, SamplingParams, speculative_refuses
 from .chat import render_chat
 from .engine_client import EngineClient, EngineUnavailable, Overloaded
 from .event_stream import EventStream
@@ -99,10 +99,10 @@ def build_app(state: ServerState) -> Starlette:
                 text = render_chat(state.tokenizer, req.messages)
             except Exception as exc:  # noqa: BLE001 - a template's own error (jinja2) on these messages
                 raise APIError(f"the chat template cannot render these messages: {exc}", "messages") from None
-            return check_ids(state, encode(state, text, "messages", add_special_tokens=False), "messages")
+            check_chars(state, len(text), "messages")  # the text tokenized: the contents and the template's own
+            return check_ids(state, state.tokenizer.encode(text, add_special_tokens=False), "messages")
 
         chars = sum(len(m["content"]) for m in req.messages)
-        check_chars(state, chars, "messages")  # before the template renders them
         ids = await prepare_input(state, request, chars, tokenize_chat)
         return await respond(state, request, [ids], req.options, ChatFormat(state.model_name, state.tokenizer))
 
@@ -179,10 +179,10 @@ def check_engine_takes(state: ServerState, prompts: int, options: Options) -> No
         raise APIError(f"the request asks for {generations} generations (prompts times n); this server runs at most "
                        f"{state.client.max_inflight} at once (--max-inflight)", "n")
     speculative = state.client.info.speculative
-    if speculative is not None and (options.grammar is not None or options.logprobs is not None):
-        param = "logprobs" if options.grammar is None else grammar_param(options.grammar)
-        raise APIError(f"{param} is not supported with speculative decoding ({speculative}): its verify step "
-                       f"applies no grammar and computes no logprobs", param)
+    refused = speculative_refuses(options.grammar, options.logprobs)
+    if speculative is not None and refused is not None:
+        param = "logprobs" if refused == "logprobs" else grammar_param(options.grammar)
+        raise APIError(f"{param} is not supported with speculative decoding ({speculative}): {SPECULATIVE_WHY}", param)
 
 
 def parse_grammar(spec: GrammarSpec) -> None:
@@ -214,10 +214,15 @@ async def prepare_input(state: ServerState, request: Request, size: int, fn: Cal
 
 async def off_loop(state: ServerState, request: Request, fn: Callable[..., T], *args: object,
                    timeout_s: float | None = None) -> T:
-    """fn(*args) on the worker thread, raced against the client leaving (ClientDisconnect) and the
-    time limit (asyncio.TimeoutError). What has not started then never does; what has runs to its
-    end (a thread cannot be stopped), its result dropped."""
-    work = asyncio.wrap_future(state.worker.submit(fn, *args))
+    """fn(*args) on the worker thread, raced against the client leaving and the time limit. What
+    has not started then never does; what has runs to its end (a thread cannot be stopped), its
+    result dropped."""
+    return await unless_client_leaves(request, asyncio.wrap_future(state.worker.submit(fn, *args)), timeout_s)
+
+
+async def unless_client_leaves(request: Request, work: asyncio.Future[T], timeout_s: float | None = None) -> T:
+    """work's result, unless the client leaves first (ClientDisconnect: a 499, see client_disconnected)
+    or the time limit passes (asyncio.TimeoutError); then work is cancelled."""
     gone = asyncio.ensure_future(client_gone(request))
     try:
         done, _ = await asyncio.wait({work, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -232,16 +237,12 @@ async def off_loop(state: ServerState, request: Request, fn: Callable[..., T], *
 
 
 def tokenize(state: ServerState, prompt: str | list[int], param: str) -> list[int]:
+    """A prompt's token ids (a text refused before tokenizing when it has too many characters to fit)."""
     if isinstance(prompt, str):
         check_text(prompt, param)
-        prompt = encode(state, prompt, param)
+        check_chars(state, len(prompt), param)
+        prompt = state.tokenizer.encode(prompt)
     return check_ids(state, prompt, param)
-
-
-def encode(state: ServerState, text: str, param: str, **kwargs: bool) -> list[int]:
-    """The text's token ids; refused before tokenizing when it has too many characters to fit."""
-    check_chars(state, len(text), param)
-    return state.tokenizer.encode(text, **kwargs)
 
 
 def check_chars(state: ServerState, chars: int, param: str) -> None:
@@ -301,21 +302,13 @@ async def respond(state: ServerState, request: Request, prompts: list[list[int]]
     with_logprobs = options.logprobs is not None
     if options.stream:
         return EventStream(stream(gen, fmt, with_logprobs, prompt_tokens, options.include_usage), state.write_timeout_s)
-    collect = asyncio.ensure_future(gen.collect())
-    gone = asyncio.ensure_future(client_gone(request))
-    try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():  # the client went away: its generations are aborted below
-            collect.cancel()
-            return Response(status_code=CLIENT_GONE)
-        try:
-            choices = collect.result()
-        except GenerationFailed as exc:
-            raise APIError(str(exc), status=500, type="server_error") from None
-        return JSONResponse(fmt.full(choices, with_logprobs, prompt_tokens))
+    try:  # a client gone first: ClientDisconnect (a 499), its generations aborted by close()
+        choices = await unless_client_leaves(request, asyncio.ensure_future(gen.collect()))
+    except GenerationFailed as exc:
+        raise APIError(str(exc), status=500, type="server_error") from None
     finally:
-        gone.cancel()
         gen.close()
+    return JSONResponse(fmt.full(choices, with_logprobs, prompt_tokens))
 
 
 async def client_gone(request: Request) -> None:

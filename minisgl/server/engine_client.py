@@ -156,9 +156,9 @@ class EngineClient:
         return sub
 
     def finish(self, sub: Submission, rid: int) -> None:
-        """The generation `rid` is over for its client (finished, or a stop string matched)."""
+        """The generation `rid` is over for its client: its last delta is read. The engine was done
+        with it already: _route freed its place in the same call that queued that delta."""
         sub.open.discard(rid)
-        self._engine_done(rid)
 
     def release(self, sub: Submission) -> None:
         """The HTTP request is over (answered, or its client went away): abort what still runs."""

@@ -28,6 +28,7 @@ import torch
 from ...batch import BatchView, Planned
 from ...demo.paths import DEMO_DRAFT_DIR
 from ...future_map import placeholder
+from ...sampling_params import SPECULATIVE_WHY, speculative_refuses
 from ...staging import TokenColumns
 from .drafters import NgramDrafter, StandaloneDrafter
 from .relay import SpecRelay
@@ -63,10 +64,9 @@ class SpeculativeDecoding:
     @staticmethod
     def check_params(params: SamplingParams) -> None:
         """What a verify step cannot do yet is refused at add(), with one clear error."""
-        if params.grammar is not None or params.logprobs is not None:
-            raise ValueError("speculative decoding in minisgl takes no grammar and no logprobs: its verify step "
-                             "applies no token mask and computes no logprobs (SGLang's EAGLE/STANDALONE verify does "
-                             "both); leave speculative_algorithm=None for such requests")
+        if speculative_refuses(params.grammar, params.logprobs) is not None:
+            raise ValueError(f"speculative decoding in minisgl takes no grammar and no logprobs: {SPECULATIVE_WHY}; "
+                             f"leave speculative_algorithm=None for such requests")
 
     def prefill_step(self) -> PrefillStep:
         return PrefillStep(self.sched.engine, self.relay, self.drafter, self.relay.next_publish())
