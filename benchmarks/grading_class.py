@@ -26,7 +26,8 @@ import textwrap
 from pathlib import Path
 
 from minisgl.course import ROOT
-from minisgl.course.grade import put_regions, written_regions
+from minisgl.course.judge_copy import put_regions
+from minisgl.course.markers import written_regions
 from minisgl.course.student_edition import write_student_edition
 from minisgl.course.make_exercise import WRONG
 

@@ -30,7 +30,7 @@ import minisgl  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.batch import SchedulerStats  # noqa: E402
 from minisgl.course import missing_exercise  # noqa: E402
-from minisgl.course.markers import stub_note  # noqa: E402
+from minisgl.course.catalog import stub_note  # noqa: E402
 from minisgl.observe.timeline import render_timeline  # noqa: E402
 from minisgl.observe.trace import pipeline_metrics, request_metrics  # noqa: E402
 

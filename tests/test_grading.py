@@ -19,6 +19,7 @@ import pytest
 from minisgl.course import ROOT, grade, judge, judge_process, region_policy, submission
 from minisgl.course import student_edition as edition
 from minisgl.course.catalog import EXERCISES
+from minisgl.course.judge_copy import put_regions
 from minisgl.course.make_exercise import WRONG
 
 IMPORT_LINE = "import copy\n"
@@ -31,7 +32,7 @@ def base(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(base, tmp_path_factory) -> Path:
-    return grade.put_regions(base, grade.written_regions(ROOT), tmp_path_factory.mktemp("ref") / "reference")
+    return put_regions(base, grade.written_regions(ROOT), tmp_path_factory.mktemp("ref") / "reference")
 
 
 def read(entry: Path, base: Path, tmp_path: Path) -> submission.Submission:
@@ -82,7 +83,7 @@ def test_a_windows_or_mac_work_tree_and_a_powershell_patch_equal_the_reference(b
 
 def test_an_added_import_or_scratch_file_is_reported_and_an_edit_around_a_region_costs_only_its_exercise(
         reference, base, tmp_path):
-    tree = grade.put_regions(reference, {}, tmp_path / "tree")
+    tree = put_regions(reference, {}, tmp_path / "tree")
     batch = tree / "minisgl" / "batch.py"
     batch.write_text(IMPORT_LINE + batch.read_text())
     (tree / "scratch.py").write_text("print('trying things')\n")
@@ -119,7 +120,7 @@ def test_a_malformed_submission_is_not_gradable_with_one_reason(kind, base, refe
         entry = tmp_path / "alice.zip"
         entry.write_bytes(b"PK")
     elif kind == "file-is-a-folder":
-        entry = grade.put_regions(reference, {}, tmp_path / "alice")
+        entry = put_regions(reference, {}, tmp_path / "alice")
         (entry / "minisgl" / "batch.py").unlink()
         (entry / "minisgl" / "batch.py").mkdir()
     else:
@@ -217,13 +218,12 @@ def records(nonce_ok: bool = True, **outcomes: str) -> list[dict]:
 
 
 def test_the_judge_trusts_no_report_the_child_could_forge(tmp_path):
-    j = judge.Judge.__new__(judge.Judge)
-    j.limit_s, j.texts = 60, judge.TestTexts([ROOT / "lessons" / "exercises" / "tests"])
+    j = judge.ReportReader(60, judge.TestTexts([ROOT / "lessons" / "exercises" / "tests"]))
     expected = {"tests/test_ex3_snapshot.py::test_the_request_list_is_copied": "passed", "t::b": "passed"}
     canary, secret = "tests/test_c.py::test_c", "s3cret"
     done = [{"_nonce_ok": True, "event": "done", "exit_code": "1"}]
     honest = records(**{t: "passed" for t in expected}, **{canary: f"failed|assert False, {secret}"}) + done
-    verdict = j._verdict(3, honest, "exited", 1.0, canary, secret, expected)
+    verdict = j.verdict(3, honest, "exited", 1.0, canary, secret, expected)
     assert verdict.status == "passed" and verdict.mark == 1.0
     cases = {
         "canary passed": records(**{t: "passed" for t in expected}, **{canary: "passed"}) + done,
@@ -233,13 +233,13 @@ def test_the_judge_trusts_no_report_the_child_could_forge(tmp_path):
         "an unknown test": records(**{"t::LEAK from the teacher's guide": "passed"}) + honest,
     }
     for why, recs in cases.items():
-        verdict = j._verdict(3, recs, "exited", 1.0, canary, secret, expected)
+        verdict = j.verdict(3, recs, "exited", 1.0, canary, secret, expected)
         assert verdict.status == "forged", why
         assert "LEAK" not in verdict.summary + "".join(t.rule for t in verdict.tests), verdict  # the judge's words only
-    missing = j._verdict(3, honest[:1] + honest[2:], "exited", 1.0, canary, secret, expected)
+    missing = j.verdict(3, honest[:1] + honest[2:], "exited", 1.0, canary, secret, expected)
     assert missing.status == "failed" and not missing.tests[1].passed
-    assert j._verdict(3, honest[:1], "hang", 60.0, canary, secret, expected).status == "hang"
-    assert j._verdict(3, honest[:1], "crash", 1.0, canary, secret, expected).status == "crash"
+    assert j.verdict(3, honest[:1], "hang", 60.0, canary, secret, expected).status == "hang"
+    assert j.verdict(3, honest[:1], "crash", 1.0, canary, secret, expected).status == "crash"
 
 
 def test_a_students_message_holds_only_the_tests_own_text():
@@ -255,8 +255,7 @@ def test_a_students_message_holds_only_the_tests_own_text():
 
 
 def test_an_interrupt_or_the_memory_limit_is_named_and_earns_nothing():
-    j = judge.Judge.__new__(judge.Judge)
-    j.limit_s, j.memory_gib, j.texts = 60, 4.0, judge.TestTexts([ROOT / "lessons" / "exercises" / "tests"])
+    j = judge.ReportReader(60, judge.TestTexts([ROOT / "lessons" / "exercises" / "tests"]), memory_gib=4.0)
     first, second = "tests/test_ex3_snapshot.py::test_the_request_list_is_copied", "t::b"
     expected = {first: "passed", second: "passed"}
     canary, secret = "tests/test_c.py::test_c", "s3cret"
@@ -264,22 +263,22 @@ def test_an_interrupt_or_the_memory_limit_is_named_and_earns_nothing():
     # a region raised KeyboardInterrupt in the first test: pytest stopped there and never ran the canary
     stopped = [{"_nonce_ok": True, "event": "start", "id": first},
                {"_nonce_ok": True, "event": "interrupted", "exception": "KeyboardInterrupt"}, *done]
-    verdict = j._verdict(3, stopped, "exited", 1.0, canary, secret, expected)
+    verdict = j.verdict(3, stopped, "exited", 1.0, canary, secret, expected)
     assert verdict.status == "interrupted" and verdict.mark == 0.0, verdict
     assert verdict.summary == "the check was interrupted (KeyboardInterrupt raised by the submission)"
     assert all(t.rule.endswith("did not run: " + verdict.summary) for t in verdict.tests), verdict.tests
     refused = ("RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
                "memory: you tried to allocate 9663676416 bytes. Error code 12 (Cannot allocate memory)")
     oom = records(**{first: f"failed|{refused}", second: "passed", canary: f"failed|assert False, {secret}"}) + done
-    verdict = j._verdict(3, oom, "exited", 1.0, canary, secret, expected)
+    verdict = j.verdict(3, oom, "exited", 1.0, canary, secret, expected)
     assert verdict.status == "memory limit" and verdict.mark == 0.0, verdict
     assert verdict.summary == "memory limit: used more than 4 GiB" and verdict.tests[0].rule.endswith(verdict.summary)
     honest = records(**{first: "passed", second: "passed", canary: f"failed|assert False, {secret}"}) + done
-    assert j._verdict(3, honest, "exited", 1.0, canary, secret, expected).status == "passed"
+    assert j.verdict(3, honest, "exited", 1.0, canary, secret, expected).status == "passed"
     # where the OS does not enforce the limit (macOS), the peak resident size tells
-    assert j._verdict(3, honest, "exited", 1.0, canary, secret, expected, peak_rss=5 << 30).status == "memory limit"
+    assert j.verdict(3, honest, "exited", 1.0, canary, secret, expected, peak_rss=5 << 30).status == "memory limit"
     j.memory_gib = 0.0  # no limit: the same failure is the test's own
-    assert j._verdict(3, oom, "exited", 1.0, canary, secret, expected).status == "failed"
+    assert j.verdict(3, oom, "exited", 1.0, canary, secret, expected).status == "failed"
 
 
 def test_a_rule_is_the_whole_message_the_student_saw():
@@ -376,7 +375,7 @@ def test_a_grader_killed_outright_leaves_nothing_for_the_next_run(base, referenc
     """SIGKILL cannot be caught: the next run removes what the killed one left (and its processes)."""
     subs = tmp_path / "subs"
     subs.mkdir()
-    grade.put_regions(base, {}, subs / "empty")
+    put_regions(base, {}, subs / "empty")
     temp = tmp_path / "temp"
     temp.mkdir()
     env = dict(os.environ, TMPDIR=str(temp), PYTHONPATH=str(ROOT))
@@ -447,7 +446,7 @@ def test_a_check_is_confined_and_named_apart_from_the_teachers_checkout():
 def test_a_marked_file_missing_costs_only_its_exercises(base, reference, tmp_path):
     """A tree handed in from an older edition lacks the newer exercises' files: those exercises
     are lost, the others graded (issue 36's trial class was all "not gradable" for this)."""
-    entry = grade.put_regions(reference, {}, tmp_path / "older")
+    entry = put_regions(reference, {}, tmp_path / "older")
     marked = grade.marked_files(base / "minisgl")
     rel, numbers = next((rel, n) for rel, n in marked.items() if rel.as_posix() == "features/mixed_chunk.py")
     (entry / "minisgl" / rel).unlink()

@@ -45,6 +45,7 @@ import pytest
 
 from minisgl.course import ROOT, grade, judge
 from minisgl.course import student_edition as edition
+from minisgl.course.judge_copy import put_regions
 from minisgl.course.make_exercise import WRONG
 
 pytestmark = pytest.mark.full
@@ -131,7 +132,7 @@ OTHER_EX3 = {  # run, and stopped by the judge
 
 
 def with_regions(base: Path, dest: Path, code: dict[int, dict[str, str]]) -> Path:
-    return grade.put_regions(base, code, dest)
+    return put_regions(base, code, dest)
 
 
 def as_patch(base: Path, tree: Path) -> str:

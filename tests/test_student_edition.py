@@ -26,6 +26,7 @@ from minisgl.course import grade
 from minisgl.course import make_exercise as tool
 from minisgl.course import student_edition as edition
 from minisgl.course.catalog import EXERCISES
+from minisgl.course.judge_copy import put_regions
 from minisgl.course.region_policy import refusal, region_problems
 from minisgl.course.runner import run_checks
 
@@ -107,7 +108,7 @@ def test_every_region_holds_its_catalog_stub_and_the_reference_fits_back(student
                 region.number, region.name)
             assert body.lstrip().startswith(f"# STUB (exercise {region.number} not written)"), body
     # the reference's region bodies, put into the student edition, give back the reference package
-    restored = grade.put_regions(student, grade.written_regions(ROOT), tmp_path / "restored")
+    restored = put_regions(student, grade.written_regions(ROOT), tmp_path / "restored")
     for path in sorted(tool.PACKAGE.rglob("*.py")):
         rel = path.relative_to(tool.PACKAGE)
         if path.relative_to(tool.ROOT).as_posix() in edition.TEACHER_ONLY:
@@ -136,7 +137,7 @@ def test_the_checker_refuses_what_the_grader_would_not_run_with_the_graders_mess
     runs (region_policy.py ships in the edition): a refusal is the line the grader records."""
     reference = grade.written_regions(ROOT)
     hostile = dict(reference[2], publish="import numpy\nx = getattr(self, name)\n" + reference[2]["publish"])
-    work = grade.put_regions(student, {2: hostile}, tmp_path / "work")
+    work = put_regions(student, {2: hostile}, tmp_path / "work")
     done = run_in(work, "-m", "minisgl", "course", "exercise", "2")
     line = refusal(hostile)
     assert line.startswith("not run: a region may not import `numpy` (only ") and "getattr" in line, line
@@ -151,7 +152,7 @@ def test_the_rules_read_the_same_in_the_edition_as_in_the_checkout(student, tmp_
     from .test_grading import REACHES_OUTSIDE
 
     debugging = "open('/tmp/debug.txt', 'a').write('release')\n" + textwrap.dedent(EXERCISES[5].stubs["checkpoint"])
-    home = grade.put_regions(student, {5: {"checkpoint": debugging}}, tmp_path / "home")  # KVLedger's region
+    home = put_regions(student, {5: {"checkpoint": debugging}}, tmp_path / "home")  # KVLedger's region
     codes = [*REACHES_OUTSIDE.values(), *(code for bodies in grade.written_regions(ROOT).values()
                                           for code in bodies.values()),
              *(textwrap.dedent(stub) for e in EXERCISES.values() for stub in e.stubs.values()),
@@ -222,16 +223,16 @@ FIGURE_LINE = re.compile(r"^» (?P<name>.+?)(?: = (?P<value>-?[\d.]+)(?: .*)?|: 
 def test_a_lesson_says_which_exercise_a_figure_needs_only_while_its_stub_is_there(student, tmp_path):
     """stub_note: the stub's own words while the region holds it unchanged, None once anything
     else is written there, and None in this checkout (the reference)."""
-    from minisgl.course.markers import stub_note
+    from minisgl.course.catalog import stub_note
 
     for number, exercise in EXERCISES.items():
         for name in exercise.stubs:
-            note = stub_note(number, name, student / "minisgl")
+            note = stub_note(number, name, student)
             assert note and not note.startswith(("#", "STUB")), (number, name, note)
             assert stub_note(number, name) is None, (number, name)
-    written = grade.put_regions(student, {4: {"length lookahead": "pass\n"}}, tmp_path / "written")
-    assert stub_note(4, "length lookahead", written / "minisgl") is None
-    assert stub_note(4, "release by allocated length", written / "minisgl") is not None
+    written = put_regions(student, {4: {"length lookahead": "pass\n"}}, tmp_path / "written")
+    assert stub_note(4, "length lookahead", written) is None
+    assert stub_note(4, "release by allocated length", written) is not None
 
 
 @pytest.mark.parametrize("number", [pytest.param(n, marks=() if n == 6 else pytest.mark.full) for n in SYMPTOMS])
@@ -241,7 +242,7 @@ def test_no_lesson_shows_a_symptom_as_0_in_the_student_edition(student, number):
     10 of them printed 0 there: lesson 6's length_lookahead and release_allocated off, lesson 10's
     retract_skip_inflight off, lesson 11's naive mask, lesson 12's four, lesson 7's wrong D and
     lesson 8's early commits; lesson 0's cache counts 0, 0 and -5.) Lesson 6 is the fast tier's."""
-    from minisgl.course.markers import stub_note
+    from minisgl.course.catalog import stub_note
 
     script = next(student.glob(f"lessons/lesson_{number}_*.py"))
     done = subprocess.run([sys.executable, str(script.relative_to(student)), "--quick"], cwd=student,
@@ -255,7 +256,7 @@ def test_no_lesson_shows_a_symptom_as_0_in_the_student_edition(student, number):
             assert line["value"] is not None and float(line["value"]) > 0, (number, line[0])
         else:
             assert line["value"] is None and int(line["needs"]) == needs, (number, line[0])
-            assert line["why"] in (stub_note(needs, line["part"], student / "minisgl"), "see above"), line[0]
+            assert line["why"] in (stub_note(needs, line["part"], student), "see above"), line[0]
     if number == 12:  # the stub mixes no decode row, and the count says so (it counted the rows offered)
         assert float(lines["decode rows mixed into prefill batches"]["value"]) == 0
 
@@ -280,7 +281,7 @@ STUB_RULES = {
 @pytest.mark.full  # one exercise check per exercise: several minutes
 @pytest.mark.parametrize("number", sorted(EXERCISES))
 def test_each_stub_is_refused_by_its_own_check_with_the_rule_named(student, tmp_path, number):
-    work = grade.put_regions(student, {}, tmp_path / "work")  # the edition as handed out, copied (the check writes)
+    work = put_regions(student, {}, tmp_path / "work")  # the edition as handed out, copied (the check writes)
     report = run_checks(work, number, stop_at_first_failure=True)
     first = report.first_failure
     assert not report.passed and first is not None and STUB_RULES[number] in first.message, (
@@ -290,6 +291,6 @@ def test_each_stub_is_refused_by_its_own_check_with_the_rule_named(student, tmp_
 @pytest.mark.full  # one exercise check per exercise: several minutes
 @pytest.mark.parametrize("number", sorted(EXERCISES))
 def test_a_correct_region_passes_its_check_with_every_other_region_a_stub(student, tmp_path, number):
-    work = grade.put_regions(student, {number: grade.written_regions(ROOT)[number]}, tmp_path / "work")
+    work = put_regions(student, {number: grade.written_regions(ROOT)[number]}, tmp_path / "work")
     report = run_checks(work, number)
     assert report.passed, [(o.nodeid, o.message[:500]) for o in report.outcomes if o.outcome == "failed"]

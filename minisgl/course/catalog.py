@@ -7,11 +7,19 @@ Hints come in three levels, so that a stuck learner can ask for as little as the
 
 The marked regions in `minisgl/` name the part only (`# >>> exercise N: <name>`); the
 hints live here, so that reading the skeleton does not give the answer away.
+Each exercise's stubs (what the student edition puts in its regions) are here too, and stub_note
+(at the end), which tells a lesson whether a region still holds its stub.
 """
 
 from __future__ import annotations
 
+import re
+import textwrap
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from minisgl.course import ROOT
+from minisgl.course.markers import written_regions
 
 
 @dataclass(frozen=True)
@@ -392,3 +400,29 @@ EXERCISES = {e.number: e for e in (
             continue
     """}),
 )}
+
+
+STUB_TAG = re.compile(r"^STUB \(exercise \d+ not written\):\s*")
+
+
+def stub_note(number: int, name: str, tree: Path = ROOT) -> str | None:
+    """While exercise `number`'s region `name` in tree/minisgl still holds the student edition's
+    stub unchanged: what that stub gives up, in its own words (its opening comment, without the
+    "STUB (exercise N not written):" tag). None once anything else is written there, and in the
+    teacher's checkout, whose regions hold the reference. A lesson asks this before it prints a
+    figure that the stub cannot show (lessons/common.py figure(needs=...))."""
+    def squeezed(code: str) -> list[str]:
+        return [line.rstrip() for line in textwrap.dedent(code).strip("\n").splitlines()]
+
+    written = written_regions(tree).get(number, {})
+    if name not in written:
+        raise KeyError(f"no region 'exercise {number}: {name}' in {tree / 'minisgl'}")
+    stub = squeezed(EXERCISES[number].stubs[name])
+    if squeezed(written[name]) != stub:
+        return None
+    opening = []
+    for line in stub:  # the comment lines before the stub's first line of code
+        if not line.lstrip().startswith("#"):
+            break
+        opening.append(line.lstrip().lstrip("#").strip())
+    return STUB_TAG.sub("", " ".join(opening))

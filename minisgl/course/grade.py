@@ -64,8 +64,8 @@ from minisgl.course.catalog import EXERCISES
 from minisgl.course.judge import Judge
 from minisgl.course.judge_process import kill_run_processes
 from minisgl.course.judge_verdict import CheckVerdict
-from minisgl.course.make_exercise import Wrong, replace_regions
 from minisgl.course.markers import marked_files, written_regions
+from minisgl.course.region_policy import first_few
 from minisgl.course.student_edition import write_student_edition
 from minisgl.course.submission import NotGradable, Submission, is_submission, read_tree, student_name, tree_from_entry
 from minisgl.frontend.options import OneLineParser, count
@@ -76,20 +76,7 @@ RUN_PREFIX = "minisgl-grade-run-"  # this run's scratch folder in the system's t
 INTERRUPTED = 130
 
 
-# --------------------------------------------------------------------------- regions of a tree
-
-def put_regions(tree: Path, code: dict[int, dict[str, str]], dest: Path) -> Path:
-    """A copy of tree (its git history left out) in dest, with `code` between the markers of its
-    minisgl (the markers kept): e.g. the reference's regions put into the student edition."""
-    shutil.copytree(tree, dest, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc"))
-    for rel in marked_files(dest / "minisgl"):
-        path = dest / "minisgl" / rel
-        source = path.read_text()
-        for number, bodies in code.items():
-            source, _ = replace_regions(source, number, Wrong(number, "", "", "", bodies), keep_markers=True)
-        path.write_text(source)
-    return dest
-
+# --------------------------------------------------------------------------- checks shared
 
 CheckKey = tuple[int, str]  # (exercise, fingerprint of its region code)
 
@@ -227,12 +214,6 @@ class StudentGrade:
         return [e for e in self.exercises if e.status not in ("passed", "failed")]
 
 
-def listed(items: tuple[str, ...] | list[str], most: int = 3) -> str:
-    """The first `most` items whole, and how many more: a cell that is short and never cut mid-sentence."""
-    more = f" (and {len(items) - most} more)" if len(items) > most else ""
-    return " | ".join(items[:most]) + more
-
-
 def grade_of(sub: Submission, number: int, verdict: CheckVerdict | None) -> ExerciseGrade:
     if sub.not_gradable:
         return ExerciseGrade(number, 0.0, "not gradable", (sub.not_gradable,))
@@ -254,7 +235,7 @@ def write_sheet(grades: list[StudentGrade], numbers: list[int], out: Path) -> No
     files = {}
     header = ["student", *(f"ex{n}" for n in numbers), "total", "of", "status", "why", "notes"]
     rows = [[_cell(g.student), *(f"{e.mark:g}" for e in g.exercises), f"{g.total:g}", str(len(numbers)),
-             g.status, _cell(g.why), _cell(listed(g.notes))] for g in grades]
+             g.status, _cell(g.why), _cell(first_few(g.notes, " | "))] for g in grades]
     files["grades.csv"] = [header, *rows]
     detail = [["student", "exercise", "mark", "status", "test", "passed", "rule"]]
     for g in grades:

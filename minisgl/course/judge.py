@@ -51,7 +51,7 @@ from minisgl.course.region_policy import refusal, region_problems
 MAX_RECORDS, MAX_RECORD_BYTES = 10_000, 1 << 16  # a check reports a few dozen records of at most 24 KiB
 
 
-class Judge(ReportReader):
+class Judge:
     """Runs checks for one grading run: `edition` is the student edition, `scratch` this run's
     private folder (removed by the caller), `fill` the code put between the other exercises'
     markers, `limit_s` the teacher's limit per check, `memory_gib` the memory a check's process
@@ -60,14 +60,13 @@ class Judge(ReportReader):
     def __init__(self, edition: Path, scratch: Path, fill: dict[int, dict[str, str]], limit_s: float, token: str,
                  vet: Callable[[str], list[str]] = region_problems, guard: Path | None = None,
                  guard_skip: list[Path] = (), confine: bool = True, memory_gib: float = 0.0):
-        self.edition, self.scratch, self.fill, self.limit_s, self.token = edition, scratch, fill, limit_s, token
-        self.memory_gib = memory_gib
+        self.edition, self.scratch, self.fill, self.token = edition, scratch, fill, token
         self.vet = vet  # region code -> why it may not run (tests switch it off to reach the judge's own checks)
         # the teacher's checkout: kept out of each check's import path, PATH and argv, and watched
         self.watch = CheckoutWatch(guard, [scratch, *guard_skip]) if guard is not None else None
         self.confine = confine  # tests switch the Landlock wall off to reach the watch behind it
         self.exercise_tests = edition / "lessons" / "exercises" / "tests"
-        self.texts = TestTexts([edition / "tests", self.exercise_tests])
+        self.report_reader = ReportReader(limit_s, TestTexts([edition / "tests", self.exercise_tests]), memory_gib)
         self.expected: dict[int, dict[str, str]] = {}  # exercise -> test -> its outcome on the reference
         self._running: set[int] = set()
         self._stopped = False
@@ -125,7 +124,7 @@ class Judge(ReportReader):
                 raise RuntimeError("grading was stopped")
             try:
                 pid = self.starter.start(copy, env, tests, nonce, write_fd, self.confine,
-                                         int(self.memory_gib * (1 << 30)))
+                                         int(self.report_reader.memory_gib * (1 << 30)))
             finally:
                 os.close(write_fd)
             self._running.add(pid)
@@ -139,7 +138,7 @@ class Judge(ReportReader):
 
         reader = threading.Thread(target=read_report, daemon=True)
         reader.start()
-        done = self.starter.wait(pid, self.limit_s)
+        done = self.starter.wait(pid, self.report_reader.limit_s)
         ended = "hang" if done is None else "exited" if done.code == 0 else "crash"
         kill_session(pid)  # the child, or anything it left in its session
         if done is None:
@@ -183,8 +182,8 @@ class Judge(ReportReader):
             bad = sorted(t for t, o in outcomes.items() if o == "failed")
             walled = " behind the Landlock wall (if it passes with --unconfined, the wall needs a path)" if (
                 self.confine and (self.starter.confinement or {}).get("landlock")) else ""
-            if self._over_memory([r for r in records if r["_nonce_ok"]], peak_rss):
-                walled += f" under the memory limit of {self.memory_gib:g} GiB (raise --memory-limit)"
+            if self.report_reader.over_memory([r for r in records if r["_nonce_ok"]], peak_rss):
+                walled += f" under the memory limit of {self.report_reader.memory_gib:g} GiB (raise --memory-limit)"
             raise RuntimeError(f"the reference does not pass exercise {number}'s checks here{walled} ({ended}; "
                                f"failed: {bad[:3]}): no marks would be right")
         self.expected[number] = outcomes
@@ -209,4 +208,4 @@ class Judge(ReportReader):
             rule = "wrote outside its copy (into the teacher's checkout)"
             return CheckVerdict(number, "escaped", tuple(TestVerdict(t, False, rule) for t in expected), seconds,
                                 f"escaped: {rule}")
-        return self._verdict(number, records, ended, seconds, canary, secret, expected, peak_rss)
+        return self.report_reader.verdict(number, records, ended, seconds, canary, secret, expected, peak_rss)

@@ -12,17 +12,26 @@ from minisgl.course.make_exercise import CONFTEST, PYTEST_INI, Wrong, replace_re
 from minisgl.course.markers import marked_files
 
 
+def put_regions(tree: Path, code: dict[int, dict[str, str]], dest: Path) -> Path:
+    """A copy of tree in dest (its git history and compiled files left out, a symlink copied as a
+    link), with `code` (exercise -> region name -> code) between the markers of its minisgl (the
+    markers kept; a region `code` does not name keeps what it holds): e.g. the reference's regions
+    put into the student edition."""
+    shutil.copytree(tree, dest, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc"), symlinks=True)
+    for rel in marked_files(dest / "minisgl"):
+        path = dest / "minisgl" / rel
+        source = path.read_text()
+        for number, bodies in code.items():
+            source, _ = replace_regions(source, number, Wrong(number, "", "", "", bodies), keep_markers=True)
+        path.write_text(source)
+    return dest
+
+
 def write_check_copy(copy: Path, edition: Path, exercise_tests: Path,
                      code: dict[int, dict[str, str]]) -> tuple[str, str]:
     """Copy `edition` to `copy` with `code[n]` (region name -> code) between exercise n's markers
     and `exercise_tests` in its tests: the canary test's node id, and the text it must fail with."""
-    shutil.copytree(edition, copy, ignore=shutil.ignore_patterns(".git"), symlinks=True)
-    for rel, numbers in marked_files(copy / "minisgl").items():
-        path = copy / "minisgl" / rel
-        source = path.read_text()
-        for n in numbers:
-            source, _ = replace_regions(source, n, Wrong(n, "graded", "", "", code.get(n, {})), keep_markers=True)
-        path.write_text(source)
+    put_regions(edition, code, copy)
     tests = copy / "tests"
     for path in sorted(exercise_tests.glob("*.py")):
         shutil.copy(path, tests / path.name)

@@ -49,21 +49,23 @@ def _out_of_memory(record: dict) -> bool:
         OUT_OF_MEMORY.search(f"{record.get('exception')} {record.get('message')}"))
 
 
+@dataclass
 class ReportReader:
-    """Turns a check's report into its verdict: the judge (Judge, judge.py) is one, and sets the
-    limits its summaries name (`limit_s`, `memory_gib`) and the test files' messages (`texts`)."""
+    """Turns a check's report into its verdict; the judge (Judge, judge.py) holds one. Its summaries
+    name the limits (`limit_s` per check, `memory_gib` per process, 0: none); `texts` gives a failed
+    test's rule in the test file's own words."""
 
     limit_s: float
-    memory_gib: float = 0.0
     texts: TestTexts
+    memory_gib: float = 0.0
 
-    def _over_memory(self, records: list[dict], peak_rss: int) -> bool:
+    def over_memory(self, records: list[dict], peak_rss: int) -> bool:
         """Whether a check went past the memory limit: an allocation refused there (Linux enforces
         the limit), or a peak resident size above it (macOS sets the limit but may not enforce it)."""
         return bool(self.memory_gib) and (peak_rss > self.memory_gib * (1 << 30) or any(map(_out_of_memory, records)))
 
-    def _verdict(self, number: int, records: list[dict], ended: str, seconds: float, canary: str, secret: str,
-                 expected: dict[str, str], peak_rss: int = 0) -> CheckVerdict:
+    def verdict(self, number: int, records: list[dict], ended: str, seconds: float, canary: str, secret: str,
+                expected: dict[str, str], peak_rss: int = 0) -> CheckVerdict:
         outcomes: dict[str, dict] = {}
         forged, started, interrupted = [], "", ""  # forged: the judge's own words, never the child's text
         for r in records:
@@ -96,7 +98,7 @@ class ReportReader:
             status, summary = "interrupted", f"the check was interrupted ({interrupted} raised by the submission)"
         elif ended == "hang":
             status, summary = "hang", f"hang: the checks ran past the limit of {self.limit_s:g} s"
-        elif self._over_memory(records, peak_rss):
+        elif self.over_memory(records, peak_rss):
             status, summary = "memory limit", f"memory limit: used more than {self.memory_gib:g} GiB"
         elif not finished or ended == "crash":
             status, summary = "crash", "crash: the test process died"

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minisgl.course import PACKAGE
-from minisgl.course.catalog import EXERCISES  # the stubs the student edition puts in the regions
 
 START = re.compile(r"^(?P<indent>[ \t]*)# >>> exercise (?P<n>\d+): (?P<name>.+?)\s*$")
 END = re.compile(r"^[ \t]*# <<< exercise (?P<n>\d+)\s*$")
@@ -62,34 +61,6 @@ def marked_files(package: Path = PACKAGE) -> dict[Path, list[int]]:
         if numbers:
             found[path.relative_to(package)] = numbers
     return found
-
-
-STUB_TAG = re.compile(r"^STUB \(exercise \d+ not written\):\s*")
-
-
-def stub_note(number: int, name: str, package: Path = PACKAGE) -> str | None:
-    """While exercise `number`'s region `name` in `package` still holds the student edition's stub
-    unchanged: what that stub gives up, in its own words (its opening comment, without the
-    "STUB (exercise N not written):" tag). None once anything else is written there, and in the
-    teacher's checkout, whose regions hold the reference. A lesson asks this before it prints a
-    figure that the stub cannot show (lessons/common.py figure(needs=...))."""
-    def squeezed(code: str) -> list[str]:
-        return [line.rstrip() for line in textwrap.dedent(code).strip("\n").splitlines()]
-
-    stub = squeezed(EXERCISES[number].stubs[name])
-    for path in sorted(package.rglob("*.py")):
-        lines = path.read_text().splitlines(keepends=True)
-        for region in regions(lines):
-            if (region.number, region.name) == (number, name):
-                if squeezed("".join(lines[region.first + 1:region.last])) != stub:
-                    return None
-                opening = []
-                for line in stub:  # the comment lines before the stub's first line of code
-                    if not line.lstrip().startswith("#"):
-                        break
-                    opening.append(line.lstrip().lstrip("#").strip())
-                return STUB_TAG.sub("", " ".join(opening))
-    raise KeyError(f"no region 'exercise {number}: {name}' in {package}")
 
 
 def written_regions(tree: Path) -> dict[int, dict[str, str]]:

@@ -188,8 +188,14 @@ def refusal(bodies: dict[str, str], vet: Callable[[str], list[str]] = region_pro
     """Why an exercise's region code (region name -> code) may not run, in the one line that the
     grader records and the student's checker prints ('' where it may run)."""
     problems = list(dict.fromkeys(p for code in bodies.values() for p in vet(code)))  # whole sentences
-    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-    return f"not run: {'; '.join(problems[:3])}{more}" if problems else ""
+    return f"not run: {first_few(problems, '; ')}" if problems else ""
+
+
+def first_few(items: tuple[str, ...] | list[str], separator: str, most: int = 3) -> str:
+    """The first `most` items whole, joined by `separator`, and how many more: a line that is short
+    and never cut mid-sentence (the refusal above; a cell of the grader's sheet, grade.py)."""
+    more = f" (and {len(items) - most} more)" if len(items) > most else ""
+    return separator.join(items[:most]) + more
 
 
 def _name_problems(node: ast.Name, parent: ast.AST | None, parents: dict, modules: dict[str, str],
