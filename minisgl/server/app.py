@@ -4,7 +4,8 @@ Every route runs on the event loop and only waits (on the engine's sockets, on t
 the engine runs in the scheduler process, so a slow client never slows a step. Work that grows
 with what a client sends runs on a worker thread (worker_thread.py) instead, raced against the
 client leaving: checking a grammar, tokenizing a long prompt. On the loop it would stall every
-other client for as long."""
+other client for as long. Each has a thread of its own, so a slow grammar holds up the other
+grammars' checks but never a prompt's tokenizing."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class ServerState:
     metrics: Metrics
     write_timeout_s: float  # a stream whose client reads nothing for this long ends
     heartbeat_timeout_s: float  # /health says 503 when the scheduler has been silent this long
-    worker: WorkerThread = field(default_factory=lambda: WorkerThread("minisgl-http-worker"))
+    tokenizing: WorkerThread = field(default_factory=lambda: WorkerThread("minisgl-http-tokenize"))
+    grammar_checks: WorkerThread = field(default_factory=lambda: WorkerThread("minisgl-http-grammar"))
     max_token_chars: int = field(init=False)  # the most characters of text one token stands for
 
     def __post_init__(self) -> None:
@@ -198,26 +200,27 @@ async def check_grammar(state: ServerState, request: Request, spec: GrammarSpec 
         return
     timeout_s = state.client.grammar_timeout_s
     try:
-        await off_loop(state, request, parse_grammar, spec, timeout_s=timeout_s)
+        await off_loop(state.grammar_checks, request, parse_grammar, spec, timeout_s=timeout_s)
     except ValueError as exc:
         raise APIError(str(exc), grammar_param(spec)) from None
     except asyncio.TimeoutError:
-        raise APIError(f"the {spec.kind} did not parse within {timeout_s:g} s (the server's --grammar-timeout)",
+        raise APIError(f"the {spec.kind} was not checked within {timeout_s:g} s (the server's --grammar-timeout; "
+                       "the grammars sent before it are checked first)",
                        grammar_param(spec)) from None
 
 
 async def prepare_input(state: ServerState, request: Request, size: int, fn: Callable[[], T]) -> T:
     """fn() on the event loop when the input is short (a thread hand-off would cost more), else
     on the worker thread."""
-    return fn() if size <= INLINE_TOKENIZE_CHARS else await off_loop(state, request, fn)
+    return fn() if size <= INLINE_TOKENIZE_CHARS else await off_loop(state.tokenizing, request, fn)
 
 
-async def off_loop(state: ServerState, request: Request, fn: Callable[..., T], *args: object,
+async def off_loop(worker: WorkerThread, request: Request, fn: Callable[..., T], *args: object,
                    timeout_s: float | None = None) -> T:
-    """fn(*args) on the worker thread, raced against the client leaving and the time limit. What
-    has not started then never does; what has runs to its end (a thread cannot be stopped), its
-    result dropped."""
-    return await unless_client_leaves(request, asyncio.wrap_future(state.worker.submit(fn, *args)), timeout_s)
+    """fn(*args) on `worker`, raced against the client leaving and the time limit. What has not
+    started then never does; what has runs to its end (a thread cannot be stopped), its result
+    dropped."""
+    return await unless_client_leaves(request, asyncio.wrap_future(worker.submit(fn, *args)), timeout_s)
 
 
 async def unless_client_leaves(request: Request, work: asyncio.Future[T], timeout_s: float | None = None) -> T:
