@@ -1,5 +1,6 @@
 """The server against clients that would hold it up: a grammar that compiles for long, a client
-that stops reading its stream, and a scheduler whose loop stops. One server with short limits."""
+that stops reading its stream, a client that never finishes its request or opens too many
+connections, and a scheduler whose loop stops. One server with short limits."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ WRITE_TIMEOUT_S = 10.0
 GRAMMAR_TIMEOUT_S = 1.0
 HEARTBEAT_TIMEOUT_S = 2.0
 MAX_INFLIGHT = 64
+REQUEST_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 32
 # A pattern xgrammar parses at once and compiles for seconds (7 s on the 2-core machine): the
 # scheduler's loop used to stop for all of it.
 SLOW_PATTERN = "[a-z]{0,60}{0,60}"
@@ -38,7 +41,8 @@ def server_log(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(server_log):
     flags = ("--kv-tokens", "16384", "--max-inflight", str(MAX_INFLIGHT), "--write-timeout", str(WRITE_TIMEOUT_S),
-             "--grammar-timeout", str(GRAMMAR_TIMEOUT_S), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
+             "--grammar-timeout", str(GRAMMAR_TIMEOUT_S), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+             "--request-timeout", str(REQUEST_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS))
     with launcher.running_server(*flags, log=server_log) as (url, proc):
         yield url, proc
 
@@ -128,3 +132,33 @@ def test_health_says_503_while_the_scheduler_loop_is_stuck(server):
     while request(url, "GET", "/health")[0] != 200:
         assert time.monotonic() < deadline, "/health did not recover"
         time.sleep(0.2)
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes this connection (the next read ends) within `within_s` seconds."""
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1024) == b""
+    except (socket.timeout, ConnectionResetError) as exc:
+        return isinstance(exc, ConnectionResetError)
+
+
+def test_a_request_never_finished_is_cut_off_and_connections_beyond_the_cap_are_closed(server):
+    url, _ = server
+    address = (urlsplit(url).hostname, urlsplit(url).port)
+    unfinished = socket.create_connection(address)
+    unfinished.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # slowloris: headers never end
+    opened = time.monotonic()
+    held = [socket.create_connection(address) for _ in range(MAX_CONNECTIONS)]
+    try:
+        # the unfinished one and MAX_CONNECTIONS - 1 of these fill the cap; the last is closed as it is made
+        assert closed_by_server(held[-1], 2.0), "a connection beyond --max-connections must be closed at once"
+        assert not closed_by_server(held[0], 0.2), "a connection within the cap stays open"
+    finally:
+        for sock in held:
+            sock.close()
+    assert closed_by_server(unfinished, REQUEST_TIMEOUT_S + 3.0), (
+        "a request whose headers never end must be cut off after --request-timeout")
+    assert time.monotonic() - opened >= REQUEST_TIMEOUT_S - 0.1, "cut off before its time"
+    unfinished.close()
+    assert plain(url)[0] == 200, "the server answers afterwards"

@@ -1,6 +1,7 @@
 """`python -m minisgl serve`: an OpenAI-compatible HTTP server, in SGLang's process layout.
 
     HTTP process                                   scheduler process
+    connections.py (uvicorn's, with bounds)
     app.py (routes, SSE)                           scheduler_process.py
       protocol.py (OpenAI requests, 400s)            LLM.add_request / abort / step,
       engine_client.py (tokenize, submit, abort) ->  new tokens after every step

@@ -14,12 +14,24 @@ import sys
 
 from ..checks import MAX_RUNNING_REQUESTS
 from ..frontend.options import Number, add_engine_args, count, engine_kwargs, model_dir
+from .connections import bounded_protocol
 from .grammar_queue import DEFAULT_TIMEOUT_S as DEFAULT_GRAMMAR_TIMEOUT_S
 
 DEFAULT_MAX_INFLIGHT = 4096  # generations queued or running; more get 503 + Retry-After
 SIGNAL_POLL_S = 0.05
 FORCED_STOP_S = 0.5  # after a second signal: how long the scheduler process gets before it is killed
 SCHEDULER_EXIT_S = 60.0  # after the drain: checking the pools, freeing the engine, the interpreter's exit
+
+
+def default_max_connections() -> int:
+    """Half this process's open-file limit (the other half: model files, the scheduler's sockets,
+    logs), at most 1,024: more connections than files would stop the server accepting anyone."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 1024
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1024 if soft == resource.RLIM_INFINITY else max(16, min(1024, soft // 2))
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -34,6 +46,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-timeout", type=Number(float, 0.001, 86400.0), default=DEFAULT_GRAMMAR_TIMEOUT_S,
                    help="seconds a request's grammar (response_format, regex, ebnf) may take to parse, and again to "
                    "compile; beyond them the request is refused (default: %(default)g)")
+    p.add_argument("--request-timeout", type=Number(float, 0.1, 86400.0), default=30.0,
+                   help="seconds a client has to send a whole request (headers and body) once its connection is "
+                   "open or its last response ended; then the connection is closed (default: %(default)g)")
+    p.add_argument("--max-connections", type=count(1 << 20), default=default_max_connections(),
+                   help="open connections at most; one beyond them is closed as it is made (default: half the "
+                   "open-file limit, at most 1,024: here %(default)s)")
     p.add_argument("--write-timeout", type=Number(float, 0.1, 86400.0), default=60.0,
                    help="seconds a streaming client may read nothing before its stream ends and its request is "
                    "aborted (default: %(default)g)")
@@ -76,7 +94,8 @@ async def serve(args: argparse.Namespace) -> int:
     info = await client.start()  # ValueError (exit 2) when the engine cannot be built
     state = ServerState(client, tokenizer, name, metrics, args.write_timeout, args.heartbeat_timeout)
     # uvicorn's own drain of open responses is the backstop: the drain below ends them first.
-    config = uvicorn.Config(build_app(state), host=args.host,
+    config = uvicorn.Config(build_app(state), host=args.host, http=bounded_protocol(args.request_timeout,
+                                                                                   args.max_connections),
                             port=args.port, log_level=args.log_level, lifespan="off",
                             timeout_graceful_shutdown=args.drain_timeout + FORCED_STOP_S)
     server = Server(config)
