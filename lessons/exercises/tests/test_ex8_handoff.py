@@ -118,13 +118,16 @@ def test_a_commit_waits_for_its_own_batch_only(qwen3):
 
 
 def commit_once_over(commit, as_early: bool):
-    """The scheduler's commit, begun only once the batch's copy_done event has passed (failed or
-    not): the order a host slower than its device gives, forced rather than timed. With
-    `as_early`, every commit is made as one at a sync boundary (early=True)."""
+    """The scheduler's commit, begun only once the batch's copy_done event has passed, failed or
+    not: the order a host slower than its device gives, forced (no sleep, no timing). The test's
+    own wait raises a failure too; it sets that aside, so the commit meets a batch that is over.
+    With `as_early`, every commit is made as one at a sync boundary (early=True)."""
     def each_commit(inflight, early=False):
-        deadline = time.monotonic() + 10
-        while not inflight.result.copy_done.query() and time.monotonic() < deadline:
-            time.sleep(0.001)
+        over = inflight.result.copy_done
+        try:
+            over.synchronize()
+        except DeviceError:
+            pass
         return commit(inflight, early or as_early)
     return each_commit
 
@@ -133,9 +136,9 @@ def commit_once_over(commit, as_early: bool):
 def test_a_fault_in_the_devices_work_is_raised_on_the_host_and_nothing_of_it_is_committed(qwen3, order):
     """The engine's work fails on its stream; the host's wait for copy_done re-raises the failure.
     A host that reads on without that wait commits whatever the empty token buffer held. When the
-    failed batch is over (its event passed) before its commit begins, a wait only when query()
-    says it has not passed yet misses the failure; an early commit (at a sync boundary) waits the
-    same."""
+    failed batch is over (its event passed) before its commit begins, as the test makes it, a wait
+    only when query() says it has not passed yet misses the failure, every time; an early commit
+    (at a sync boundary) waits the same."""
     llm = LLM(qwen3, loop="overlap", device_delay_ms=5 if order == "device-slow" else 1)
     if order != "device-slow":
         llm.scheduler.commit = commit_once_over(llm.scheduler.commit, as_early=order == "early-commit")
