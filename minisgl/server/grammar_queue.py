@@ -5,7 +5,8 @@ stop every running request for that long. So the scheduler process compiles on a
 (xgrammar releases the GIL while it compiles), and a generation with a grammar waits here until
 its grammar is ready, then enters the engine. The compile happens in this process because a
 compiled grammar does not leave it cheaply: xgrammar's serialized form is many times its memory
-and took longer to read back than to compile (benchmarks/history/2026-12-04.md).
+and took longer to read back than to compile (benchmarks/history/, "Figures that were in code
+comments").
 
 A compile past the time limit refuses its generations; the thread cannot be stopped, so the
 compile runs to its end and its grammar is dropped. A waiting generation that is aborted (its

@@ -22,8 +22,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (completions: 5; the larger one
 MAX_STOPS = 16
 MAX_STOP_CHARS = 400  # per stop string: the text held back while it may be starting is this long at most
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
-# A grammar's cost to compile grows faster than its size (benchmarks/history/2026-12-04.md,
-# "Grammar limits"): what one request may ask for. OpenAI's own limits for structured outputs
+# A grammar's cost to compile grows faster than its size (benchmarks/history/, "Figures that
+# were in code comments"): what one request may ask for. OpenAI's own limits for structured outputs
 # are tighter (10 levels of objects, 1,000 enum values).
 MAX_GRAMMAR_CHARS = 32768  # a JSON schema (as JSON), a regex or an EBNF grammar
 MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in a JSON schema
