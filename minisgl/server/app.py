@@ -211,7 +211,7 @@ async def check_grammar(state: ServerState, request: Request, spec: GrammarSpec 
 
 async def prepare_input(state: ServerState, request: Request, size: int, fn: Callable[[], T]) -> T:
     """fn() on the event loop when the input is short (a thread hand-off would cost more), else
-    on the worker thread."""
+    on the tokenizing thread."""
     return fn() if size <= INLINE_TOKENIZE_CHARS else await off_loop(state.tokenizing, request, fn)
 
 
