@@ -1,16 +1,19 @@
 """The online benchmark through HTTP, beside the in-process one at the same arrival rates.
 
     python benchmarks/http_online.py [--model DIR] [--num-requests N] [--rate R1,R2] [--loops normal,overlap]
-                                     [--server-cpus 0,1 --client-cpus 2]
+                                     [--repeat R] [--server-cpus 0,1 --client-cpus 2]
 
 For each loop: a `minisgl serve` process; Poisson arrivals (seed 0) of the online workload
 (`bench --workload online`: the offline lengths, ignore_eos), each request a streaming
 completion from the official `openai` client (asyncio); TTFT from the request's arrival time
-to its first chunk, ITL between chunks, tok/s over the run, all measured by the client. Then
-the in-process online bench (minisgl/observe/online.py) on the same requests at the same
-rates, and the ratio of the two throughputs. Under the table, each run's CPU seconds by process
-(the HTTP process, the scheduler process, this benchmark's client; in process, the engine's),
-also per 1,000 output tokens, and the load average before and after it (1 minute).
+to its first chunk, ITL between chunks, tok/s over the run, all measured by the client. Beside
+each HTTP run, the in-process online bench (minisgl/observe/online.py) on the same requests at
+the same rate, and the ratio of the two throughputs. With --repeat R, R such pairs a rate, taken
+in turn (HTTP first, then in-process first, and so on, so that a drift of the machine's speed
+weighs on both paths alike); the table shows each pair and the median of the ratios. Under the
+table, each run's CPU seconds by process (the HTTP process, the scheduler process, this
+benchmark's client; in process, the engine's), also per 1,000 output tokens, and the load
+average before and after it (1 minute).
 
 With --server-cpus (Linux), the server's two processes and the in-process engine run on those
 cores alone, and with --client-cpus the benchmark's client on others: the comparison a deployment
@@ -24,6 +27,7 @@ import argparse
 import asyncio
 import os
 import resource
+import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -138,19 +142,60 @@ def cpu_list(text: str) -> set[int]:
     return {int(c) for c in text.split(",")}
 
 
-def in_process(model: Path, loop: str, workload: Workload, rates: list[float]) -> list[dict]:
-    """The in-process online bench at each rate; also its CPU seconds (this process: the engine's)."""
+def in_process_run(llm, loop: str, workload: Workload, rate: float) -> dict:
+    """One in-process online run; also its CPU seconds (this process: the engine's)."""
+    load, cpu = os.getloadavg()[0], cpu_s()
+    run = run_online(llm, workload.prompts, workload.params, rate, seed=0)
+    console.print(f"{loop} in-process {rate:g} req/s: {run['output_tok_per_s']:.0f} tok/s", highlight=False)
+    return {**run, "cpu_s": {"in-process": cpu_s() - cpu}, "load": (load, os.getloadavg()[0])}
+
+
+def compare_loop(model: Path, loop: str, workload: Workload, args: argparse.Namespace) -> list[tuple]:
+    """For each rate, `repeat` pairs of runs (HTTP, in-process) on one server and one in-process
+    engine, the pair's order alternating; the rows of the table."""
     from minisgl import LLM
 
-    runs = []
-    with LLM(model, loop=loop, trace=True) as llm:
-        llm.generate([workload.prompts[0][:8]], SamplingParams(max_new_tokens=4))  # warm-up
-        for rate in rates:
-            load, cpu = os.getloadavg()[0], cpu_s()
-            run = run_online(llm, workload.prompts, workload.params, rate, seed=0)
-            console.print(f"{loop} in-process {rate:g} req/s: {run['output_tok_per_s']:.0f} tok/s", highlight=False)
-            runs.append({**run, "cpu_s": {"in-process": cpu_s() - cpu}, "load": (load, os.getloadavg()[0])})
-    return runs
+    rows = []
+    # Both engines are up at once, so each gets a KV pool that holds every request at once (the
+    # default would size the second from what the first left free): the same capacity on both paths.
+    kv_tokens = workload.input_tokens + workload.output_tokens + 64
+    # A process keeps the cores it was started on: the server's two keep the server's cores
+    # when this one moves to the client's.
+    with (on_cpus(args.server_cpus),
+          running_server("--model", str(model), "--loop", loop, "--served-model-name", "bench",
+                         "--kv-tokens", str(kv_tokens)) as (url, proc),
+          LLM(model, loop=loop, trace=True, kv_tokens=kv_tokens) as llm):
+        pids = (proc.pid, scheduler_pid(proc))
+        warm_up = Workload("warm-up", [workload.prompts[0][:8]], [SamplingParams(max_new_tokens=4)])
+        llm.generate(warm_up.prompts, warm_up.params[0])
+        with on_cpus(args.client_cpus):
+            asyncio.run(http_online(url, warm_up, 1e6, "warm-up", pids))
+        for rate in args.rate:
+            for pair in range(args.repeat):
+                def http_run() -> dict:
+                    with on_cpus(args.client_cpus):
+                        return asyncio.run(http_online(url, workload, rate, f"{loop} HTTP {rate:g} req/s", pids))
+
+                def local_run() -> dict:
+                    return in_process_run(llm, loop, workload, rate)
+
+                if pair % 2 == 0:
+                    http, local = http_run(), local_run()
+                else:
+                    local, http = local_run(), http_run()
+                ratio = http["output_tok_per_s"] / local["output_tok_per_s"]
+                rows += [(loop, "HTTP", http, ratio), (loop, "in-process", local, None)]
+    return rows
+
+
+def median_ratios(rows: list[tuple]) -> list[str]:
+    """A line a loop and rate with more than one pair: the median of the pairs' ratios, and their range."""
+    ratios: dict[tuple[str, float], list[float]] = {}
+    for loop, _, r, ratio in rows:
+        if ratio is not None:
+            ratios.setdefault((loop, r["rate"]), []).append(ratio)
+    return [f"{loop} {rate:g} req/s: HTTP / in-process median {statistics.median(rs):.1%} over {len(rs)} pairs "
+            f"(range {min(rs):.1%}-{max(rs):.1%})" for (loop, rate), rs in ratios.items() if len(rs) > 1]
 
 
 def main() -> int:
@@ -159,6 +204,8 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--rate", type=NumberList(Number(float, 1e-3, 1e6)), default=[4.0, 16.0])
     ap.add_argument("--loops", default="normal,overlap")
+    ap.add_argument("--repeat", type=Number(int, 1, 100), default=1,
+                    help="pairs of runs (HTTP, in-process) a rate, in alternating order; the median ratio is printed")
     ap.add_argument("--server-cpus", type=cpu_list, default=None,
                     help="cores for the server's processes and the in-process engine, e.g. 0,1 (Linux)")
     ap.add_argument("--client-cpus", type=cpu_list, default=None, help="cores for the benchmark's client, e.g. 2")
@@ -173,22 +220,7 @@ def main() -> int:
     if workload.input_tokens and max(len(p) + sp.max_new_tokens for p, sp in zip(workload.prompts, workload.params)) > window:
         sys.exit(f"error: the online workload (lengths up to 1024 + 1024) does not fit {model}'s window of {window}; "
                  f"pass --model DIR (make-tiny DIR --arch qwen3)")
-    rows = []
-    for loop in args.loops.split(","):
-        # A process keeps the cores it was started on: the server's two keep the server's cores
-        # when this one moves to the client's.
-        with (on_cpus(args.server_cpus),
-              running_server("--model", str(model), "--loop", loop, "--served-model-name", "bench") as (url, proc),
-              on_cpus(args.client_cpus)):
-            pids = (proc.pid, scheduler_pid(proc))
-            warm_up = Workload("warm-up", [workload.prompts[0][:8]], [SamplingParams(max_new_tokens=4)])
-            asyncio.run(http_online(url, warm_up, 1e6, "warm-up", pids))
-            http = [asyncio.run(http_online(url, workload, rate, f"{loop} HTTP {rate:g} req/s", pids))
-                    for rate in args.rate]
-        with on_cpus(args.server_cpus):
-            local = in_process(model, loop, workload, args.rate)
-        for h, l in zip(http, local):
-            rows += [(loop, "HTTP", h, h["output_tok_per_s"] / l["output_tok_per_s"]), (loop, "in-process", l, None)]
+    rows = [row for loop in args.loops.split(",") for row in compare_loop(model, loop, workload, args)]
     table = Table(title=f"online: {len(workload.prompts)} requests ({workload.input_tokens} input, "
                         f"{workload.output_tokens} output tokens), Poisson arrivals (seed 0), {model.name}")
     for col in ("loop", "path", "rate req/s", "tok/s", "HTTP / in-process", "TTFT p50 ms", "TTFT p99 ms",
@@ -208,6 +240,8 @@ def main() -> int:
     console.print("TTFT and ITL: as the client saw them (HTTP: the official client, whose own work per request and "
                   "per chunk is in them); server: from its arrival at the server to the token's arrival in the HTTP "
                   "process (/metrics)")
+    for line in median_ratios(rows):
+        console.print(line, highlight=False)
     return 0
 
 

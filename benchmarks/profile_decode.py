@@ -213,7 +213,7 @@ def profile_batch_sizes(model: str, batches: tuple[int, ...] = BATCHES, variants
     from minisgl.observe.breakdown import ModelCost
 
     cost = ModelCost.from_config(model)
-    hbm, _ = measure_ceilings(torch.device("cuda"))
+    hbm, flops = measure_ceilings(torch.device("cuda"))
     for settings in variants:
         rng = random.Random(0)
         llm = LLM(model, device="cuda", **settings)
@@ -231,7 +231,7 @@ def profile_batch_sizes(model: str, batches: tuple[int, ...] = BATCHES, variants
             while llm.scheduler.has_work():
                 llm.step()
             attended_positions = sum(len(p) for p in prompts) + batch * 16  # mid-window context
-            floor = cost.decode_floor(attended_positions, hbm)
+            floor = cost.decode_floor(batch, attended_positions, hbm, flops)
             groups = by_group(device_kernels(prof))
             kernel_ms = sum(secs for secs, _ in groups.values()) * 1e3 / steps
             launches = sum(count for _, count in groups.values()) / steps

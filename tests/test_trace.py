@@ -388,3 +388,38 @@ def test_cuda_spans_resolve_each_pair_once_the_device_has_passed_it(monkeypatch)
     spans.end(starts[2], SpanName.FORWARD, "engine", 2, 2)
     assert not synced and len(spans.pending) == 2  # the device has passed neither end
     assert [f[4] for f in spans.resolve(wait=True)] == [1, 2] and synced and not spans.pending
+
+
+def test_the_decode_floor_takes_the_longer_of_bytes_and_flops_for_gemms_and_attention_apart():
+    """ModelCost.decode_floor by hand: the GEMMs are bound by the weights' bytes at few rows and
+    by their FLOPs at many; attention by the KV's bytes; the two add (they run one after the other)."""
+    from minisgl.observe.breakdown import ModelCost
+
+    cost = ModelCost(matmul_params=1000, layers=2, q_size=8, kv_bytes_per_token=10)  # 2,000 weight bytes
+    hbm, flops = 1e3, 1e5
+    # 1 row: GEMMs max(2000 / 1e3, 2 * 1000 * 1 / 1e5) = 2.0 s; attention max(50 * 10 / 1e3, 4 * 2 * 8 * 50 / 1e5)
+    assert cost.decode_floor(1, 50, hbm, flops) == pytest.approx(2.0 + 0.5)
+    # 400 rows: the GEMMs' FLOPs (8.0 s) pass the weights' read (2.0 s)
+    assert cost.decode_floor(400, 50, hbm, flops) == pytest.approx(8.0 + 0.5)
+    # attention's FLOPs pass its bytes when the matmul rate is low
+    assert cost.decode_floor(1, 50, hbm, 1e3) == pytest.approx(2.0 + 3.2)
+
+
+def test_the_roofline_counts_the_gemms_flops_where_they_pass_the_bytes(monkeypatch):
+    """bench.roofline on a hand workload: two requests decoding 2 and 1 tokens; its decode time is
+    the sum of the steps' decode_floor, and the bytes-only figure is kept beside it."""
+    from types import SimpleNamespace
+
+    from minisgl.observe import bench
+    from minisgl.observe.bench import Workload
+    from minisgl.observe.breakdown import ModelCost
+
+    cost = ModelCost(matmul_params=1000, layers=2, q_size=8, kv_bytes_per_token=10)
+    workload = Workload("hand", [[1] * 3, [1] * 5], [SamplingParams(max_new_tokens=2), SamplingParams(max_new_tokens=1)])
+    args = SimpleNamespace(device="cpu", ceilings=(1e3, 1e3))
+    monkeypatch.setattr(ModelCost, "from_config", classmethod(lambda cls, model: cost))
+    floor = bench.roofline("unused", workload, args)
+    steps = cost.decode_floor(2, 4 + 6, 1e3, 1e3) + cost.decode_floor(1, 5, 1e3, 1e3)
+    assert floor["decode_s"] == pytest.approx(steps)
+    assert floor["decode_bytes_only_s"] == pytest.approx((2000 + 100) / 1e3 + (2000 + 50) / 1e3)
+    assert floor["decode_s"] > floor["decode_bytes_only_s"]  # 2 rows: 4 s of GEMM FLOPs against 2 s of reads

@@ -6,7 +6,9 @@ device span, then attributes the run:
 
 - prefill batches;            floor: their FLOPs at the measured matmul rate (or their bytes
                               at the measured HBM bandwidth, whichever is longer)
-- decode at the full batch;   floor: weights + every request's KV read once per step
+- decode at the full batch;   floor: per step, the GEMMs (the weights read once, or their FLOPs
+                              at the measured matmul rate, whichever is longer) and attention
+                              (every request's KV read once; ModelCost.decode_floor)
 - decode in the tail, by batch size;  same floor, per step
 - graph padding: dummy rows computed to reach a captured size (slots, and an upper bound on
   their time: the batch's time times their share of its rows)
@@ -59,14 +61,21 @@ class ModelCost:
     def weight_bytes(self) -> int:
         return 2 * self.matmul_params
 
-    def decode_floor(self, attended_positions: int, hbm: float) -> float:
-        """One decode step reads the weights and the KV of every position once."""
-        return (self.weight_bytes + attended_positions * self.kv_bytes_per_token) / hbm
+    def decode_floor(self, rows: int, attended_positions: int, hbm: float, flops: float) -> float:
+        """One decode step of `rows` requests, as its two kinds of kernel run, one after the other:
+        the GEMMs read the weights once and do 2 FLOPs per weight per row (at a few hundred rows
+        an 8B model's GEMMs are bound by the FLOPs, not the bytes); attention reads the KV of
+        every position once and does 4 FLOPs per query element per position (QK and PV). Each
+        kind takes the longer of its bytes at the HBM bandwidth and its FLOPs at the matmul rate."""
+        gemms = max(self.weight_bytes / hbm, 2 * self.matmul_params * rows / flops)
+        attention = max(attended_positions * self.kv_bytes_per_token / hbm,
+                        4 * self.layers * self.q_size * attended_positions / flops)
+        return gemms + attention
 
     def prefill_floor(self, tokens: int, attention_pairs: int, attended_positions: int, hbm: float, flops: float) -> float:
         """GEMM FLOPs per token plus attention FLOPs per (query, key) pair, or the bytes if longer."""
         work = 2 * self.matmul_params * tokens + 2 * self.layers * self.q_size * attention_pairs
-        return max(work / flops, self.decode_floor(attended_positions, hbm))
+        return max(work / flops, (self.weight_bytes + attended_positions * self.kv_bytes_per_token) / hbm)
 
 
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
@@ -150,7 +159,7 @@ def breakdown(spans: list[Span], batches: list[BatchRecord], cost: ModelCost, hb
         if rec.is_prefill:
             floor = cost.prefill_floor(rec.num_tokens, rec.attention_pairs, rec.attended_positions, hbm, flops)
         else:
-            floor = cost.decode_floor(rec.attended_positions, hbm)
+            floor = cost.decode_floor(rec.num_reqs, rec.attended_positions, hbm, flops)
         row = rows.setdefault(name, {"phase": name, "batches": 0, "device_s": 0.0, "floor_s": 0.0, "tokens": 0,
                                      "iterations": 0, "host_s": 0.0})
         row["batches"] += 1
