@@ -22,6 +22,7 @@
 #   bash benchmarks/h200.sh spec           # speculation and mixed chunk: exactness, TPOT, verify cost; online ITL, mixed chunk off/on
 #   bash benchmarks/h200.sh http           # the HTTP online bench, both loops, per HTTP_RUNS ("DIR:RATES ..."); needs .whl/srv
 #   bash benchmarks/h200.sh profile8b      # kernels and device ms per decode step on the 8B shape at 256 and 64 requests
+#   bash benchmarks/h200.sh hostprof       # the host's time by function in an offline run (cProfile), N requests (default 1,024)
 # Several modes in one device call: `timeout 200 bash benchmarks/h200.sh A; timeout 300 bash ... B`.
 # Environment: N (requests), TESTS (a pytest -k expression for `tests`), RATES (online), SCALE (scale's
 # request counts, default "256 1024 4096": on a new machine give 4096 a call of its own), GATE_RUNS
@@ -44,6 +45,8 @@ if [ ! -d /tmp/site/flashinfer ]; then
     mkdir -p ~/.cache && tar xzf .whl/flashinfer-cache.tgz -C ~/.cache
   fi
 fi
+# The server's packages too: the CLI (`minisgl bench` included) lists `serve` and its flags.
+[ -d /tmp/site/uvicorn ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/srv/*.whl
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # The device tool copies the working tree, not the history: this id may be an older commit's.
@@ -51,7 +54,6 @@ echo "git metadata on this machine: $(git rev-parse --short HEAD 2>/dev/null) (m
 for what in "$@"; do
 case "$what" in
   tests)
-    [ -d /tmp/site/starlette ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/srv/*.whl
     python3 -m pytest -q -rA -s tests/test_cuda_features.py tests/test_cuda.py tests/test_qkv_epilogue.py -m cuda -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/tests.log" \
       | grep -E "identical|again|launch /|engine holds|passed|failed|Error|^E "
     cp "$OUT/tests.log" "$OUT/tests_${TESTS:-all}.log" 2>/dev/null ;;
@@ -95,6 +97,15 @@ case "$what" in
       python3 -m minisgl bench --workload offline --num-requests "$n" --model /tmp/qwen3-0.6b ${SCALE_LOOPS:---compare-loops --delays 0} \
         --breakdown --json "$OUT/scale_$n.json" 2>&1 | tee "$OUT/bench_scale_$n.log"
     done ;;
+  hostprof)
+    # Where the host's time goes in an offline run (overlap loop, N requests, default 1,024), by
+    # function: cProfile over the whole run (it slows Python calls, so read it for shares, not
+    # durations), then the run-level breakdown without the profiler.
+    [ -d /tmp/qwen3-0.6b ] || python3 -m minisgl make-tiny /tmp/qwen3-0.6b --arch qwen3 --preset qwen3-0.6b
+    python3 -m cProfile -o "$OUT/host.prof" -m minisgl bench --workload offline --num-requests "${N:-1024}" \
+      --model /tmp/qwen3-0.6b --loop overlap --breakdown 2>&1 | tee "$OUT/hostprof.log"
+    python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(40); s.sort_stats('cumulative').print_stats('minisgl', 60)" \
+      "$OUT/host.prof" > "$OUT/hostprof_stats.txt" 2>&1; head -c 20000 "$OUT/hostprof_stats.txt" ;;
   make8b)
     [ -d /tmp/qwen3-8b ] || python3 -m minisgl make-tiny /tmp/qwen3-8b --arch qwen3 --preset qwen3-8b --device cuda ;;
   8b)
@@ -127,8 +138,6 @@ case "$what" in
         $mixed --model /tmp/qwen3-0.6b --json "$OUT/online_mixed${mixed:+_on}.json" 2>&1 | tee "$OUT/online_mixed${mixed:+_on}.log"
     done ;;
   http)
-    [ -d /tmp/site/starlette ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-      --target /tmp/site .whl/srv/*.whl
     for run in ${HTTP_RUNS:-/tmp/qwen3-0.6b:16,32}; do
       model=${run%%:*}; rates=${run##*:}
       [ -d "$model" ] || python3 -m minisgl make-tiny "$model" --arch qwen3 --preset "$(basename "$model")" --device cuda

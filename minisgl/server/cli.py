@@ -14,7 +14,6 @@ import sys
 
 from ..checks import MAX_RUNNING_REQUESTS
 from ..frontend.options import Number, add_engine_args, count, engine_kwargs, model_dir
-from .connections import bounded_protocol
 from .grammar_queue import DEFAULT_TIMEOUT_S as DEFAULT_GRAMMAR_TIMEOUT_S
 
 DEFAULT_MAX_INFLIGHT = 4096  # generations queued or running; more get 503 + Retry-After
@@ -77,6 +76,7 @@ async def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import ServerState, build_app
+    from .connections import bounded_protocol
     from .engine_client import EngineClient
     from .metrics import Metrics
     from .shutdown import Server
