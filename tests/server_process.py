@@ -12,6 +12,11 @@ from urllib.parse import urlsplit
 
 from minisgl.server import launcher
 
+# A JSON schema whose output the demo model completes within 64 tokens (for "add 12 5:").
+PET_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["animal", "n"],
+              "properties": {"animal": {"enum": ["cat", "dog", "owl"]}, "n": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 99}}}
+
 
 @contextmanager
 def running_server(*flags: str) -> Iterator[str]:

@@ -29,7 +29,7 @@ from minisgl.server.messages import AbortRequest, GenerateRequest, GrammarSpec, 
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import MAX_STOP_CHARS
 
-from .server_process import metric, post_json, request, running_server
+from .server_process import PET_SCHEMA, metric, post_json, request, running_server
 
 PROMPTS = [p for p, _ in demo_prompts(8, seed=3)]
 SMALL_POOL = ("--kv-tokens", "4096")  # the tests audit the pool after every step: a small one audits fast
@@ -346,19 +346,14 @@ def test_models_health_and_metrics(server):
     assert metric(server, "minisgl:time_to_first_token_seconds_count") > 0
 
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["animal", "n"],
-          "properties": {"animal": {"enum": ["cat", "dog", "owl"]}, "n": {"type": "integer", "minimum": 0,
-                                                                            "maximum": 99}}}
-
-
 @pytest.mark.parametrize("loop", ["overlap", pytest.param("normal", marks=pytest.mark.full)])
 def test_json_schema_output_parses_and_validates(request, loop):
     c = client(request.getfixturevalue("server" if loop == "overlap" else "normal_server"))
-    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
     for prompt in ("add 12 5:", "count 3 to 9:"):
         out = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}],
                                         response_format=fmt, max_tokens=64, temperature=0)
-        jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+        jsonschema.validate(json.loads(out.choices[0].message.content), PET_SCHEMA)
         stream = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}],
                                            response_format=fmt, max_tokens=64, temperature=0, stream=True)
         assert "".join(ch.choices[0].delta.content or "" for ch in stream) == out.choices[0].message.content
@@ -528,7 +523,7 @@ def generate(rid: int, grammar: str) -> GenerateRequest:
 
 def test_the_grammar_queue_compiles_once_per_grammar_and_an_abort_cancels_a_compile_not_started():
     compiles = BlockedCompiles()
-    grammars = GrammarQueue(compiles, timeout_s=60.0)
+    grammars = GrammarQueue(compiles, timeout_s=60.0, workers=1)
     for rid, grammar in ((0, "a+"), (1, "a+"), (2, "b+"), (3, "c+")):  # a+ compiles, b+ and c+ wait behind it
         grammars.add(generate(rid, grammar))
     assert grammars.drop(2) and not grammars.drop(2)  # b+'s client went away before its compile started
@@ -544,12 +539,34 @@ def test_the_grammar_queue_compiles_once_per_grammar_and_an_abort_cancels_a_comp
 
 def test_the_grammar_queue_refuses_a_compile_past_its_time_limit():
     compiles = BlockedCompiles()
-    grammars = GrammarQueue(compiles, timeout_s=0.05)
+    grammars = GrammarQueue(compiles, timeout_s=0.05, workers=1)
     grammars.add(generate(0, "a+"))
     time.sleep(0.1)
     [(req, why)] = grammars.ready()
     assert req.rid == 0 and why == "the grammar did not compile within 0.05 s"
     compiles.go.set()  # the thread finishes its compile; nobody waits for it
+
+
+def test_the_grammar_queue_compiles_a_grammar_while_others_run_past_their_limit():
+    """Two compiles that run on past their time limit (a thread cannot stop them) hold two of the
+    three threads; the third compiles the next grammar. One thread used to hold every grammar
+    behind such a compile, refused in turn."""
+    blocked = BlockedCompiles()
+    grammars = GrammarQueue(lambda spec: f"compiled {spec.text}" if spec.text == "c+" else blocked(spec),
+                            timeout_s=0.2, workers=3)
+    grammars.add(generate(0, "a+"))
+    grammars.add(generate(1, "b+"))
+    time.sleep(0.3)
+    assert sorted(blocked.asked) == ["a+", "b+"]
+    assert sorted((req.rid, why) for req, why in grammars.ready()) == [
+        (0, "the grammar did not compile within 0.2 s"), (1, "the grammar did not compile within 0.2 s")]
+    grammars.add(generate(2, "c+"))
+    deadline = time.monotonic() + 10
+    ready: list = []
+    while not ready and time.monotonic() < deadline:
+        ready = grammars.ready()
+    assert [(req.rid, grammar) for req, grammar in ready] == [(2, "compiled c+")]
+    blocked.go.set()
 
 
 def metaspace_tokenizer():

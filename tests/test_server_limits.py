@@ -1,5 +1,5 @@
-"""The server against clients that would hold it up: a grammar that compiles for long, a client
-that stops reading its stream, a client that never finishes its request or opens too many
+"""The server against clients that would hold it up: a grammar that parses or compiles for long, a
+client that stops reading its stream, a client that never finishes its request or opens too many
 connections, and a scheduler whose loop stops. One server with short limits."""
 
 from __future__ import annotations
@@ -8,17 +8,19 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import jsonschema
 import pytest
 
 from minisgl.server import launcher
 from minisgl.server.launcher import scheduler_pid
 
-from .server_process import metric, post_json, request
+from .server_process import PET_SCHEMA, metric, post_json, request
 
 pytestmark = pytest.mark.full  # a server of its own, and waits of seconds
 
@@ -31,6 +33,9 @@ MAX_CONNECTIONS = 32
 # A pattern xgrammar parses at once and compiles for seconds (7 s on the 2-core machine): the
 # scheduler's loop used to stop for all of it.
 SLOW_PATTERN = "[a-z]{0,60}{0,60}"
+# One it takes long to parse, before any compile (benchmarks/history/, "Grammar checks in child
+# processes"): its check holds a child process of the HTTP process until the time limit.
+SLOW_TO_PARSE = "[a-z]{0,30000}"
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +74,51 @@ def test_a_grammar_that_compiles_for_long_is_refused_and_holds_up_nobody(server)
     slow.join(30)
     [(status, error)] = answer
     assert status == 500 and error["error"]["message"] == f"the grammar did not compile within {GRAMMAR_TIMEOUT_S:g} s"
+
+
+def with_schema(schema: dict) -> dict:
+    """A chat request whose answer follows the schema."""
+    return {"model": "demo", "messages": [{"role": "user", "content": "add 12 5:"}], "max_tokens": 64,
+            "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def grammar_checkers(proc: subprocess.Popen) -> set[int]:
+    """The HTTP process's grammar checkers: the processes it spawned but the scheduler (Linux /proc)."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    spawned = {int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    return spawned - {scheduler_pid(proc)}
+
+
+def test_a_grammar_that_parses_for_long_is_refused_at_the_limit_and_holds_up_no_other(server):
+    """Its check runs in a child process, killed at --grammar-timeout; the next grammar is checked
+    in another child meanwhile. One thread used to check every grammar: the slow one held it for
+    all of its parse, and the grammars behind it were refused."""
+    url, proc = server
+    assert post_json(url, "/v1/chat/completions", with_schema(PET_SCHEMA))[0] == 200  # a child ready, idle
+    checkers = grammar_checkers(proc)
+    answer: list = []
+    start = time.monotonic()
+    slow = threading.Thread(target=lambda: answer.append(
+        (post_json(url, "/v1/chat/completions", with_schema({"type": "string", "pattern": SLOW_TO_PARSE})),
+         time.monotonic() - start)))
+    slow.start()
+    time.sleep(0.3)
+    status, out = post_json(url, "/v1/chat/completions", with_schema(PET_SCHEMA))  # in another child
+    assert status == 200
+    jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), PET_SCHEMA)
+    assert time.monotonic() - start < 20.0  # the slow one's parse alone runs longer, had it not been stopped
+    slow.join(30)
+    [((status, error), seconds)] = answer
+    assert status == 400 and error["error"]["param"] == "response_format", error
+    assert error["error"]["message"] == (f"the json_schema was not checked within {GRAMMAR_TIMEOUT_S:g} s "
+                                         "(the server's --grammar-timeout)")
+    assert seconds < GRAMMAR_TIMEOUT_S + 2.0
+    deadline = time.monotonic() + 10
+    while all(Path(f"/proc/{pid}").exists() for pid in checkers):
+        assert time.monotonic() < deadline, "the slow grammar's checker was not killed"
+        time.sleep(0.05)
+    assert sum(Path(f"/proc/{pid}").exists() for pid in checkers) == len(checkers) - 1  # that one only
 
 
 def stalled_stream(url: str, n: int, max_tokens: int) -> socket.socket:

@@ -6,7 +6,8 @@
       protocol.py (OpenAI requests, 400s)            LLM.add_request / abort / step,
       engine_client.py (tokenize, submit, abort) ->  new tokens after every step
       detokenizer.py (text, stop strings)       <-   (ZMQ, messages.py)
-      metrics.py (/metrics)
+      metrics.py (/metrics)                          grammar_queue.py (compiles, on threads)
+      grammar_checker.py (parses, in child processes)
 
 The scheduler process runs nothing but the engine's loop: tokenizing, detokenizing and the
 HTTP work happen in the other process, so they never add to the scheduler's host time C (the

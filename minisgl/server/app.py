@@ -2,10 +2,10 @@
 
 Every route runs on the event loop and only waits (on the engine's sockets, on the client):
 the engine runs in the scheduler process, so a slow client never slows a step. Work that grows
-with what a client sends runs on a worker thread (worker_thread.py) instead, raced against the
-client leaving: checking a grammar, tokenizing a long prompt. On the loop it would stall every
-other client for as long. Each has a thread of its own, so a slow grammar holds up the other
-grammars' checks but never a prompt's tokenizing."""
+with what a client sends runs elsewhere, raced against the client leaving: a long prompt is
+tokenized on a worker thread (worker_threads.py), a grammar is checked in a child process that
+is killed when it runs past its time limit (grammar_checker.py). On the loop it would stall every
+other client for as long."""
 
 from __future__ import annotations
 
@@ -25,11 +25,12 @@ from .chat import render_chat
 from .engine_client import EngineClient, EngineUnavailable, Overloaded
 from .event_stream import EventStream
 from .generation import Generation, GenerationFailed
+from .grammar_checker import GrammarChecker
 from .messages import GrammarSpec
 from .metrics import Metrics
 from .protocol import APIError, Options, check_text, grammar_param, parse_chat, parse_completion, parse_json
 from .responses import ChatFormat, CompletionFormat, Format
-from .worker_thread import WorkerThread
+from .worker_threads import WorkerThreads
 
 MAX_BODY_BYTES = 8 << 20
 RETRY_AFTER_S = 1
@@ -46,8 +47,8 @@ class ServerState:
     metrics: Metrics
     write_timeout_s: float  # a stream whose client reads nothing for this long ends
     heartbeat_timeout_s: float  # /health says 503 when the scheduler has been silent this long
-    tokenizing: WorkerThread = field(default_factory=lambda: WorkerThread("minisgl-http-tokenize"))
-    grammar_checks: WorkerThread = field(default_factory=lambda: WorkerThread("minisgl-http-grammar"))
+    grammar_checker: GrammarChecker
+    tokenizing: WorkerThreads = field(default_factory=lambda: WorkerThreads("minisgl-http-tokenize"))
     max_token_chars: int = field(init=False)  # the most characters of text one token stands for
 
     def __post_init__(self) -> None:
@@ -187,26 +188,23 @@ def check_engine_takes(state: ServerState, prompts: int, options: Options) -> No
         raise APIError(f"{param} is not supported with speculative decoding ({speculative}): {SPECULATIVE_WHY}", param)
 
 
-def parse_grammar(spec: GrammarSpec) -> None:
-    """On the worker thread (xgrammar loads there, on first use)."""
-    from ..features.xgrammar_backend import check_grammar
-
-    check_grammar(spec.kind, spec.text)
-
-
 async def check_grammar(state: ServerState, request: Request, spec: GrammarSpec | None) -> None:
-    """A grammar that does not parse is a 400; the scheduler process compiles it (grammar_queue.py)."""
-    if spec is None:
+    """A grammar that does not parse is a 400; the scheduler process compiles it (grammar_queue.py).
+    json_object has nothing to parse."""
+    if spec is None or spec.kind == "json_object":
         return
     timeout_s = state.client.grammar_timeout_s
+    check = asyncio.ensure_future(state.grammar_checker.check(spec, timeout_s))
     try:
-        await off_loop(state.grammar_checks, request, parse_grammar, spec, timeout_s=timeout_s)
+        await unless_client_leaves(request, check)
     except ValueError as exc:
         raise APIError(str(exc), grammar_param(spec)) from None
     except asyncio.TimeoutError:
-        raise APIError(f"the {spec.kind} was not checked within {timeout_s:g} s (the server's --grammar-timeout; "
-                       "the grammars sent before it are checked first)",
+        raise APIError(f"the {spec.kind} was not checked within {timeout_s:g} s (the server's --grammar-timeout)",
                        grammar_param(spec)) from None
+    except EOFError:
+        raise APIError(f"the process checking the {spec.kind} exited before it answered", status=500,
+                       type="server_error") from None
 
 
 async def prepare_input(state: ServerState, request: Request, size: int, fn: Callable[[], T]) -> T:
@@ -215,28 +213,24 @@ async def prepare_input(state: ServerState, request: Request, size: int, fn: Cal
     return fn() if size <= INLINE_TOKENIZE_CHARS else await off_loop(state.tokenizing, request, fn)
 
 
-async def off_loop(worker: WorkerThread, request: Request, fn: Callable[..., T], *args: object,
-                   timeout_s: float | None = None) -> T:
-    """fn(*args) on `worker`, raced against the client leaving and the time limit. What has not
-    started then never does; what has runs to its end (a thread cannot be stopped), its result
-    dropped."""
-    return await unless_client_leaves(request, asyncio.wrap_future(worker.submit(fn, *args)), timeout_s)
+async def off_loop(worker: WorkerThreads, request: Request, fn: Callable[[], T]) -> T:
+    """fn() on `worker`, raced against the client leaving. What has not started then never does;
+    what has runs to its end (a thread cannot be stopped), its result dropped."""
+    return await unless_client_leaves(request, asyncio.wrap_future(worker.submit(fn)))
 
 
-async def unless_client_leaves(request: Request, work: asyncio.Future[T], timeout_s: float | None = None) -> T:
-    """work's result, unless the client leaves first (ClientDisconnect: a 499, see client_disconnected)
-    or the time limit passes (asyncio.TimeoutError); then work is cancelled."""
+async def unless_client_leaves(request: Request, work: asyncio.Future[T]) -> T:
+    """work's result, unless the client leaves first (ClientDisconnect: a 499, see client_disconnected);
+    then work is cancelled."""
     gone = asyncio.ensure_future(client_gone(request))
     try:
-        done, _ = await asyncio.wait({work, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
     if work in done:
         return work.result()
     work.cancel()
-    if gone in done:
-        raise ClientDisconnect()
-    raise asyncio.TimeoutError()
+    raise ClientDisconnect()
 
 
 def tokenize(state: ServerState, prompt: str | list[int], param: str) -> list[int]:

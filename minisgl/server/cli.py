@@ -15,6 +15,7 @@ import sys
 from ..checks import MAX_RUNNING_REQUESTS
 from ..frontend.options import Number, add_engine_args, count, engine_kwargs, model_dir
 from .grammar_queue import DEFAULT_TIMEOUT_S as DEFAULT_GRAMMAR_TIMEOUT_S
+from .grammar_queue import DEFAULT_WORKERS as DEFAULT_GRAMMAR_WORKERS
 
 DEFAULT_MAX_INFLIGHT = 4096  # generations queued or running; more get 503 + Retry-After
 SIGNAL_POLL_S = 0.05
@@ -45,6 +46,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-timeout", type=Number(float, 0.001, 86400.0), default=DEFAULT_GRAMMAR_TIMEOUT_S,
                    help="seconds a request's grammar (response_format, regex, ebnf) may take to parse, and again to "
                    "compile; beyond them the request is refused (default: %(default)g)")
+    p.add_argument("--grammar-workers", type=count(32), default=DEFAULT_GRAMMAR_WORKERS,
+                   help="grammars parsed at once (each in a child process, killed past --grammar-timeout) and "
+                   "compiled at once (each on a thread of the scheduler process); the others wait their turn "
+                   "(default: %(default)s)")
     p.add_argument("--request-timeout", type=Number(float, 0.1, 86400.0), default=30.0,
                    help="seconds a client has to send a whole request (headers and body) once its connection is "
                    "open or its last response ended; then the connection is closed (default: %(default)g)")
@@ -78,6 +83,7 @@ async def serve(args: argparse.Namespace) -> int:
     from .app import ServerState, build_app
     from .connections import bounded_protocol
     from .engine_client import EngineClient
+    from .grammar_checker import GrammarChecker
     from .metrics import Metrics
     from .shutdown import Server
     from ..frontend.tokenizer import load_tokenizer
@@ -90,9 +96,11 @@ async def serve(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise ValueError(f"{model} has no tokenizer: the server needs one to turn text into tokens")
     metrics = Metrics(name)
-    client = EngineClient(model, engine_kwargs(args), metrics, args.max_inflight, args.grammar_timeout)
+    client = EngineClient(model, engine_kwargs(args), metrics, args.max_inflight, args.grammar_timeout,
+                          args.grammar_workers)
     info = await client.start()  # ValueError (exit 2) when the engine cannot be built
-    state = ServerState(client, tokenizer, name, metrics, args.write_timeout, args.heartbeat_timeout)
+    state = ServerState(client, tokenizer, name, metrics, args.write_timeout, args.heartbeat_timeout,
+                        GrammarChecker(args.grammar_workers))
     # uvicorn's own drain of open responses is the backstop: the drain below ends them first.
     config = uvicorn.Config(build_app(state), host=args.host, http=bounded_protocol(args.request_timeout,
                                                                                    args.max_connections),
@@ -118,6 +126,7 @@ async def serve(args: argparse.Namespace) -> int:
             client.abort_all()  # each stream still open ends with finish_reason "abort"
         await serving
     finally:
+        state.grammar_checker.close()
         code = await client.stop(FORCED_STOP_S if server.forced else SCHEDULER_EXIT_S)
     if not server.started:
         raise ValueError(f"cannot listen on {args.host}:{args.port}")

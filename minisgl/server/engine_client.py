@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from ..sampling_params import SamplingParams
-from .grammar_queue import DEFAULT_TIMEOUT_S
+from .grammar_queue import DEFAULT_TIMEOUT_S, DEFAULT_WORKERS
 from .messages import AbortRequest, EngineInfo, GenerateRequest, GrammarSpec, Shutdown, StepOutput, TokenDelta
 from .metrics import Metrics
 from .scheduler_process import SchedulerArgs, run_scheduler
@@ -57,12 +57,13 @@ class Timing:
 
 class EngineClient:
     def __init__(self, model: Path, engine_kwargs: dict, metrics: Metrics, max_inflight: int,
-                 grammar_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 grammar_timeout_s: float = DEFAULT_TIMEOUT_S, grammar_workers: int = DEFAULT_WORKERS) -> None:
         self.model = model
         self.engine_kwargs = engine_kwargs
         self.metrics = metrics
         self.max_inflight = max_inflight
         self.grammar_timeout_s = grammar_timeout_s
+        self.grammar_workers = grammar_workers
         self.info: EngineInfo | None = None
         self.failure: str | None = None  # the scheduler process died or the engine failed
         self.closing = False
@@ -81,7 +82,8 @@ class EngineClient:
         requests_addr, outputs_addr = f"ipc://{self._dir.name}/requests", f"ipc://{self._dir.name}/outputs"
         self._requests.bind(requests_addr)
         self._outputs.bind(outputs_addr)
-        args = SchedulerArgs(str(self.model), self.engine_kwargs, requests_addr, outputs_addr, self.grammar_timeout_s)
+        args = SchedulerArgs(str(self.model), self.engine_kwargs, requests_addr, outputs_addr, self.grammar_timeout_s,
+                             self.grammar_workers)
         # spawn: a fresh interpreter, so no thread or lock of this process is inherited half-held
         self.process = multiprocessing.get_context("spawn").Process(target=run_scheduler, args=(args,),
                                                                     name="minisgl-scheduler", daemon=True)

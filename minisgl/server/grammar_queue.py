@@ -1,17 +1,19 @@
 """Generations waiting for their grammar, compiled off the scheduler's loop (SGLang's grammar queue).
 
 Compiling a grammar can take seconds, and longer than its size suggests; on the loop it would
-stop every running request for that long. So the scheduler process compiles on a worker thread
-(xgrammar releases the GIL while it compiles), and a generation with a grammar waits here until
-its grammar is ready, then enters the engine. The compile happens in this process because a
+stop every running request for that long. So the scheduler process compiles on a few worker
+threads (xgrammar releases the GIL while it compiles), and a generation with a grammar waits here
+until its grammar is ready, then enters the engine. The compile happens in this process because a
 compiled grammar does not leave it cheaply: xgrammar's serialized form is many times its memory
 and took longer to read back than to compile (benchmarks/history/, "Figures that were in code
 comments").
 
-A compile past the time limit refuses its generations; the thread cannot be stopped, so the
-compile runs to its end and its grammar is dropped. A waiting generation that is aborted (its
-client went away) leaves at once, and takes its compile along if that has not started and no
-other generation waits for it."""
+A compile past the time limit refuses its generations, but a thread cannot be stopped: the
+compile runs to its end on its thread, and its grammar is dropped. Meanwhile the other threads
+compile the next grammars; once every thread holds such a compile, the next grammars wait (their
+time limit counting from their arrival). A waiting generation that is aborted (its client went
+away) leaves at once, and takes its compile along if that has not started and no other generation
+waits for it."""
 
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ from typing import Callable
 
 from ..constraint import Constraint
 from .messages import GenerateRequest, GrammarSpec
-from .worker_thread import WorkerThread
+from .worker_threads import WorkerThreads
 
 DEFAULT_TIMEOUT_S = 30.0  # serve --grammar-timeout
+DEFAULT_WORKERS = 2  # serve --grammar-workers
 
 
 @dataclass
@@ -44,10 +47,10 @@ class Waiting:
 
 
 class GrammarQueue:
-    def __init__(self, compile: Callable[[GrammarSpec], Constraint], timeout_s: float) -> None:
-        self.compile = compile  # runs on the worker thread
+    def __init__(self, compile: Callable[[GrammarSpec], Constraint], timeout_s: float, workers: int) -> None:
+        self.compile = compile  # runs on the worker threads, up to `workers` grammars at once
         self.timeout_s = timeout_s
-        self.worker = WorkerThread("minisgl-grammar")
+        self.workers = WorkerThreads("minisgl-grammar", workers)
         self.compiling: dict[GrammarSpec, Compile] = {}  # while a generation waits for it
         self.waiting: dict[int, Waiting] = {}  # by the HTTP process's request id
 
@@ -56,7 +59,7 @@ class GrammarQueue:
         assert spec is not None
         compile = self.compiling.get(spec)
         if compile is None:
-            compile = self.compiling[spec] = Compile(spec, self.worker.submit(self.compile, spec))
+            compile = self.compiling[spec] = Compile(spec, self.workers.submit(self.compile, spec))
         compile.waiters += 1
         self.waiting[request.rid] = Waiting(request, compile, time.monotonic() + self.timeout_s)
 

@@ -71,8 +71,10 @@ def running_server(*flags: str, env: dict[str, str] | None = None,
 
 
 def scheduler_pid(proc: subprocess.Popen) -> int:
-    """The server's scheduler process (its child; Linux /proc)."""
-    return int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[-1])
+    """The server's scheduler process: the first process it spawned (its grammar checkers come
+    later, and the resource tracker is not spawned; Linux /proc, children in the order they started)."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    return next(int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
 
 
 def rss_mb(pid: int) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -37,6 +38,7 @@ class SchedulerArgs:
     requests_addr: str  # it PULLs requests here
     outputs_addr: str  # it PUSHes StepOutputs here
     grammar_timeout_s: float  # a grammar not compiled by then refuses its requests
+    grammar_workers: int  # grammars compiled at once, each on a thread
 
 
 @dataclass
@@ -78,7 +80,7 @@ def run_scheduler(args: SchedulerArgs) -> None:
             outputs.send_pyobj(EngineInfo(llm.engine.model.vocab_size, config.max_seq_len, config.loop,
                                           str(llm.device), memory_report(llm.scheduler)["kv_total"],
                                           speculative=config.speculative_algorithm))
-            SchedulerLoop(llm, requests, outputs, args.grammar_timeout_s).run()
+            SchedulerLoop(llm, requests, outputs, args.grammar_timeout_s, args.grammar_workers).run()
     finally:
         outputs.close(linger=1000)  # the last StepOutput still reaches the HTTP process
         requests.close(linger=0)
@@ -86,14 +88,16 @@ def run_scheduler(args: SchedulerArgs) -> None:
 
 
 class SchedulerLoop:
-    def __init__(self, llm, requests: zmq.Socket, outputs: zmq.Socket, grammar_timeout_s: float) -> None:
+    def __init__(self, llm, requests: zmq.Socket, outputs: zmq.Socket, grammar_timeout_s: float,
+                 grammar_workers: int) -> None:
         self.llm = llm
         self.requests = requests
         self.outputs = outputs
         self.tracked = Tracked()
         self.shutdown: Shutdown | None = None
-        self.grammars = GrammarQueue(self.compile, grammar_timeout_s)
+        self.grammars = GrammarQueue(self.compile, grammar_timeout_s, grammar_workers)
         self.compiler = None  # features/xgrammar_backend.py GrammarCompiler, once a request has a grammar
+        self.compiler_made = threading.Lock()  # the first compiles, on several threads, make one compiler
         self.parent = os.getppid()
         self.last_load: Load | None = None
         self.last_sent = time.monotonic()
@@ -182,12 +186,14 @@ class SchedulerLoop:
 
     def compile(self, spec: GrammarSpec) -> Constraint:
         """An xgrammar grammar for this model (the compiler, and xgrammar, load on first use). On
-        the grammar queue's worker thread: only it touches the compiler."""
-        if self.compiler is None:
-            from ..features.xgrammar_backend import GrammarCompiler
+        the grammar queue's worker threads, several at once: xgrammar's compiler takes compiles
+        from several threads."""
+        with self.compiler_made:
+            if self.compiler is None:
+                from ..features.xgrammar_backend import GrammarCompiler
 
-            llm = self.llm
-            self.compiler = GrammarCompiler(llm.tokenizer, llm.engine.model.vocab_size, llm.eos_ids)
+                llm = self.llm
+                self.compiler = GrammarCompiler(llm.tokenizer, llm.engine.model.vocab_size, llm.eos_ids)
         return self.compiler.compile(spec.kind, spec.text)
 
     def new_tokens(self, finished) -> list[TokenDelta]:
