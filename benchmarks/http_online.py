@@ -166,8 +166,11 @@ def compare_loop(model: Path, loop: str, workload: Workload, args: argparse.Name
                          "--kv-tokens", str(kv_tokens)) as (url, proc),
           LLM(model, loop=loop, trace=True, kv_tokens=kv_tokens) as llm):
         pids = (proc.pid, scheduler_pid(proc))
-        warm_up = Workload("warm-up", [workload.prompts[0][:8]], [SamplingParams(max_new_tokens=4)])
-        llm.generate(warm_up.prompts, warm_up.params[0])
+        # Both paths' first run of many concurrent requests paid first-use costs (a first HTTP run's
+        # TTFT p50 several times the later runs'): a few requests at once, a few dozen tokens each.
+        prompts = [p[:64] for p in workload.prompts[:8]]
+        warm_up = Workload("warm-up", prompts, [SamplingParams(max_new_tokens=32, ignore_eos=True)] * len(prompts))
+        llm.generate(warm_up.prompts, warm_up.params)
         with on_cpus(args.client_cpus):
             asyncio.run(http_online(url, warm_up, 1e6, "warm-up", pids))
         for rate in args.rate:
