@@ -83,6 +83,35 @@ def test_the_teachers_files_and_the_history_are_left_out(student):
     assert dirty == "", dirty
 
 
+def test_the_sections_for_teachers_are_left_out_of_the_texts(student):
+    """lessons/exercises/README.md's sections on making the edition and on the known-wrong
+    solutions are for teachers: the edition's copy lacks them and keeps what follows them."""
+    source = (ROOT / "lessons/exercises/README.md").read_text()
+    text = (student / "lessons/exercises/README.md").read_text()
+    left_out = [h for h in re.findall(r"^#+ .*\(for teachers\)$", source, flags=re.MULTILINE)]
+    assert len(left_out) >= 2, "the guide's sections for teachers were not found"
+    assert not [h for h in left_out if h in text]
+    assert "wrong_solutions" not in text and "student_edition.py" not in text
+    assert "## How the skeletons are made" in text  # the section after them stays
+
+
+def test_a_section_for_teachers_ends_at_the_next_heading_of_its_level():
+    text = textwrap.dedent("""\
+        # Guide
+        ## For all
+        a
+        ## Making it (for teachers)
+        b
+        ```
+        # a shell comment in a code block, not a heading
+        ```
+        ### Detail
+        c
+        ## After
+        d""")
+    assert edition.without_teacher_sections(text).split("\n") == ["# Guide", "## For all", "a", "## After", "d"]
+
+
 def test_no_file_of_the_edition_imports_a_teachers_module(student):
     """A file that imports the grader fails in the edition (tests/test_grading_class.py did: a
     collection error in its `make test-all`). Absolute imports: the package's own files use them."""

@@ -3,7 +3,8 @@
     python -m minisgl.course.student_edition DIR
 
 DIR gets every file of this repository except the teacher's ones (TEACHER_ONLY: the guide with
-the answers, the known-wrong solutions, the grader and the tests of these tools), with every
+the answers, the known-wrong solutions, the grader and the tests of these tools) and the sections
+of its Markdown files whose heading ends with "(for teachers)", with every
 exercise region of minisgl/ replaced by its stub from the catalog (make_exercise.replace_regions):
 a correct but naive version of the part (a whole-stream wait for the precise event, a host round
 trip for the device relay, rows reused later than they could be), so that the demo and every
@@ -73,6 +74,23 @@ def _teacher_only_names() -> re.Pattern[str]:
     return re.compile(r"\b(?:" + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) + r")\b")
 
 
+def without_teacher_sections(text: str) -> str:
+    """A Markdown text without its sections for teachers: a heading that ends with "(for
+    teachers)", through the line before the next heading of the same level or higher."""
+    out, skipping = [], 0  # skipping: the level of the section being left out, 0 when none
+    fenced = False
+    for line in text.split("\n"):
+        fenced ^= line.startswith("```")
+        heading = None if fenced else re.match(r"(#+) ", line)
+        if heading and skipping and len(heading[1]) <= skipping:
+            skipping = 0
+        if heading and not skipping and line.rstrip().endswith("(for teachers)"):
+            skipping = len(heading[1])
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
+
+
 def without_teacher_links(text: str) -> str:
     """A text of the edition in which every mention of a teacher's file (a link, a code span, a
     bare name, a line of a code block) says that the file is not in this edition; a link to
@@ -130,7 +148,7 @@ def write_student_edition(dest: Path, exclude: tuple[Path, ...] = ()) -> Path:
             ast.parse(source, name)  # the skeleton must stay valid Python
             target.write_text(source)
         elif name.endswith(".md"):
-            target.write_text(without_teacher_links((ROOT / name).read_text()))
+            target.write_text(without_teacher_links(without_teacher_sections((ROOT / name).read_text())))
         else:
             shutil.copy2(ROOT / name, target)
     git = ["git", "-c", "user.name=minisgl course", "-c", "user.email=course@minisgl.invalid"]
