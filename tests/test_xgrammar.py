@@ -78,3 +78,17 @@ def test_the_bitmask_goes_to_the_logits_device_and_keeps_the_raw_logits():
 def test_a_bad_grammar_is_one_value_error(kind, text):
     with pytest.raises(ValueError, match=f"invalid {kind}: "):
         check_grammar(kind, text)
+
+
+def test_the_compilers_cache_stays_within_its_limit():
+    """Distinct grammars, one after another (a server's clients): xgrammar's cache stays near the
+    limit given (it may pass it by about the newest grammar). Without a limit it kept every one:
+    these 40 many times this limit, and a server grew by gigabytes."""
+    from minisgl.frontend.tokenizer import load_tokenizer
+
+    limit = 64 << 10
+    compiler = GrammarCompiler(load_tokenizer(demo_model_path()), 512, [1], cache_limit_bytes=limit)
+    for i in range(40):
+        schema = {"type": "object", "properties": {f"k{i}_{j}": {"type": "integer"} for j in range(8)}}
+        compiler.compile("json_schema", json.dumps(schema))
+    assert 0 < compiler.compiler.get_cache_size_bytes() <= 2 * limit

@@ -20,14 +20,23 @@ from ..constraint import REJECTED, Constraint
 from .grammar import TokenMask
 
 
+# xgrammar keeps every grammar it compiled unless told a size: a server would grow by each distinct
+# grammar a client sends, refused or not, until it ran out of memory.
+CACHE_LIMIT_BYTES = 256 << 20
+
+
 class GrammarCompiler:
     """Compiles grammars for one tokenizer and vocabulary (the model's rows, which may be more
-    than the tokenizer's ids); xgrammar caches what it compiled."""
+    than the tokenizer's ids); xgrammar caches what it compiled, up to CACHE_LIMIT_BYTES (the
+    least recently used go first). One thread a compile: the callers choose how many compiles run
+    at once (the server's --grammar-workers), and xgrammar's default of 8 threads each would take
+    the cores from the engine."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
+                 cache_limit_bytes: int = CACHE_LIMIT_BYTES) -> None:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids) or None)
-        self.compiler = xgr.GrammarCompiler(info)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
         self.vocab_size = vocab_size
 
     def compile(self, kind: str, text: str = "") -> XGrammar:
