@@ -131,3 +131,26 @@ def test_a_child_ends_with_the_http_process_even_mid_parse():
         parent.kill()
         parent.wait()
     assert gone(child, zombie=True)  # whoever adopted it may not have reaped it yet
+
+
+def test_closing_refuses_the_checks_running_and_waiting_and_starts_no_child():
+    """The server's drain closes the checker: a check in progress and one waiting for its turn end
+    with CheckerClosed (the app's 503), their child is gone, and a later check starts none."""
+    from minisgl.server.grammar_checker import CheckerClosed
+
+    async def main() -> None:
+        checker = GrammarChecker(workers=1)
+        running = asyncio.ensure_future(checker.check(SLOW, 60.0))
+        waiting = asyncio.ensure_future(checker.check(FAST, 60.0))
+        while not (checker.children and next(iter(checker.children)).ready):
+            await asyncio.sleep(0.05)
+        [pid] = pids(checker)
+        checker.close()
+        for check in (running, waiting):
+            with pytest.raises(CheckerClosed):
+                await check
+        with pytest.raises(CheckerClosed):
+            await checker.check(FAST, 60.0)
+        assert checker.children == set() and gone(pid)
+
+    asyncio.run(main())

@@ -25,7 +25,7 @@ from .chat import render_chat
 from .engine_client import EngineClient, EngineUnavailable, Overloaded
 from .event_stream import EventStream
 from .generation import Generation, GenerationFailed
-from .grammar_checker import GrammarChecker
+from .grammar_checker import CheckerClosed, GrammarChecker
 from .messages import GrammarSpec
 from .metrics import Metrics
 from .protocol import APIError, Options, check_text, grammar_param, parse_chat, parse_completion, parse_json
@@ -205,6 +205,8 @@ async def check_grammar(state: ServerState, request: Request, spec: GrammarSpec 
     except EOFError:
         raise APIError(f"the process checking the {spec.kind} exited before it answered", status=500,
                        type="server_error") from None
+    except CheckerClosed:
+        raise APIError("the server is shutting down", status=503, type="service_unavailable") from None
 
 
 async def prepare_input(state: ServerState, request: Request, size: int, fn: Callable[[], T]) -> T:

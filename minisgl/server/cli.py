@@ -117,6 +117,7 @@ async def serve(args: argparse.Namespace) -> int:
         while not (server.should_exit or serving.done() or client.failure is not None):
             await asyncio.sleep(SIGNAL_POLL_S)
         server.should_exit = True  # on a failure: its clients are told already; they get their answer, then exit
+        state.grammar_checker.close()  # a grammar still being checked is refused (503), not left to the drain's end
         drain = asyncio.create_task(client.drain(args.drain_timeout))
         while not (drain.done() or server.forced):
             await asyncio.sleep(SIGNAL_POLL_S)

@@ -61,10 +61,15 @@ class Checker:
             raise
 
 
+class CheckerClosed(Exception):
+    """The server is shutting down: a check not done by then is not made."""
+
+
 class GrammarChecker:
     """The HTTP process's grammar checks, each in one of at most `workers` child processes."""
 
     def __init__(self, workers: int) -> None:
+        self.closed = False  # the drain began: checks waiting or running are refused, no child starts
         self.context = multiprocessing.get_context("spawn")
         self.turns = asyncio.Semaphore(workers)  # checks at once
         self.idle: deque[Checker] = deque()
@@ -73,9 +78,11 @@ class GrammarChecker:
 
     async def check(self, spec: GrammarSpec, timeout_s: float) -> None:
         """Parse the grammar in a child: a ValueError says why it does not parse, asyncio.TimeoutError
-        that the parse ran past timeout_s, EOFError that the child died. Then, or when cancelled (its
-        client left), the child is killed."""
+        that the parse ran past timeout_s, EOFError that the child died, CheckerClosed that the
+        server began to shut down first. Then, or when cancelled (its client left), the child is killed."""
         async with self.turns:
+            if self.closed:  # else a check waiting for its turn would start a child during the drain
+                raise CheckerClosed()
             child = self._idle_child()
             try:
                 if not child.ready:
@@ -85,13 +92,17 @@ class GrammarChecker:
             except BaseException:  # past the time limit, cancelled, or the child died
                 child.process.kill()
                 self.children.discard(child)
+                if self.closed:  # killed by close(): the drain, not the grammar, ended it
+                    raise CheckerClosed() from None
                 raise
             self.idle.append(child)
         if error is not None:
             raise ValueError(error)
 
     def close(self) -> None:
-        """Kill every child (the server is shutting down)."""
+        """Kill every child (the server is shutting down): the checks running and waiting end with
+        CheckerClosed, and later ones at once."""
+        self.closed = True
         for child in self.children:
             child.process.kill()
         for child in self.children:

@@ -4,7 +4,9 @@ The first signal drains: the listening socket closes and idle keep-alive connect
 so a new request (and a supervisor's /health check) fails to connect rather than getting a 503;
 the requests in flight run to their end, for at most `--drain-timeout` seconds, and whatever is
 still running then is aborted (its client gets finish_reason "abort"). Only a request that
-arrived in the moment between the signal and the socket's closing gets a 503. The scheduler process
+arrived in the moment between the signal and the socket's closing gets a 503, and so does one
+whose grammar is still being checked (its child is killed: a parse may run for a minute, and has
+not reached the engine). The scheduler process
 then checks that every KV slot and row is back (check_invariants), frees the engine and exits.
 A second signal exits at once: everything in flight is aborted, the scheduler process gets a
 few seconds to exit, then is killed.
