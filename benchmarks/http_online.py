@@ -173,19 +173,17 @@ def compare_loop(model: Path, loop: str, workload: Workload, args: argparse.Name
         llm.generate(warm_up.prompts, warm_up.params)
         with on_cpus(args.client_cpus):
             asyncio.run(http_online(url, warm_up, 1e6, "warm-up", pids))
+
+        def http_run(rate: float) -> dict:
+            with on_cpus(args.client_cpus):
+                return asyncio.run(http_online(url, workload, rate, f"{loop} HTTP {rate:g} req/s", pids))
+
         for rate in args.rate:
             for pair in range(args.repeat):
-                def http_run() -> dict:
-                    with on_cpus(args.client_cpus):
-                        return asyncio.run(http_online(url, workload, rate, f"{loop} HTTP {rate:g} req/s", pids))
-
-                def local_run() -> dict:
-                    return in_process_run(llm, loop, workload, rate)
-
                 if pair % 2 == 0:
-                    http, local = http_run(), local_run()
+                    http, local = http_run(rate), in_process_run(llm, loop, workload, rate)
                 else:
-                    local, http = local_run(), http_run()
+                    local, http = in_process_run(llm, loop, workload, rate), http_run(rate)
                 ratio = http["output_tok_per_s"] / local["output_tok_per_s"]
                 rows += [(loop, "HTTP", http, ratio), (loop, "in-process", local, None)]
     return rows
