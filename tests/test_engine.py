@@ -141,6 +141,21 @@ def test_cuda_graph_replay_plans_with_its_batch_parity():
                        (0, "wrapper 0/4", [5, 7, 3, 1])]
 
 
+def test_cuda_graph_sizes_pad_a_batch_by_at_most_seven_rows():
+    """Every decode batch up to the largest runs at a captured size at most 7 rows above it (a
+    padded row costs an 8B shape's FLOP-bound GEMMs what a real one does), and the largest
+    batch has a graph of its own size."""
+    from minisgl.gpu.cuda_graph import CudaGraphRunner, graph_batch_sizes
+
+    for max_batch in (1, 3, 8, 100, 256, 512):
+        sizes = graph_batch_sizes(max_batch)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch
+        runner = object.__new__(CudaGraphRunner)
+        runner.batch_sizes = sizes
+        pads = [runner.padded_size(b) - b for b in range(1, max_batch + 1)]
+        assert min(pads) == 0 and max(pads) <= 7, (max_batch, max(pads))
+
+
 def test_flashinfer_plan_inputs_alternate_by_parity():
     """A CPU check of the GPU-only planning: batch n's indptr and KV lengths stay untouched while
     batch n+1 (the other parity) is planned, since FlashInfer's queued upload of them may not have
