@@ -25,7 +25,7 @@ from minisgl.server.detokenizer import WINDOW, IncrementalDetokenizer, StopStrin
 from minisgl.server.engine_client import EngineClient
 from minisgl.server.generation import Generation, Piece
 from minisgl.server.grammar_queue import GrammarQueue
-from minisgl.server.messages import AbortRequest, GenerateRequest, GrammarSpec, TokenDelta
+from minisgl.server.messages import AbortRequest, EngineInfo, GenerateRequest, GrammarSpec, TokenDelta
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import MAX_STOP_CHARS
 
@@ -148,9 +148,13 @@ def test_stop_strings_and_stop_ids(server, llm):
                                                       stop=" 6", stream=True))
     assert (text, finish) == (" 3 4 5", "stop")
     at = next(i for i, t in enumerate(full.token_ids) if i > 0 and t not in full.token_ids[:i])
-    out = c.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0,
-                               extra_body={"stop_token_ids": [full.token_ids[at]]})
+    before = llm.generate([prompt], SamplingParams(max_new_tokens=at)).pop().text  # the text up to the stop id
+    kwargs = dict(model="demo", prompt=prompt, max_tokens=32, temperature=0,
+                  extra_body={"stop_token_ids": [full.token_ids[at]]})
+    out = c.completions.create(**kwargs)
     assert out.usage.completion_tokens == at + 1 and out.choices[0].finish_reason == "stop"
+    assert before and out.choices[0].text == before  # the stop token's own text is left out, as SGLang does
+    assert streamed_text(c.completions.create(stream=True, **kwargs)) == (before, "stop")
 
 
 def test_a_client_that_disconnects_aborts_its_request_and_frees_its_kv(server):
@@ -233,6 +237,9 @@ BAD_COMPLETIONS = [
     ({"model": "demo", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": "demo", "prompt": "hi", "echo": True}, "echo"),
     ({"model": "demo", "prompt": "hi", "presence_penalty": 1.0}, "presence_penalty"),
+    ({"model": "demo", "prompt": "hi", "min_p": 0.5}, "min_p"),  # SGLang's sampling extras, not implemented
+    ({"model": "demo", "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"model": "demo", "prompt": "hi", "no_stop_trim": True}, "no_stop_trim"),
     ({"model": "demo", "prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
     ({"model": "demo", "prompt": "hi", "regex": 7}, "regex"),
 ]
@@ -428,6 +435,7 @@ class QueueOnlyClient(EngineClient):
 
     def __init__(self) -> None:
         super().__init__(demo_model_path(), {}, Metrics("demo"), max_inflight=8)
+        self.info = EngineInfo(eos_ids=(1,))  # what a started scheduler process says
         self.sent: list[object] = []
 
     def _send(self, msg: object) -> None:

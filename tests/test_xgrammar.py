@@ -92,3 +92,32 @@ def test_the_compilers_cache_stays_within_its_limit():
         schema = {"type": "object", "properties": {f"k{i}_{j}": {"type": "integer"} for j in range(8)}}
         compiler.compile("json_schema", json.dumps(schema))
     assert 0 < compiler.compiler.get_cache_size_bytes() <= 2 * limit
+
+
+def test_a_bounded_json_string_never_takes_a_raw_control_character():
+    """xgrammar 0.2.9 compiles a string with maxLength to a class that admits raw control characters
+    (its issue #800), which strict JSON parsers refuse. Inside such a string the batch's mask allows
+    none of the tokens that hold one (the demo tokenizer has 35, its bytes 0x00-0x1f), and still
+    allows the rest of the string's characters; a regex, which may ask for them, is left alone."""
+    from minisgl.features.grammar import TokenMask
+    from minisgl.frontend.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(demo_model_path())
+    compiler = GrammarCompiler(tokenizer, 512, [1])
+    control = [i for i in range(512) if re.search("[\x00-\x1f]", tokenizer.decode([i]))]
+    letter = tokenizer.convert_tokens_to_ids("b")
+    assert len(control) >= 30 and letter not in control
+
+    def allowed_in(kind: str, text: str, prefix: str) -> set[int]:
+        grammar = compiler.compile(kind, text)
+        state = grammar.initial_state()
+        assert state.accept_string(prefix)
+        mask = grammar.batch_mask(TokenMask((None,)), [grammar], [state])
+        row = mask.bitmask[0]
+        return {i for i in range(512) if (int(row[i // 32]) >> (i % 32)) & 1}
+
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}})
+    inside = allowed_in("json_schema", schema, '{"name": "a')
+    assert letter in inside and not inside & set(control)
+    assert not allowed_in("json_object", "", '{"a": "') & set(control)
+    assert len(allowed_in("regex", "[\x01-\x1f]+", "") & set(control)) >= 30

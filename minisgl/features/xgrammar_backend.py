@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -23,6 +24,7 @@ from .grammar import TokenMask
 # xgrammar keeps every grammar it compiled unless told a size: a server would grow by each distinct
 # grammar a client sends, refused or not, until it ran out of memory.
 CACHE_LIMIT_BYTES = 256 << 20
+CONTROL_CHARACTER = re.compile(rb"[\x00-\x1f]")  # JSON text holds none of them raw (RFC 8259)
 
 
 class GrammarCompiler:
@@ -38,6 +40,7 @@ class GrammarCompiler:
                                                   stop_token_ids=sorted(stop_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
         self.vocab_size = vocab_size
+        self.json_tokens = json_text_tokens(info.decoded_vocab, vocab_size)
 
     def compile(self, kind: str, text: str = "") -> XGrammar:
         """kind: json_schema (text: the schema as JSON), json_object, regex or ebnf. A bad grammar
@@ -55,7 +58,19 @@ class GrammarCompiler:
                 raise ValueError(f"unknown grammar kind {kind!r}: json_schema, json_object, regex or ebnf")
         except RuntimeError as exc:  # xgrammar's parse errors
             raise ValueError(f"invalid {kind}: {_reason(exc)}") from None
-        return XGrammar(compiled, self.vocab_size)
+        return XGrammar(compiled, self.vocab_size, self.json_tokens if kind.startswith("json") else None)
+
+
+def json_text_tokens(decoded_vocab: Sequence[bytes], vocab_size: int) -> torch.Tensor:
+    """A bitmask row (xgrammar's layout: bit j of word k is token 32k + j) of the tokens whose bytes
+    hold no raw control character. The JSON grammars here allow one nowhere (no free whitespace,
+    and a string takes them escaped only), but xgrammar 0.2.9 compiles a string with maxLength or
+    minLength to a character class that admits them (its issue #800): a model that sampled one
+    returned JSON that strict parsers refuse. Their masks are ANDed with this row."""
+    allowed = np.ones(-(-vocab_size // 32) * 32, dtype=bool)
+    for token, text in enumerate(decoded_vocab[:vocab_size]):
+        allowed[token] = CONTROL_CHARACTER.search(text) is None
+    return torch.from_numpy(np.packbits(allowed, bitorder="little").view("<i4").astype(np.int32))
 
 
 def check_grammar(kind: str, text: str = "") -> None:
@@ -80,9 +95,10 @@ def _reason(exc: RuntimeError) -> str:
 class XGrammar(Constraint):
     """A compiled xgrammar grammar; its states are matchers (one per request, mutated in place)."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, allowed: torch.Tensor | None = None) -> None:
         self.compiled = compiled
         self.vocab_size = vocab_size
+        self.allowed = allowed  # a bitmask row every mask of this grammar is ANDed with (json_text_tokens)
 
     def initial_state(self) -> Any:
         return xgr.GrammarMatcher(self.compiled)
@@ -109,6 +125,8 @@ class XGrammar(Constraint):
         bitmask = xgr.allocate_token_bitmask(len(grammars), vocab)  # all ones: nothing masked
         for i in rows:
             states[i].fill_next_token_bitmask(bitmask, i)
+            if grammars[i].allowed is not None:
+                bitmask[i] &= grammars[i].allowed
         return BitmaskMask(fsm, bitmask, rows)
 
 

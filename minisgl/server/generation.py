@@ -2,7 +2,9 @@
 
 Each choice (one per prompt and `n`) is a generation in the engine; its new tokens become
 text through its own incremental detokenizer, then pass its stop strings. A stop string
-aborts the generation in the engine at once (its tokens beyond it are never sent)."""
+aborts the generation in the engine at once (its tokens beyond it are never sent). Neither a
+stop string nor a stop token (`stop_token_ids`, or an end-of-sequence id) is part of the text,
+as in SGLang's server; the stop token still counts in the usage and keeps its logprob."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Choice:
     index: int
     detokenizer: IncrementalDetokenizer
     stops: StopStrings
+    stop_ids: frozenset[int]  # the token ids that end this choice, as the engine's Req has them
     completion_tokens: int = 0
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
@@ -53,8 +56,11 @@ class Generation:
                  stop: tuple[str, ...], grammar: GrammarSpec | None) -> None:
         self.client = client
         self.sub = client.submit(generations, grammar)
-        self.choices = {rid: Choice(i, IncrementalDetokenizer(tokenizer), StopStrings(stop))
-                        for i, rid in enumerate(self.sub.rids)}
+        eos_ids = frozenset(client.info.eos_ids)
+        self.choices: dict[int, Choice] = {}
+        for i, (rid, (_, params)) in enumerate(zip(self.sub.rids, generations)):
+            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+            self.choices[rid] = Choice(i, IncrementalDetokenizer(tokenizer), StopStrings(stop), stop_ids)
 
     @property
     def completion_tokens(self) -> int:
@@ -96,8 +102,11 @@ class Generation:
         string ends the generation at the delta it completes (its usage counts up to there)."""
         choice = self.choices[delta.rid]
         choice.completion_tokens += len(delta.token_ids)
-        text = choice.detokenizer.add(delta.token_ids)
         finish = delta.finish_reason
+        ids = delta.token_ids
+        if finish == "stop" and ids and ids[-1] in choice.stop_ids:
+            ids = ids[:-1]  # ended by a stop token: the engine commits it last, in the finishing delta
+        text = choice.detokenizer.add(ids)
         if finish is not None:
             text += choice.detokenizer.flush()
         text, stopped = choice.stops.feed(text)

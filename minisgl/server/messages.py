@@ -50,6 +50,7 @@ class EngineInfo:
     device: str = ""
     kv_tokens: int = 0
     speculative: str | None = None  # the speculative algorithm, if on: its requests take no grammar, no logprobs
+    eos_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids: they stop a request unless ignore_eos
     error: str | None = None
 
 

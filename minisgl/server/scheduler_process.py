@@ -79,7 +79,7 @@ def run_scheduler(args: SchedulerArgs) -> None:
             config = llm.config
             outputs.send_pyobj(EngineInfo(llm.engine.model.vocab_size, config.max_seq_len, config.loop,
                                           str(llm.device), memory_report(llm.scheduler)["kv_total"],
-                                          speculative=config.speculative_algorithm))
+                                          speculative=config.speculative_algorithm, eos_ids=tuple(sorted(llm.eos_ids))))
             SchedulerLoop(llm, requests, outputs, args.grammar_timeout_s, args.grammar_workers).run()
     finally:
         outputs.close(linger=1000)  # the last StepOutput still reaches the HTTP process
