@@ -621,3 +621,20 @@ def test_the_streamed_pieces_add_up_to_the_whole_decode(make):
     assert len(detokenizer.window) <= WINDOW
     assert text + detokenizer.flush() == tokenizer.decode(ids, skip_special_tokens=True)
     assert decode([]) == ""
+
+
+def test_chat_logprobs_bytes_rebuild_a_character_that_several_tokens_share():
+    """Chat logprobs give each token's own bytes: a character split over byte tokens (each one's text
+    alone is U+FFFD) is rebuilt by joining them, which is what OpenAI's `bytes` field is for."""
+    from minisgl.server.responses import ChatFormat
+
+    tokenizer = load_tokenizer(demo_model_path())
+    fmt = ChatFormat("demo", tokenizer)
+    for text in ("é€ ok", "日本\x1c", " plain words"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        entries = [TokenLogprob(i, -0.5, [(i, -0.5)]) for i in ids]
+        content = fmt.logprobs(entries)["content"]
+        assert bytes(b for entry in content for b in entry["bytes"]) == text.encode("utf-8")
+        assert [top["bytes"] for entry in content for top in entry["top_logprobs"]] == [e["bytes"] for e in content]
+    assert any(e["token"] == "\ufffd" for e in fmt.logprobs([TokenLogprob(i, 0.0, []) for i in
+                                                            tokenizer.encode("é", add_special_tokens=False)])["content"])

@@ -11,6 +11,7 @@ The streamed pieces add up to `decode(all ids)`."""
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 REPLACEMENT = "\ufffd"
@@ -30,6 +31,41 @@ def text_decoder(tokenizer, skip_special_tokens: bool = True) -> Callable[[list[
         backend = tokenizer.backend_tokenizer
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters (GPT-2's scheme, Qwen's and Llama 3's tokenizers): a byte that is
+    a printable Latin-1 character stands for itself, each other byte, in order, for chr(256 + n)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's token for one raw byte
+
+
+def token_bytes(tokenizer) -> Callable[[int], bytes]:
+    """`id -> the bytes the token stands for`, also where they are only part of a character (whose
+    text alone is U+FFFD): a byte-level BPE token through its alphabet, a SentencePiece byte token
+    as its byte, any other as its piece's UTF-8 ("\u2581" being a space)."""
+    from tokenizers.decoders import ByteLevel
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and isinstance(backend.decoder, ByteLevel):
+        alphabet = byte_level_alphabet()
+
+        def byte_level_bytes(token_id: int) -> bytes:
+            piece = tokenizer.convert_ids_to_tokens(token_id) or ""  # None: an id the tokenizer lacks
+            if all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+            return piece.encode("utf-8")  # an added token, kept as written
+        return byte_level_bytes
+
+    def piece_bytes(token_id: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(token_id) or ""
+        byte = BYTE_FALLBACK.fullmatch(piece)
+        return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode("utf-8")
+    return piece_bytes
 
 
 class IncrementalDetokenizer:

@@ -7,7 +7,7 @@ import time
 import uuid
 
 from ..sampling_params import TokenLogprob
-from .detokenizer import text_decoder
+from .detokenizer import text_decoder, token_bytes
 from .generation import Choice, Piece
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives no chance (JSON has no -inf)
@@ -73,9 +73,13 @@ class ChatFormat(Format):
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
     prefix = "chatcmpl"
 
+    def __init__(self, model: str, tokenizer) -> None:
+        super().__init__(model, tokenizer)
+        self.token_bytes = token_bytes(tokenizer)
+
     def _token(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+        # `bytes`: the token's own, which rebuild a character that several tokens share (its text is U+FFFD)
+        return {"token": self.token_text(token_id), "logprob": _finite(logprob), "bytes": list(self.token_bytes(token_id))}
 
     def logprobs(self, entries: list[TokenLogprob | None]) -> dict:
         return {"content": [{**self._token(e.token_id, e.logprob), "top_logprobs": [self._token(t, lp) for t, lp in e.top]}
