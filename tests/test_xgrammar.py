@@ -111,7 +111,7 @@ def test_a_bounded_json_string_never_takes_a_raw_control_character():
     def allowed_in(kind: str, text: str, prefix: str) -> set[int]:
         grammar = compiler.compile(kind, text)
         state = grammar.initial_state()
-        assert state.accept_string(prefix)
+        assert state.matcher.accept_string(prefix)
         mask = grammar.batch_mask(TokenMask((None,)), [grammar], [state])
         row = mask.bitmask[0]
         return {i for i in range(512) if (int(row[i // 32]) >> (i % 32)) & 1}
@@ -121,3 +121,28 @@ def test_a_bounded_json_string_never_takes_a_raw_control_character():
     assert letter in inside and not inside & set(control)
     assert not allowed_in("json_object", "", '{"a": "') & set(control)
     assert len(allowed_in("regex", "[\x01-\x1f]+", "") & set(control)) >= 30
+
+
+def test_a_json_string_takes_whole_utf8_characters_only():
+    """xgrammar takes the bytes of a UTF-16 surrogate (ED A0 80, not UTF-8) as one character of a JSON
+    string: three U+FFFD in the text, past a maxLength. Each request's state follows where its text
+    stands in a UTF-8 character, and the mask allows only the bytes that may come next there."""
+    from minisgl.features.grammar import TokenMask
+    from minisgl.features.json_text import INVALID, utf8_step
+    from minisgl.frontend.tokenizer import load_tokenizer
+    from minisgl.server.detokenizer import token_bytes
+
+    assert [utf8_step(0, b) for b in (0x41, 0xC3, 0xE0, 0xED, 0xF4, 0xC0, 0x80, 0xF5)] == [0, 1, 4, 5, 7] + [INVALID] * 3
+    assert (utf8_step(5, 0x9F), utf8_step(5, 0xA0), utf8_step(4, 0x9F), utf8_step(7, 0x90)) == (1, INVALID, INVALID, INVALID)
+    tokenizer = load_tokenizer(demo_model_path())
+    of_byte = {raw[0]: i for i, raw in ((i, token_bytes(tokenizer)(i)) for i in range(512)) if len(raw) == 1}
+    compiler = GrammarCompiler(tokenizer, 512, [1])
+    for schema in ({"type": "string", "maxLength": 1}, {"type": "string"}):
+        grammar = compiler.compile("json_schema", json.dumps({"type": "object", "properties": {"s": schema}}))
+        state = grammar.initial_state()
+        assert state.matcher.accept_string('{"s": "')
+        state = grammar.advance(state, of_byte[0xED])  # a three-byte character's first byte
+        row = grammar.batch_mask(TokenMask((None,)), [grammar], [state]).bitmask[0]
+        allowed = {b for b, i in of_byte.items() if (int(row[i // 32]) >> (i % 32)) & 1}
+        assert allowed == set(range(0x80, 0xA0)), sorted(allowed)  # not A0-BF: a surrogate
+        assert grammar.advance(grammar.advance(state, of_byte[0x9F]), of_byte[0xBF]).utf8 == 0  # U+D7FF, whole

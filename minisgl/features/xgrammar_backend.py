@@ -13,18 +13,17 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 import xgrammar as xgr
 
 from ..constraint import REJECTED, Constraint
 from .grammar import TokenMask
+from .json_text import JsonTextTokens
 
 
 # xgrammar keeps every grammar it compiled unless told a size: a server would grow by each distinct
 # grammar a client sends, refused or not, until it ran out of memory.
 CACHE_LIMIT_BYTES = 256 << 20
-CONTROL_CHARACTER = re.compile(rb"[\x00-\x1f]")  # JSON text holds none of them raw (RFC 8259)
 
 
 class GrammarCompiler:
@@ -40,7 +39,7 @@ class GrammarCompiler:
                                                   stop_token_ids=sorted(stop_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
         self.vocab_size = vocab_size
-        self.json_tokens = json_text_tokens(info.decoded_vocab, vocab_size)
+        self.json_tokens = JsonTextTokens(info.decoded_vocab, vocab_size)
 
     def compile(self, kind: str, text: str = "") -> XGrammar:
         """kind: json_schema (text: the schema as JSON), json_object, regex or ebnf. A bad grammar
@@ -59,18 +58,6 @@ class GrammarCompiler:
         except RuntimeError as exc:  # xgrammar's parse errors
             raise ValueError(f"invalid {kind}: {_reason(exc)}") from None
         return XGrammar(compiled, self.vocab_size, self.json_tokens if kind.startswith("json") else None)
-
-
-def json_text_tokens(decoded_vocab: Sequence[bytes], vocab_size: int) -> torch.Tensor:
-    """A bitmask row (xgrammar's layout: bit j of word k is token 32k + j) of the tokens whose bytes
-    hold no raw control character. The JSON grammars here allow one nowhere (no free whitespace,
-    and a string takes them escaped only), but xgrammar 0.2.9 compiles a string with maxLength or
-    minLength to a character class that admits them (its issue #800): a model that sampled one
-    returned JSON that strict parsers refuse. Their masks are ANDed with this row."""
-    allowed = np.ones(-(-vocab_size // 32) * 32, dtype=bool)
-    for token, text in enumerate(decoded_vocab[:vocab_size]):
-        allowed[token] = CONTROL_CHARACTER.search(text) is None
-    return torch.from_numpy(np.packbits(allowed, bitorder="little").view("<i4").astype(np.int32))
 
 
 def check_grammar(kind: str, text: str = "") -> None:
@@ -92,24 +79,37 @@ def _reason(exc: RuntimeError) -> str:
     return re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", lines[0])
 
 
-class XGrammar(Constraint):
-    """A compiled xgrammar grammar; its states are matchers (one per request, mutated in place)."""
+@dataclass
+class MatcherState:
+    """One request's place in an xgrammar grammar: its matcher (mutated in place), and where its
+    text stands in a UTF-8 character (json_text.py; 0 unless the grammar is JSON)."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, allowed: torch.Tensor | None = None) -> None:
+    matcher: xgr.GrammarMatcher
+    utf8: int = 0
+
+
+class XGrammar(Constraint):
+    """A compiled xgrammar grammar; its states are MatcherStates (one per request)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, json_text: JsonTextTokens | None = None) -> None:
         self.compiled = compiled
         self.vocab_size = vocab_size
-        self.allowed = allowed  # a bitmask row every mask of this grammar is ANDed with (json_text_tokens)
+        self.json_text = json_text  # a JSON grammar: what its text may hold beyond xgrammar's checks
 
     def initial_state(self) -> Any:
-        return xgr.GrammarMatcher(self.compiled)
+        return MatcherState(xgr.GrammarMatcher(self.compiled))
 
     def advance(self, state: Any, token: int) -> Any:
-        if state is REJECTED or not state.accept_token(token):
+        if state is REJECTED or not state.matcher.accept_token(token):
             return REJECTED
+        if self.json_text is not None:
+            state.utf8 = self.json_text.after(state.utf8, token)
+            if state.utf8 < 0:  # only a token the mask left out gets here
+                return REJECTED
         return state
 
     def is_final(self, state: Any) -> bool:
-        return state is not REJECTED and state.is_terminated()
+        return state is not REJECTED and state.matcher.is_terminated()
 
     def validate(self, vocab: int) -> None:
         if self.vocab_size != vocab:
@@ -120,13 +120,14 @@ class XGrammar(Constraint):
         """The batch's mask (features/grammar.py build_mask): the FSM rows', plus a bitmask row
         filled from each xgrammar request's matcher, on the host."""
         rows = tuple(i for i, g in enumerate(grammars) if isinstance(g, XGrammar) and states[i] is not REJECTED
-                     and not states[i].is_terminated())
+                     and not states[i].matcher.is_terminated())
         vocab = next(g.vocab_size for g in grammars if isinstance(g, XGrammar))
         bitmask = xgr.allocate_token_bitmask(len(grammars), vocab)  # all ones: nothing masked
         for i in rows:
-            states[i].fill_next_token_bitmask(bitmask, i)
-            if grammars[i].allowed is not None:
-                bitmask[i] &= grammars[i].allowed
+            states[i].matcher.fill_next_token_bitmask(bitmask, i)
+            json_text = grammars[i].json_text
+            if json_text is not None:
+                bitmask[i] &= json_text.rows[states[i].utf8]
         return BitmaskMask(fsm, bitmask, rows)
 
 
