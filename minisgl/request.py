@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .constraint import REJECTED
-from .sampling_params import RequestTimes, SamplingParams, TokenLogprob
+from .sampling_params import RequestTimes, SamplingParams, TokenLogprob, stop_ids
 
 if TYPE_CHECKING:
     from .radix_cache import TreeNode
@@ -25,7 +25,7 @@ class Req:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.sample_seed = sample_seed  # params.seed, or one drawn at arrival for unseeded sampling
-        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+        self.stop_ids = stop_ids(params, eos_ids)
         # The model's window caps generation: finishing there counts as "length".
         self.max_new_tokens = min(params.max_new_tokens, model_window - len(prompt_ids))
 

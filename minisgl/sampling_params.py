@@ -76,6 +76,12 @@ class SamplingParams:
             check_int("logprobs (top-k alternatives, or None)", self.logprobs, 0, TOP_K_MAX if vocab is None else vocab)
 
 
+def stop_ids(params: SamplingParams, eos_ids: frozenset[int]) -> frozenset[int]:
+    """The token ids that end a request: its stop_token_ids, and the model's end-of-sequence ids
+    unless ignore_eos."""
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+
+
 @dataclass
 class TokenLogprob:
     """One generated token's logprob (the model's raw distribution, float32) and the top-k

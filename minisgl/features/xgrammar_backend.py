@@ -39,7 +39,7 @@ class GrammarCompiler:
                                                   stop_token_ids=sorted(stop_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
         self.vocab_size = vocab_size
-        self.json_tokens = JsonTextTokens(info.decoded_vocab, vocab_size)
+        self.json_text = JsonTextTokens(info.decoded_vocab, vocab_size)  # once a compiler: it reads the whole vocabulary
 
     def compile(self, kind: str, text: str = "") -> XGrammar:
         """kind: json_schema (text: the schema as JSON), json_object, regex or ebnf. A bad grammar
@@ -57,7 +57,7 @@ class GrammarCompiler:
                 raise ValueError(f"unknown grammar kind {kind!r}: json_schema, json_object, regex or ebnf")
         except RuntimeError as exc:  # xgrammar's parse errors
             raise ValueError(f"invalid {kind}: {_reason(exc)}") from None
-        return XGrammar(compiled, self.vocab_size, self.json_tokens if kind.startswith("json") else None)
+        return XGrammar(compiled, self.vocab_size, self.json_text if kind.startswith("json") else None)
 
 
 def check_grammar(kind: str, text: str = "") -> None:

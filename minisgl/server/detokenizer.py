@@ -11,6 +11,7 @@ The streamed pieces add up to `decode(all ids)`."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Callable
 
@@ -33,6 +34,7 @@ def text_decoder(tokenizer, skip_special_tokens: bool = True) -> Callable[[list[
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+@functools.cache  # a chat response's Format asks for it: once a process, not once a request
 def byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's characters (GPT-2's scheme, Qwen's and Llama 3's tokenizers): a byte that is
     a printable Latin-1 character stands for itself, each other byte, in order, for chr(256 + n)."""

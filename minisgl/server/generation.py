@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from ..sampling_params import SamplingParams, TokenLogprob
+from ..sampling_params import SamplingParams, TokenLogprob, stop_ids
 from .detokenizer import IncrementalDetokenizer, StopStrings
 from .engine_client import EngineClient
 from .messages import GrammarSpec, TokenDelta
@@ -57,10 +57,8 @@ class Generation:
         self.client = client
         self.sub = client.submit(generations, grammar)
         eos_ids = frozenset(client.info.eos_ids)
-        self.choices: dict[int, Choice] = {}
-        for i, (rid, (_, params)) in enumerate(zip(self.sub.rids, generations)):
-            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
-            self.choices[rid] = Choice(i, IncrementalDetokenizer(tokenizer), StopStrings(stop), stop_ids)
+        self.choices = {rid: Choice(i, IncrementalDetokenizer(tokenizer), StopStrings(stop), stop_ids(params, eos_ids))
+                        for i, (rid, (_, params)) in enumerate(zip(self.sub.rids, generations))}
 
     @property
     def completion_tokens(self) -> int:
