@@ -240,6 +240,8 @@ BAD_COMPLETIONS = [
     ({"model": "demo", "prompt": "hi", "min_p": 0.5}, "min_p"),  # SGLang's sampling extras, not implemented
     ({"model": "demo", "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
     ({"model": "demo", "prompt": "hi", "no_stop_trim": True}, "no_stop_trim"),
+    ({"model": "demo", "prompt": "hi", "json_schema": "{}"}, "json_schema"),
+    ({"model": "demo", "prompt": "hi", "stop_regex": ["x+"]}, "stop_regex"),
     ({"model": "demo", "prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
     ({"model": "demo", "prompt": "hi", "regex": 7}, "regex"),
 ]

@@ -2,9 +2,9 @@
 
 Anything wrong is an `APIError` (HTTP 400 unless said otherwise) naming the field, before
 anything reaches the engine. Fields OpenAI defines that this server does not implement, and
-SGLang's sampling extras it does not implement, are refused when set to anything but their
-default, never silently ignored; unknown fields are ignored, as SGLang's server does (OpenAI's
-own answers them with a 400).
+SGLang's sampling, grammar and stop extras it does not implement, are refused when set to anything
+but their default, never silently ignored; other fields are ignored, as SGLang's server ignores
+fields it does not know (OpenAI's own answers them with a 400).
 """
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ def _options(body: dict, max_tokens: int | None, logprobs: int | None) -> Option
     if best_of is not None and best_of != n:
         raise APIError("best_of other than n is not supported", "best_of")
     _refuse(body, frequency_penalty=0, presence_penalty=0, logit_bias=None)
-    _refuse(body, min_p=0, repetition_penalty=1, min_tokens=0, no_stop_trim=False, skip_special_tokens=True)  # SGLang's
+    _refuse(body, min_p=0, repetition_penalty=1, min_tokens=0, no_stop_trim=False, skip_special_tokens=True,  # SGLang's
+            json_schema=None, stop_regex=None)  # SGLang's completions grammar and its stop regexes
     return Options(max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
                    top_p=_float(body, "top_p", 1.0, FLOAT32_TINY, 1.0), top_k=_top_k(body),
                    seed=_int(body, "seed", None, INT64_MIN, INT64_MAX), stop=_stop(body),
