@@ -8,17 +8,18 @@ steps (default): FlashInfer decode attention alone on 256 requests with ~800-tok
 run: torch.profiler over the whole offline workload (`bench --workload offline`, overlap
    loop, graphs on): every kernel's total time, grouped by what it does, against the run's wall
    time: where the device time beyond the floor goes;
-attention: FlashInfer decode attention alone on batches like the offline run's tail (lengths
-   drawn as its contexts, at several batch sizes), with and without tensor cores, in the order
-   drawn and longest first, against the measured HBM bandwidth. Timed as eager calls: at the
-   small batches the launch, not the kernel, may set the time;
+attention [KERNELS]: FlashInfer decode attention alone on batches like the offline run's tail
+   (lengths drawn as its contexts, at several batch sizes), the 0.6B and 8B shapes, each decode
+   kernel (DECODE_KERNELS, or KERNELS: "plain,fa3"), against the measured HBM bandwidth. Timed as
+   eager calls: at the small batches the launch, not the kernel, may set the time;
 batches [SIZES [VARIANTS]]: steady decode at 256, 192, 128, 64, 32, 8 and 1 requests (or
    SIZES, "256,64"; contexts like the run's tail): wall per step, then torch.profiler over 8
    steps each: kernel time and kernels per step by group, against the step's floor; VARIANTS
    ("-;fast_decode_plan=false": the defaults, then that setting; ',' between a variant's
    settings) are engines built in turn;
-gemm: the four layer GEMMs of the shape, timed inside a CUDA graph (as the engine runs them)
-   from 1 to 256 rows: cuBLAS, plain and with swapped operands, against the weights-read floor. MODEL_DIR is not read.
+gemm [SHAPE [ROWS]]: the four layer GEMMs of the 0.6B (or SHAPE: 8b) shape, timed inside a CUDA graph
+   (as the engine runs them) from 1 to 256 rows (or ROWS: "136,256"): cuBLAS, plain and with swapped
+   operands, against their floor (weights read or FLOPs). MODEL_DIR is not read.
 """
 
 from __future__ import annotations
@@ -48,33 +49,44 @@ def profile_steps(model: str) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
-HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128  # the Qwen3-0.6B shape
+ATTENTION_SHAPES = {"0.6b": (16, 8, 128, 28), "8b": (32, 8, 128, 36)}  # query heads, KV heads, head_dim, layers
+# The decode kernels FlashInfer can run for a batch: its plain decode kernel (CUDA cores), its
+# prefill kernel with one query per request (tensor cores, "fa2"; with its KV split switched off),
+# and the Hopper (SM90) prefill kernel ("fa3", tensor cores).
+DECODE_KERNELS = {"plain": dict(use_tensor_cores=False), "fa2": dict(use_tensor_cores=True),
+                  "fa2 no split": dict(use_tensor_cores=True, disable_split_kv=True),
+                  "fa3": dict(use_tensor_cores=True, backend="fa3")}
 
 
-def decode_seconds(lengths: list[int], tensor_cores: bool, workspace: torch.Tensor, layers: int = 28) -> float:
+def decode_seconds(lengths: list[int], kernel: dict, workspace: torch.Tensor, shape=ATTENTION_SHAPES["0.6b"]) -> float:
     """Seconds per call of FlashInfer's decode on one layer's KV: one request per length, page
     size 1, slots in random order (as a pool hands them out); the best of 5 rounds of `layers` calls."""
     import flashinfer
 
+    heads, kv_heads, head_dim, layers = shape
+    kernel = dict(kernel)
+    disable_split_kv = kernel.pop("disable_split_kv", False)
     total = sum(lengths)
-    k = torch.randn(total + 1, 1, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(total + 1, 1, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
-    q = torch.randn(len(lengths), HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(len(lengths), heads, head_dim, dtype=torch.bfloat16, device="cuda")
     indptr = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).int()
     indices = (torch.randperm(total, device="cuda") + 1).int()
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
-    wrapper.plan(indptr, indices, torch.ones(len(lengths), dtype=torch.int32), HEADS, KV_HEADS, HEAD_DIM, 1,
-                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **kernel)
+    extra = {"disable_split_kv": True} if disable_split_kv else {}
+    wrapper.plan(indptr, indices, torch.ones(len(lengths), dtype=torch.int32), heads, kv_heads, head_dim, 1,
+                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, **extra)
     return timed(lambda: wrapper.run(q, (k, v)), torch.device("cuda"), repeat=layers)
 
 
-def kv_gbytes(lengths: list[int]) -> float:
-    return sum(lengths) * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9  # K and V, bf16
+def kv_gbytes(lengths: list[int], kv_heads: int = 8, head_dim: int = 128) -> float:
+    return sum(lengths) * kv_heads * head_dim * 2 * 2 / 1e9  # K and V, bf16
 
 
-def attention_alone(tensor_cores: bool, batch: int = 256, kv_len: int = 820, layers: int = 28) -> None:
+def attention_alone(tensor_cores: bool, batch: int = 256, kv_len: int = 820) -> None:
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    seconds = decode_seconds([kv_len] * batch, tensor_cores, workspace, layers)
+    layers = ATTENTION_SHAPES["0.6b"][3]
+    seconds = decode_seconds([kv_len] * batch, DECODE_KERNELS["fa2" if tensor_cores else "plain"], workspace)
     print(f"FlashInfer decode x{layers} layers, B={batch}, kv={kv_len}, tensor_cores={tensor_cores}: "
           f"{seconds * layers * 1000:.2f} ms, {kv_gbytes([kv_len] * batch) / seconds:.0f} GB/s")
 
@@ -144,20 +156,24 @@ def profile_run(model: str) -> None:
               f"  [{kernel_group(e.key)}] {e.key[:110]}")
 
 
-def attention_like_the_run() -> None:
+def attention_like_the_run(kernels: list[str]) -> None:
+    """Each decode kernel on batches like the offline run's tail, both shapes: us per layer call
+    and its share of the KV-read floor at the measured HBM bandwidth (eager calls, queued back to
+    back: at 16 requests the launch may set the time)."""
     hbm, _ = measure_ceilings(torch.device("cuda"))
-    rng = random.Random(0)
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    for tensor_cores in (False, True):  # tensor cores last: their kernel compiles for a minute
-        for batch in (256, 192, 160, 128, 64, 16):
+    for name, shape in ATTENTION_SHAPES.items():
+        rng = random.Random(0)
+        for batch in (256, 192, 128, 64, 16):
             # a decode batch of the offline run's tail: prompt 100..1024 plus 0..1024 outputs so far
             lengths = [rng.randint(100, 1024) + rng.randint(0, 1024) for _ in range(batch)]
             cells = []
-            for order, ordered in (("as drawn", lengths), ("longest first", sorted(lengths, reverse=True))):
-                seconds = decode_seconds(ordered, tensor_cores, workspace)
-                cells.append(f"{order}: {seconds * 1e6:6.1f} us {kv_gbytes(ordered) / seconds / (hbm / 1e9):4.0%}")
-            print(f"tensor cores {int(tensor_cores)} B={batch:3d} kv mean {sum(lengths) // batch:4d} "
-                  f"max {max(lengths):4d}: " + "  ".join(cells), flush=True)
+            for kernel in kernels:
+                seconds = decode_seconds(lengths, DECODE_KERNELS[kernel], workspace, shape)
+                share = kv_gbytes(lengths, shape[1], shape[2]) / seconds / (hbm / 1e9)
+                cells.append(f"{kernel}: {seconds * 1e6:6.1f} us {share:4.0%}")
+            print(f"{name} B={batch:3d} kv mean {sum(lengths) // batch:4d} max {max(lengths):4d}: " + "  ".join(cells),
+                  flush=True)
 
 
 def graph_seconds(fn, repeat: int = 10) -> float:
@@ -173,26 +189,34 @@ def graph_seconds(fn, repeat: int = 10) -> float:
     return timed(graph.replay, torch.device("cuda"), repeat=repeat)
 
 
-HIDDEN, INTERMEDIATE = 1024, 3072  # the Qwen3-0.6B shape, with HEADS, KV_HEADS, HEAD_DIM above
-LAYER_GEMMS = (("qkv_proj", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), ("o_proj", HIDDEN, HEADS * HEAD_DIM),
-               ("gate_up_proj", 2 * INTERMEDIATE, HIDDEN), ("down_proj", HIDDEN, INTERMEDIATE))  # (name, out, in)
+GEMM_SHAPES = {"0.6b": (1024, 3072), "8b": (4096, 12288)}  # hidden, intermediate (heads: ATTENTION_SHAPES)
 
 
-def gemms_in_graph() -> None:
+def layer_gemms(shape: str) -> tuple[tuple[str, int, int], ...]:
+    """(name, out, in) of the four layer GEMMs of a shape."""
+    hidden, intermediate = GEMM_SHAPES[shape]
+    heads, kv_heads, head_dim, _ = ATTENTION_SHAPES[shape]
+    return (("qkv_proj", (heads + 2 * kv_heads) * head_dim, hidden), ("o_proj", hidden, heads * head_dim),
+            ("gate_up_proj", 2 * intermediate, hidden), ("down_proj", hidden, intermediate))
+
+
+def gemms_in_graph(shape: str, rows: tuple[int, ...]) -> None:
     """Each layer GEMM shape, 28 different weights (as 28 layers: no L2 reuse) in one graph:
-    cuBLAS as x @ w^T and swapped (w @ x^T), against the weights-read floor. (A small-tile Triton
+    cuBLAS as x @ w^T and swapped (w @ x^T), against the floor (the weights read at the measured HBM
+    bandwidth, or the FLOPs at the measured matmul rate, whichever is longer). (A small-tile Triton
     kernel timed here too was never faster by more than 0.5 us and was removed: RESULTS.md, fifth
     session.)"""
-    hbm, _ = measure_ceilings(torch.device("cuda"))
-    for name, n, k in LAYER_GEMMS:
+    hbm, flops = measure_ceilings(torch.device("cuda"))
+    for name, n, k in layer_gemms(shape):
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(28)]
-        floor = 2 * n * k / hbm
-        for m in (1, 8, 32, 64, 128, 192, 256):
+        for m in rows:
+            floor = max(2 * n * k / hbm, 2 * m * n * k / flops)
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             cublas = graph_seconds(lambda: [torch.nn.functional.linear(x, w) for w in weights]) / 28
             swapped = graph_seconds(lambda: [torch.mm(w, x.t()) for w in weights]) / 28
-            print(f"{name:13s} M={m:3d} floor {floor * 1e6:.1f}us cublas {cublas * 1e6:.1f}us swapped "
-                  f"{swapped * 1e6:.1f}us", flush=True)
+            print(f"{shape} {name:13s} M={m:3d} floor {floor * 1e6:.1f}us cublas {cublas * 1e6:.1f}us "
+                  f"({floor / cublas:.0%}) swapped {swapped * 1e6:.1f}us ({floor / swapped:.0%})", flush=True)
+        del weights
 
 
 BATCHES = (256, 192, 128, 64, 32, 8, 1)
@@ -248,9 +272,10 @@ if __name__ == "__main__":
     if mode == "run":
         profile_run(sys.argv[1])
     elif mode == "attention":
-        attention_like_the_run()
-    elif mode == "gemm":
-        gemms_in_graph()
+        attention_like_the_run(sys.argv[3].split(",") if len(sys.argv) > 3 else list(DECODE_KERNELS))
+    elif mode == "gemm":  # optional: shape ("0.6b", "8b") and rows ("1,64,256")
+        gemms_in_graph(sys.argv[3] if len(sys.argv) > 3 else "0.6b",
+                       tuple(int(m) for m in sys.argv[4].split(",")) if len(sys.argv) > 4 else (1, 8, 32, 64, 128, 192, 256))
     elif mode == "batches":
         # optional: sizes ("256,64") and variants, ';' between variants, ',' between a variant's
         # settings ("-" for the defaults): "-;fast_decode_plan=false"
