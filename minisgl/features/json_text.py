@@ -26,6 +26,7 @@ UTF8_REST = {1: (0x80, 0xBF, 0), 2: (0x80, 0xBF, 1), 3: (0x80, 0xBF, 2),
              7: (0x80, 0x8F, 2)}  # after F4: nothing past U+10FFFF
 UTF8_STATES = 8
 INVALID = -1
+RESTRICTED_LEADS = {0xE0: 4, 0xED: 5, 0xF0: 6, 0xF4: 7}  # first bytes whose next byte has a narrower range
 
 
 def utf8_step(state: int, byte: int) -> int:
@@ -37,8 +38,8 @@ def utf8_step(state: int, byte: int) -> int:
         return 0
     if 0xC2 <= byte <= 0xDF:
         return 1
-    if byte in (0xE0, 0xED, 0xF0, 0xF4):
-        return {0xE0: 4, 0xED: 5, 0xF0: 6, 0xF4: 7}[byte]
+    if byte in RESTRICTED_LEADS:
+        return RESTRICTED_LEADS[byte]
     if 0xE1 <= byte <= 0xEF:
         return 2
     if 0xF1 <= byte <= 0xF3:
