@@ -118,6 +118,12 @@ def test_logprobs_match_the_engine(server, llm):
     # float32 on the CPU: alone or in a batch, the bits may differ a little (not the tokens)
     assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
     assert "".join(lp.tokens) == expected.text
+    # text_offset: where each token starts in the completion; a stream's chunks continue the count
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(12)]
+    stream = c.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0, logprobs=3, stream=True,
+                                  extra_body={"ignore_eos": True})
+    streamed = [chunk.choices[0].logprobs for chunk in stream if chunk.choices[0].logprobs.tokens]
+    assert len(streamed) > 1 and sum((x.text_offset for x in streamed), []) == lp.text_offset
     chat = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}], temperature=0,
                                      max_tokens=12, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content

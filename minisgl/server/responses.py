@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from itertools import accumulate
 
 from ..sampling_params import TokenLogprob
 from .detokenizer import text_decoder, token_bytes
@@ -51,21 +52,29 @@ class CompletionFormat(Format):
     object_full = object_chunk = "text_completion"
     prefix = "cmpl"
 
-    def logprobs(self, entries: list[TokenLogprob | None]) -> dict:
+    def __init__(self, model: str, tokenizer) -> None:
+        super().__init__(model, tokenizer)
+        self.offsets: dict[int, int] = {}  # by choice: characters of its tokens sent so far (a stream's chunks)
+
+    def logprobs(self, index: int, entries: list[TokenLogprob | None]) -> dict:
+        """`text_offset`: where each token's text starts, counted over this choice's tokens from its first."""
         entries = [e for e in entries if e is not None]
-        return {"tokens": [self.token_text(e.token_id) for e in entries],
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets = list(accumulate((len(t) for t in tokens), initial=self.offsets.get(index, 0)))
+        self.offsets[index] = offsets.pop()
+        return {"tokens": tokens, "text_offset": offsets,
                 "token_logprobs": [_finite(e.logprob) for e in entries],
                 "top_logprobs": [{self.token_text(t): _finite(lp) for t, lp in e.top} for e in entries]}
 
     def chunk(self, piece: Piece, with_logprobs: bool) -> dict:
         return self.envelope(self.object_chunk, [{
             "index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason,
-            "logprobs": self.logprobs(piece.logprobs) if with_logprobs else None}])
+            "logprobs": self.logprobs(piece.index, piece.logprobs) if with_logprobs else None}])
 
     def full(self, choices: list[Choice], with_logprobs: bool, prompt_tokens: int) -> dict:
         return {**self.envelope(self.object_full, [{
             "index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
-            "logprobs": self.logprobs(c.logprobs) if with_logprobs else None} for c in choices]),
+            "logprobs": self.logprobs(c.index, c.logprobs) if with_logprobs else None} for c in choices]),
             "usage": self.usage(prompt_tokens, sum(c.completion_tokens for c in choices))}
 
 
