@@ -21,7 +21,8 @@ from .gpu import cuda_lifecycle
 from .gpu.cuda_graph import CudaGraphRunner
 from .config import EngineConfig
 from .gpu.flashinfer_backend import FlashInferBackend
-from .gpu.fused_ops import decoder_kernels
+from .gpu.fused_ops import decoder_kernels, writes_kv_in_epilogue
+from .gpu.piecewise_graph import PiecewisePrefill
 from .future_map import FutureMap
 from .kv_pool import KVPool, ReqToTokenPool
 from .models.sampler import sample
@@ -105,11 +106,16 @@ class Engine:
         self.req_to_token = ReqToTokenPool(config.max_running_requests, config.table_width, device)
         self.future_map = FutureMap(config.max_running_requests, device)
         self.graphs: CudaGraphRunner | None = None
-        # Deterministic decode runs eagerly: FlashInfer's unsplit tensor-core decode in CUDA graphs crashed
+        self.prefill_graphs: PiecewisePrefill | None = None
+        # Deterministic mode runs eagerly: FlashInfer's unsplit tensor-core decode in CUDA graphs crashed
         # every engine after the first in a process ("illegal memory access"; benchmarks/RESULTS.md).
         if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph") and not config.deterministic:
             self.graphs = CudaGraphRunner(m, self.kv, self.backend, config.max_running_requests,
                                           self.kv_pool.num_slots, device)
+            # Only where the qkv epilogue writes the new K/V itself: else each piece would keep its own
+            # k and v buffers alive, a forward's worth per layer.
+            if config.enable_piecewise_cuda_graph and writes_kv_in_epilogue(m):
+                self.prefill_graphs = PiecewisePrefill(m, self.kv, self.backend, config.max_batch_tokens, device)
         # Last: on CPU the stream starts a worker thread, which a failure above would leak.
         self.stream: Stream = make_device_stream("engine", device)
         self.tracer = Tracer(enabled=False)
@@ -188,13 +194,14 @@ class Engine:
                 warnings.warn(f"Engine.close(): queued device work failed: {exc}", RuntimeWarning, stacklevel=2)
                 cuda_ok = False
         self.stream.close(wait=not self.hung)  # CPU: the worker skips its queue, then exits
-        if self.graphs is not None:
-            self.graphs.close()
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.close()
         if isinstance(self.backend, FlashInferBackend):
             self.backend.close()
         # The scheduler still holds the request table's object: its device tensor is dropped here.
         self.req_to_token.table = self.req_to_token.table.new_empty(0)
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         self.model = self.kv = self.future_map = self.backend = None  # type: ignore[assignment]
         self.closed = True
         if self.device.type == "cuda":
@@ -221,7 +228,10 @@ class Engine:
             logits = self.graphs.run(input_ids, meta, parity)  # one launch for the whole decode step
         else:
             self.backend.plan(meta, parity)
-            logits = self.model(input_ids, meta, self.kv, self.backend)
+            if self.prefill_graphs is not None and self.prefill_graphs.can_run(meta):
+                logits = self.prefill_graphs.run(input_ids, meta)  # a launch per layer, and attention
+            else:
+                logits = self.model(input_ids, meta, self.kv, self.backend)
         if batch.delay_sample:
             held.append((logits, inp))  # sampled later: launch_sample
         else:

@@ -17,7 +17,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from minisgl.models.attention import AttentionMetadata, KVCache, TorchAttentionBackend, causal_attention
-from minisgl.models.decoder import CausalLM, load_model
+from minisgl.gpu.piecewise_graph import BUCKET_STEP, SMALLEST_BUCKET, PiecewisePrefill, prefill_token_buckets
+from minisgl.models.decoder import CPU_INVARIANT_ROWS, CausalLM, load_model, set_fixed_rows
 from minisgl.models.rope import rope_inv_freq, rope_parameters
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -115,6 +116,7 @@ class Runner:
         self.model = model
         self.kv = KVCache(model.num_layers, num_slots, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
         self.backend = TorchAttentionBackend()
+        self.forward = lambda ids, meta: model(ids, meta, self.kv, self.backend)  # or another forward's run()
         self.next_slot = 0
         self.slots: dict[int, list[int]] = {}  # request id -> slot of each position
 
@@ -142,7 +144,7 @@ class Runner:
             kv_lens=kv_lens,
         )
         with torch.inference_mode():
-            logits = self.model(torch.tensor(ids, dtype=torch.int64), meta, self.kv, self.backend)
+            logits = self.forward(torch.tensor(ids, dtype=torch.int64), meta)
         assert logits.shape == (len(new_tokens), self.model.vocab_size) and logits.dtype == torch.float32
         return dict(zip(new_tokens, logits))
 
@@ -190,6 +192,42 @@ def test_decode_through_kv_cache_matches_hf(name, checkpoints, loaded):
     for rid, seq in enumerate(seqs):
         # seq has prompt + 8 generated tokens; logits at the last 9 positions must agree.
         torch.testing.assert_close(torch.stack(history[rid]), hf_logits(hf, seq)[-9:], **TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_piecewise_prefill_pieces_compute_the_forward(name, checkpoints):
+    """The prefill graphs' cut (gpu/piecewise_graph.py), run without capture: each batch padded to
+    its token bucket, attention between the pieces on the real tokens only. Every logit and every
+    KV slot equals the plain forward's, bit for bit (batch-invariant GEMMs, as on the engine's CPU:
+    a row's numbers do not depend on the padding rows beside it). Batches below, at and above the
+    smallest bucket, a prompt chunk beside decode rows, and exactly the largest bucket."""
+    model = load_model(checkpoints[name][0], torch.float32, torch.device("cpu"))[0]
+    set_fixed_rows(model, CPU_INVARIANT_ROWS)
+    plain, pieces = Runner(model), Runner(model)
+    runner = PiecewisePrefill(model, pieces.kv, pieces.backend, max_tokens=100, device=torch.device("cpu"),
+                              capture=False)
+    assert runner.buckets == [64, 100]
+    pieces.forward = runner.run
+    long_prompt = prompts([80], seed=3)[0]
+    steps = [dict(enumerate(prompts([5, 1, 12, 7]))),  # 25 tokens: bucket 64
+             {0: long_prompt[:40], 4: prompts([24], seed=4)[0]},  # exactly 64
+             {0: long_prompt[40:], 1: [3], 2: [4], 3: [5]},  # 43 tokens, three of them decode rows
+             {5: prompts([100], seed=5)[0]}]  # the largest bucket, no padding
+    for step in steps:
+        expected, got = plain.step(step), pieces.step(step)
+        assert all(torch.equal(expected[rid], got[rid]) for rid in step), f"logits differ at {sorted(step)}"
+    assert all(torch.equal(a, b) for a, b in zip(plain.kv.k + plain.kv.v, pieces.kv.k + pieces.kv.v))
+
+
+def test_prefill_token_buckets_pad_little():
+    """A batch of T tokens runs at the smallest bucket >= T: powers of two up to BUCKET_STEP (at most
+    twice T), then steps of BUCKET_STEP, and the largest batch exactly."""
+    for max_tokens in (50, 100, 1024, 3000, 8192, 8192 + 256):
+        buckets = prefill_token_buckets(max_tokens)
+        assert buckets[-1] == max_tokens and buckets == sorted(set(buckets))
+        for tokens in range(1, max_tokens + 1):
+            bucket = next(b for b in buckets if b >= tokens)
+            assert bucket <= max(2 * tokens, SMALLEST_BUCKET) if tokens <= BUCKET_STEP else bucket - tokens < BUCKET_STEP
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -17,11 +17,34 @@ all with one launch. Graphs have fixed shapes and fixed addresses, so:
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from ..models.attention import AttentionMetadata, KVCache
 from .flashinfer_backend import WORKSPACE_BYTES, FlashInferBackend
+
+
+@contextmanager
+def capture_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
+    """The side stream graphs are captured on, current inside the block; the device is synchronized after it."""
+    stream = torch.cuda.Stream(device=device)
+    # The side stream starts after everything queued so far (the KV pool's zeroing, the
+    # weights): a new stream does not wait for the default one by itself.
+    stream.wait_stream(torch.cuda.current_stream(device))
+    # No garbage collection while capturing: collecting an earlier engine's leftovers here
+    # would free its graphs and their pool in the middle of this capture (it crashed the
+    # process: "illegal memory access"). Engine.__init__ collects before we start.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(stream):
+            yield stream
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    torch.cuda.synchronize(device)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -65,24 +88,10 @@ class CudaGraphRunner:
 
     def _capture_all(self, device: torch.device) -> None:
         pool = None
-        stream = torch.cuda.Stream(device=device)
-        # The side stream starts after everything queued so far (the KV pool's zeroing, the
-        # weights): a new stream does not wait for the default one by itself.
-        stream.wait_stream(torch.cuda.current_stream(device))
-        # No garbage collection while capturing: collecting an earlier engine's leftovers here
-        # would free its graphs and their pool in the middle of this capture (it crashed the
-        # process: "illegal memory access"). Engine.__init__ collects before we start.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.stream(stream):
-                for parity in range(2):
-                    for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs fit in its pool
-                        pool = self._capture(parity, bs, pool, stream, device)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        torch.cuda.synchronize(device)
+        with capture_stream(device) as stream:
+            for parity in range(2):
+                for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs fit in its pool
+                    pool = self._capture(parity, bs, pool, stream, device)
 
     def _capture(self, parity: int, bs: int, pool, stream: torch.cuda.Stream, device: torch.device):
         """Plan, warm up and capture the graph for batch size bs; returns the memory pool to share."""

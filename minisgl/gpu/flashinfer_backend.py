@@ -154,16 +154,17 @@ class FlashInferBackend:
                          global_override_indptr_cpu=kv_indptr)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
-                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+                meta: AttentionMetadata, kv: KVCache, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.prefill_reference is not None and not meta.is_decode:
-            return self.prefill_reference.forward(q, k, v, layer_id, meta, kv)
+            return self.prefill_reference.forward(q, k, v, layer_id, meta, kv, out)
         k_pool, v_pool = store_new_kv(k, v, layer_id, meta, kv)
         # [slots, heads, dim] viewed as [pages, page_size=1, heads, dim] (the "NHD" layout)
         paged = (k_pool.unsqueeze(1), v_pool.unsqueeze(1))
         q = q.contiguous()
         # Prefill: FlashInfer's run() zero-fills the output it allocates (a memset kernel per layer);
         # every row is written anyway (a causal query sees at least its own key), so pass it empty.
-        out = None if meta.is_decode else torch.empty_like(q)
+        if out is None and not meta.is_decode:
+            out = torch.empty_like(q)
         return self._active.run(q, paged, out=out)
 
     def close(self) -> None:

@@ -28,6 +28,11 @@ def decoder_kernels(device: torch.device, dtype: torch.dtype, fused: bool) -> To
     return TorchKernels()
 
 
+def writes_kv_in_epilogue(model: torch.nn.Module) -> bool:
+    """Does the model's qkv epilogue write the new K/V into the pool itself (the Triton kernel)?"""
+    return isinstance(model.kernels, FusedKernels) and _epilogue.available(model.head_dim)
+
+
 class FusedRotation:
     """Rotate-half ("neox") rotary of one batch's positions by FlashInfer's kernel, which reads
     the positions and the model's cos/sin table (the qkv epilogue reads them too)."""
@@ -71,14 +76,14 @@ class FusedKernels(TorchKernels):
 
     # `rotation` is always this object's own (CausalLM.forward makes it with the same kernels).
     def qkv_epilogue(self, attn: Attention, qkv: torch.Tensor, rotation: FusedRotation,  # type: ignore[override]
-                     out_slots: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                     out_slots: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One Triton kernel for split, q/k norm, rotary and the K/V pool writes (seven otherwise),
         where it takes the head size; the new K/V are then in the pool already (k = v = None)."""
         if not _epilogue.available(attn.head_dim):
-            return super().qkv_epilogue(attn, qkv, rotation, out_slots, k_pool, v_pool)
+            return super().qkv_epilogue(attn, qkv, rotation, out_slots, k_pool, v_pool, q_out)
         q_weight, k_weight = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
         eps = attn.q_norm.eps if attn.qk_norm else 0.0
         q = _epilogue.qkv_epilogue(qkv, attn.num_heads, attn.num_kv_heads, attn.head_dim, rotation.positions,
-                                   rotation.cos_sin_cache, q_weight, k_weight, eps, out_slots, k_pool, v_pool)
+                                   rotation.cos_sin_cache, q_weight, k_weight, eps, out_slots, k_pool, v_pool, q_out)
         return q, None, None

@@ -86,12 +86,13 @@ if triton is not None:
 def qkv_epilogue(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  positions: torch.Tensor, cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, eps: float, out_slots: torch.Tensor,
-                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-    """qkv [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D] normed and rotated; k (normed, rotated) and v
-    written to k_pool / v_pool [slots, Hkv, D] at out_slots. q_weight None: no q/k norm."""
+                 k_pool: torch.Tensor, v_pool: torch.Tensor, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D] normed and rotated (into q_out if given); k (normed,
+    rotated) and v written to k_pool / v_pool [slots, Hkv, D] at out_slots. q_weight None: no q/k norm."""
     num_tokens = qkv.shape[0]
     assert qkv.stride(1) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous() and cos_sin_cache.is_contiguous()
-    q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
+    assert q.shape == (num_tokens, num_q_heads, head_dim) and q.is_contiguous()
     if num_tokens:
         qk_norm = q_weight is not None
         _qkv_epilogue_kernel[(num_tokens,)](

@@ -87,12 +87,13 @@ class AttentionBackend(Protocol):
     k = v = None: a fused kernel has written them already) and
     (2) attend every new query to its request's kv positions up to its own.
     `plan(meta)` runs once per batch before the layers (FlashInfer builds its schedule there).
+    `out`: where to write the result (a piecewise CUDA graph's fixed buffer), else a new tensor.
     """
 
     def plan(self, meta: AttentionMetadata, parity: int = 0) -> None: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
-                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor: ...
+                meta: AttentionMetadata, kv: KVCache, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class TorchAttentionBackend:
@@ -110,15 +111,13 @@ class TorchAttentionBackend:
     def plan(self, meta: AttentionMetadata, parity: int = 0) -> None:
         pass  # nothing to prepare: every layer reads the metadata directly
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer_id: int,
-        meta: AttentionMetadata,
-        kv: KVCache,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+                meta: AttentionMetadata, kv: KVCache, out: torch.Tensor | None = None) -> torch.Tensor:
+        result = self._attend(q, k, v, layer_id, meta, kv)
+        return result if out is None else out.copy_(result)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         # 1) Store the new tokens' K/V first, so the gather below sees them too.
         k_pool, v_pool = store_new_kv(k, v, layer_id, meta, kv)
 

@@ -169,11 +169,12 @@ class TorchKernels:
         return rotary(positions, dtype)
 
     def qkv_epilogue(self, attn: Attention, qkv: torch.Tensor, rotation: Rotate, out_slots: torch.Tensor,
-                     k_pool: torch.Tensor, v_pool: torch.Tensor
+                     k_pool: torch.Tensor, v_pool: torch.Tensor, q_out: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Everything between attn's q/k/v projection and attention: split into heads, q/k norm
         (Qwen3), rotary. Returns (q, k, v); here the K/V pool writes are left to the attention
-        backend (a fused version writes them itself and returns k = v = None)."""
+        backend (a fused version writes them itself and returns k = v = None). `q_out`: where q
+        goes (a piecewise CUDA graph's fixed buffer), else a new tensor."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q = q.reshape(num_tokens, attn.num_heads, attn.head_dim)
@@ -182,7 +183,7 @@ class TorchKernels:
         if attn.qk_norm:
             q, k = self.rms_norm(attn.q_norm, q), self.rms_norm(attn.k_norm, k)
         q, k = rotation(q, k)
-        return q, k, v
+        return (q if q_out is None else q_out.copy_(q)), k, v
 
 
 class Attention(nn.Module):
@@ -206,14 +207,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
-    def forward(self, x, rope: Rotate, meta: AttentionMetadata, kv: KVCache, backend: AttentionBackend,
-                kernels: TorchKernels):
-        num_tokens = x.shape[0]
+    def project(self, x: torch.Tensor, rope: Rotate, out_slots: torch.Tensor, kv: KVCache, kernels: TorchKernels,
+                q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Everything before attention: (q, k, v); k = v = None when the kernels already wrote the new
+        K/V into the pool. Attention itself is the backend's (CausalLM.forward)."""
         qkv = self.qkv_proj(x)
-        # k = v = None when the kernels already wrote the new K/V into the pool.
-        q, k, v = kernels.qkv_epilogue(self, qkv, rope, meta.out_slots, kv.k[self.layer_id], kv.v[self.layer_id])
-        out = backend.forward(q, k, v, self.layer_id, meta, kv)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return kernels.qkv_epilogue(self, qkv, rope, out_slots, kv.k[self.layer_id], kv.v[self.layer_id], q_out)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """Attention's result [T, Hq, D] through the output projection."""
+        return self.o_proj(attended.reshape(attended.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -235,17 +238,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, residual: torch.Tensor | None, rope: Rotate, meta: AttentionMetadata, kv: KVCache,
-                backend: AttentionBackend, kernels: TorchKernels) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm residual blocks, residual + attn(norm(...)) then residual + mlp(norm(...)), with the
-        residual stream carried beside `h` (the previous block's output, not added yet), so that
-        every add is fused with the norm after it. `residual` is None at the first layer."""
+    # Pre-norm residual blocks, residual + attn(norm(...)) then residual + mlp(norm(...)), with the
+    # residual stream carried beside `h` (the previous block's output, not added yet), so that every
+    # add is fused with the norm after it. A layer is two halves around the backend's attention:
+    # CausalLM.forward runs them in order, and a piecewise CUDA graph (gpu/piecewise_graph.py)
+    # captures one layer's second half with the next layer's first.
+    def before_attention(self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rotate, out_slots: torch.Tensor,
+                         kv: KVCache, kernels: TorchKernels, q_out: torch.Tensor | None = None
+                         ) -> tuple[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]:
+        """((q, k, v), residual). `residual` is None at the first layer."""
         if residual is None:
             residual, x = h, kernels.rms_norm(self.input_layernorm, h)
         else:
             residual, x = kernels.add_rms_norm(self.input_layernorm, h, residual)
-        h = self.self_attn(x, rope, meta, kv, backend, kernels)
-        residual, x = kernels.add_rms_norm(self.post_attention_layernorm, h, residual)
+        return self.self_attn.project(x, rope, out_slots, kv, kernels, q_out), residual
+
+    def after_attention(self, attended: torch.Tensor, residual: torch.Tensor, kernels: TorchKernels
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual): the output projection, the residual add and norm, the MLP."""
+        residual, x = kernels.add_rms_norm(self.post_attention_layernorm, self.self_attn.output(attended), residual)
         return self.mlp(x, kernels), residual
 
 
@@ -283,7 +294,15 @@ class CausalLM(nn.Module):
         kernels = self.kernels
         rope = kernels.rotation(self.model.rotary, meta.positions, h.dtype)  # computed once, shared by all layers
         for layer in self.model.layers:
-            h, residual = layer(h, residual, rope, meta, kv, backend, kernels)
+            (q, k, v), residual = layer.before_attention(h, residual, rope, meta.out_slots, kv, kernels)
+            attended = backend.forward(q, k, v, layer.self_attn.layer_id, meta, kv)
+            h, residual = layer.after_attention(attended, residual, kernels)
+        return self.logits(h, residual, meta, every_position)
+
+    def logits(self, h: torch.Tensor, residual: torch.Tensor, meta: AttentionMetadata,
+               every_position: bool = False) -> torch.Tensor:
+        """The last layer's output and residual -> logits (see forward)."""
+        kernels = self.kernels
         # Only the last new token of each request needs logits; the vocab projection is
         # the largest matmul in small models, so skip it for all other prompt tokens.
         last_rows = meta.qo_indptr[1:].long() - 1 if not every_position else slice(None)
