@@ -10,11 +10,12 @@ eager:  lesson 9's workload (64 requests x 64 tokens, graphs off) in both loops,
         (synchronizations, copies, allocations) and kernel launches per step.
 host:   256 requests with 800-token prompts at steady decode, graphs on: host ms per step by
         span (schedule, launch, commit, wait), and cProfile's top functions, for both loops.
-prefill: one eager prefill batch at a time on an idle engine, 256 to 8,192 tokens of ~560-token
+prefill: one prefill batch at a time on an idle engine, 256 to 8,192 tokens of ~560-token
         prompts (the offline workload's mean): host ms to launch it, device ms of its forward,
         its floor (observe/breakdown.py) and floor / device; then cProfile's top functions over
         launches of 1,024-token batches. Where device ms stops following host ms is where a
         batch's compute covers its launches: the value for min_prefill_tokens (config.py).
+        Two engines in turn, an A/B: the eager prefill, then enable_piecewise_cuda_graph.
 eager-ab: lesson 9's workload again, both loops built once and run in ABBA order (4 pairs, the
         first a warm-up), then one overlap run under torch's sync debug mode (every synchronizing
         CUDA call warns): is eager overlap's loss steady, and does any hidden synchronization remain?
@@ -214,6 +215,11 @@ def host(model: str) -> None:
 
 
 def prefill(model: str) -> None:
+    for piecewise in (False, True):
+        prefill_batches(model, piecewise)
+
+
+def prefill_batches(model: str, piecewise: bool) -> None:
     hbm, flops = measure_ceilings(torch.device("cuda"))
     cost = ModelCost.from_config(model)
     rng = random.Random(0)
@@ -223,9 +229,13 @@ def prefill(model: str) -> None:
         lengths = [560] * (tokens // 560) + ([tokens % 560] if tokens % 560 else [])
         return [[rng.randint(0, 10000) for _ in range(n)] for n in lengths]
 
-    llm = LLM(model, device="cuda", loop="overlap", trace=True)
+    started = time.perf_counter()
+    llm = LLM(model, device="cuda", loop="overlap", trace=True, enable_piecewise_cuda_graph=piecewise)
+    print(f"engine start {time.perf_counter() - started:.1f} s (graph captures included), "
+          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, {llm.engine.kv_pool.kv_tokens} KV slots")
     llm.generate(prompts(8192), one)  # warm-up: kernels and plans for every size below
-    print(f"eager prefill batches on an idle engine (HBM {hbm / 1e9:.0f} GB/s, {flops / 1e12:.0f} TFLOP/s), "
+    kind = "piecewise-graph" if piecewise else "eager"
+    print(f"{kind} prefill batches on an idle engine (HBM {hbm / 1e9:.0f} GB/s, {flops / 1e12:.0f} TFLOP/s), "
           f"median of 5:")
     print(f"  {'tokens':>6} {'requests':>8} {'launch ms':>9} {'device ms':>9} {'floor ms':>8} {'floor/device':>12}")
     for tokens in (256, 512, 1024, 2048, 3072, 4096, 6144, 8192):
@@ -255,7 +265,7 @@ def prefill(model: str) -> None:
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
-    print("cProfile, 10 generate() calls of one 1,024-token prefill each:")
+    print(f"cProfile ({kind}), 10 generate() calls of one 1,024-token prefill each:")
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-3500:])
     llm.close()
 

@@ -7,7 +7,7 @@
 #   bash benchmarks/h200.sh decode-plan    # FlashInfer decode: tensor-core vs plain kernel, host and device per step
 #   bash benchmarks/h200.sh deterministic  # offline, overlap loop, deterministic=True (its cost)
 #   bash benchmarks/h200.sh gate           # issue 27: offline breakdown, overlap loop, prefill gate off/on (GATE_RUNS)
-#   bash benchmarks/h200.sh prefill        # eager prefill batches alone, 256..8192 tokens: launch vs device vs floor
+#   bash benchmarks/h200.sh prefill        # prefill batches alone, 256..8192 tokens: launch vs device vs floor, eager then piecewise graphs
 #   bash benchmarks/h200.sh online         # Poisson arrivals, both loops; overlap with prefill_sync off
 #   bash benchmarks/h200.sh checks         # batch-1 TPOT, eager overlap vs normal profile, host profile
 #   bash benchmarks/h200.sh host           # host work per decode step at 256 requests, both loops
