@@ -112,15 +112,29 @@ class Engine:
         if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph") and not config.deterministic:
             self.graphs = CudaGraphRunner(m, self.kv, self.backend, config.max_running_requests,
                                           self.kv_pool.num_slots, device)
-            # Only where the qkv epilogue writes the new K/V itself: else each piece would keep its own
-            # k and v buffers alive, a forward's worth per layer.
-            if config.enable_piecewise_cuda_graph and writes_kv_in_epilogue(m):
-                self.prefill_graphs = PiecewisePrefill(m, self.kv, self.backend, config.max_batch_tokens, device)
+        if config.enable_piecewise_cuda_graph:
+            self.prefill_graphs = self._piecewise_prefill()
         # Last: on CPU the stream starts a worker thread, which a failure above would leak.
         self.stream: Stream = make_device_stream("engine", device)
         self.tracer = Tracer(enabled=False)
         if device.type == "cuda":
             cuda_lifecycle.engine_started(self)
+
+    def _piecewise_prefill(self) -> PiecewisePrefill | None:
+        """The prefill graphs, where they can run: else a warning says why the setting does nothing."""
+        config = self.config
+        # Only where the qkv epilogue writes the new K/V itself: else each piece would keep its own
+        # k and v buffers alive, a forward's worth per layer. A speculative verify runs its own forwards.
+        why_not = ("the decode graphs are off (CUDA, FlashInfer, cuda_graph on, deterministic off)" if self.graphs is None
+                   else "the qkv epilogue is not fused (fused_kernels, head size)" if not writes_kv_in_epilogue(self.model)
+                   else "speculation runs its own forwards" if config.speculative_algorithm is not None else None)
+        if why_not is not None:
+            warnings.warn(f"enable_piecewise_cuda_graph does nothing here: {why_not}", RuntimeWarning, stacklevel=4)
+            return None
+        # The most tokens a forward outside the decode graphs holds: a prompt chunk, and the running
+        # decodes when mixed (config.max_batch_tokens also counts a decode step's rows).
+        max_tokens = config.chunk_size + (config.max_running_requests if config.enable_mixed_chunk else 0)
+        return PiecewisePrefill(self.model, self.kv, self.backend, max_tokens, self.device)
 
     def _make_backend(self) -> AttentionBackend:
         """The attention backend the config resolved ("auto" is already torch or flashinfer)."""

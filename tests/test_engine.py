@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minisgl import LLM, SamplingParams
+from minisgl import LLM, SamplingParams, demo_model_path
 
 from .conftest import assert_pool_whole, tiered
 
@@ -279,3 +279,13 @@ def test_fast_decode_plan_only_after_a_wrappers_first_plan():
                                            kv_lens=[2, 3]), parity=batch_id % 2)
         expected = ["plan", "plan", "fast", "fast"] if fast else ["plan"] * 4
         assert calls == list(zip(expected, [0, 1, 0, 1]))
+
+
+def test_piecewise_prefill_graphs_say_why_they_are_not_built():
+    """enable_piecewise_cuda_graph where they cannot run (here: the CPU, no decode graphs): a warning
+    that names the reason, and the eager prefill."""
+    with pytest.warns(RuntimeWarning, match="enable_piecewise_cuda_graph does nothing here: the decode graphs are off"):
+        llm = LLM(demo_model_path(), device="cpu", enable_piecewise_cuda_graph=True)
+    assert llm.engine.prefill_graphs is None
+    assert llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=2))[0].token_ids
+    llm.close()

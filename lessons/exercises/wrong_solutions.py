@@ -167,6 +167,20 @@ self.kv_pool.free(req.slot_ids[written:req.kv_committed_len])
           "with release_allocated off", {"release by allocated length": """
 self.kv_pool.free(req.slot_ids[written:req.allocated_len])
 """}),
+    # From a student trial (2026-12-04): right wherever a request allocates only what it launches.
+    Wrong(4, "release-launched", "frees the tail up to the launched length: a verify step allocates more",
+          "release by allocated length", {"release by allocated length": """
+end = req.launched_len if self.on("release_allocated") else written
+self.kv_pool.free(req.slot_ids[written:end])
+"""}),
+    Wrong(4, "lookahead-removes-while-iterating", "removes from the running list while looping over it, which "
+          "skips the request after each one removed", "must be left out of the next decode batch",
+          {"length lookahead": """
+if self.on("length_lookahead"):
+    for req in self.running.reqs:
+        if req.will_finish_by_length():
+            self.running.reqs.remove(req)
+"""}),
 ]
 CHECKPOINT = """
 written = {written}
@@ -620,4 +634,13 @@ WRONG += [
           mixed_row(advance="req.inflight_samples += 1")),
     Wrong(12, "ignores-switch", "uses the launched length even with mixed_prefix_from_launched off",
           "keep the switch", mixed_row(position="req.launched_len")),
+    Wrong(12, "slot-from-the-pool", "takes the row's KV slot from the pool's free list, not through the ledger "
+          "(no eviction, the reservation not drawn on)", "comes from the ledger", {"the decode row": """
+position = req.launched_len if self.on("mixed_prefix_from_launched") else req.committed_len - 1
+slots = sched.kv_ledger.kv_pool.alloc(1)
+req.slot_ids += slots
+tokens.add(req.row, [input_id], position, slots)
+req.launched_len += 1
+req.inflight_samples += 1
+"""}),
 ]

@@ -16,7 +16,9 @@ smallest bucket that holds it, its extra tokens padding: position 0 and KV slot 
 them in KVPool (the decode graphs' dummy requests use it too). Between two pieces attention runs
 eagerly on the real tokens only, from one fixed buffer (q) into another (attended) that the next
 piece reads. A forward is then L + 1 graph launches and L attention calls; the logits, a few rows,
-are eager too.
+are eager too. Between pieces only the residual stream passes: piece 0's embedding output, which
+the fused add-and-norm kernels update in place in every later piece, so each graph reads it at the
+address it was captured with. (The padding rows of `attended` keep stale values; only padding reads them.)
 
 `capture=False` runs the same pieces without graphs: the CPU tests check there that the cut, the
 padding and the fixed buffers change no number.
@@ -121,13 +123,13 @@ class PiecewisePrefill:
             buffer[num_tokens:bucket].zero_()  # padding: token 0 at position 0, its K/V into slot 0
         graphs = self.graphs.get(bucket)
         rope = None if graphs else self._rotation(bucket)
+        q, attended = self.q[:num_tokens], self.attended[:num_tokens]  # the real tokens' rows
         previous = None
         for i in range(self.num_pieces):
-            if i:  # layer i-1's attention, on the real tokens: q and attended are fixed buffers
+            if i:  # layer i-1's attention, on the real tokens only: q and attended are fixed buffers
                 _, k, v, _ = previous
-                real = slice(num_tokens)
-                self.backend.forward(self.q[real], k if k is None else k[real], v if v is None else v[real], i - 1,
-                                     meta, self.kv, self.attended[real])
+                self.backend.forward(q, None if k is None else k[:num_tokens], None if v is None else v[:num_tokens],
+                                     i - 1, meta, self.kv, attended)
             if graphs:
                 graphs[i].replay()
                 previous = self.outputs[bucket][i]

@@ -12,15 +12,22 @@ PROMPTS = [[3, 4, 5 + i] * (4 + 5 * i) for i in range(5)] + [[9, 10, 11, 12, 13,
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i)
           for i, n in enumerate((3, 6, 9, 17, 12, 20))]
 
+# A small pool: after the first wave the radix cache holds most of it, and the next wave's slots,
+# the mixed rows' among them, must come from evicting it (the ledger's allocate does).
+KV_TOKENS = 320
+
 ROW_RULE = ("a mixed decode row is a decode row: input from _decode_input (a placeholder while in flight), position "
             "the launched length, one new KV slot, then launched_len and inflight_samples advance by one")
+LEDGER_RULE = ("a mixed row's KV slot comes from the ledger (sched.kv_ledger.allocate), as a decode row's does: it "
+               "evicts from the radix cache when the free list runs out and draws on the request's reservation")
 SWITCH_RULE = ("with mixed_prefix_from_launched off the position is committed_len - 1 (right serially, one early "
                "under the overlap): keep the switch")
 
 
-def generate(qwen3: str, loop: str, *disabled: str, mixed: bool = True) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(qwen3, loop=loop, disable=disabled, chunk_size=16, max_running_requests=4, device_delay_ms=2,
-              enable_mixed_chunk=mixed)
+def generate(qwen3: str, loop: str, *disabled: str, mixed: bool = True, llm: LLM | None = None,
+             prompts: list[list[int]] = PROMPTS) -> tuple[LLM, list[list[int]]]:
+    llm = llm or LLM(qwen3, loop=loop, disable=disabled, chunk_size=16, max_running_requests=4, device_delay_ms=2,
+                     enable_mixed_chunk=mixed, kv_tokens=KV_TOKENS)
     llm.rows_mixed = []  # decode rows appended to each prefill batch
     if mixed:
         feature = llm.scheduler.features.mixed_chunk
@@ -34,7 +41,7 @@ def generate(qwen3: str, loop: str, *disabled: str, mixed: bool = True) -> tuple
         feature.mix = counted
     try:
         rids, outs = [], {}
-        for p, s in zip(PROMPTS, PARAMS):  # staggered: every prefill finds decodes running
+        for p, s in zip(prompts, PARAMS):  # staggered: every prefill finds decodes running
             rids.append(llm.add_request(p, s))
             outs.update({o.rid: o.token_ids for o in llm.step()})
         while llm.has_unfinished():
@@ -60,6 +67,19 @@ def test_mixed_batches_give_the_plain_tokens(qwen3, plain, loop):
                                      "(appended after the region); no prefill batch carried one")
     assert llm.scheduler.features.mixed_chunk.decode_rows == sum(llm.rows_mixed)  # counted: the rows that rode
     assert outs == plain, ROW_RULE
+    llm.check_invariants()
+    llm.close()
+
+
+def test_mixed_rows_take_their_slots_through_the_ledger(qwen3, plain):
+    """A second wave of new prompts on the same engine: the finished first wave fills the cache."""
+    llm, outs = generate(qwen3, "overlap")
+    assert outs == plain, ROW_RULE
+    second = [[p[0] + 20, *p[1:]] for p in PROMPTS]
+    try:
+        generate(qwen3, "overlap", llm=llm, prompts=second)
+    except AssertionError as exc:
+        raise AssertionError(f"{LEDGER_RULE} ({exc})") from None
     llm.check_invariants()
     llm.close()
 

@@ -8,8 +8,9 @@ from minisgl import LLM, SamplingParams
 from minisgl.invariants import InvariantError
 from minisgl.kv_pool import KVAccountingError
 
-PROMPTS = ["hello there", "the lazy dog", "count 1 to 9:", "abc def"]
-CAPPED = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 5, 9, 14)]
+PROMPTS = ["hello there", "the lazy dog", "count 1 to 9:", "abc def", "one more", "and the last"]
+# Caps shared by requests that decode side by side: several reach theirs in the same step.
+CAPPED = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 5, 5, 9, 9, 14)]
 
 
 def outputs(model: str, prompts, params, *disabled: str, loop: str = "overlap") -> tuple[LLM, list[list[int]]]:
@@ -79,6 +80,17 @@ def test_release_frees_up_to_the_allocated_length(qwen3):
     assert leaked(off) == off.stats.overshoot_tokens > 0, (
         "keep the switch: with release_allocated off the tail is freed only up to the KV-committed length, "
         f"so one slot per late result leaks (leaked {leaked(off)}, late results {off.stats.overshoot_tokens})")
+
+
+def test_release_frees_what_a_verify_step_allocated_past_the_launched_length(qwen3):
+    """Speculation (lesson 12) allocates KV for the most a verify step can accept: more than it launches."""
+    llm = LLM(qwen3, loop="overlap", speculative_algorithm="ngram", speculative_num_steps=3)
+    llm.scheduler.check_each_step = False
+    llm.generate(PROMPTS, CAPPED)
+    assert leaked(llm) == 0, (
+        "release by allocated length: free the tail up to req.allocated_len, every slot the request was given, "
+        "not only up to what it launched (a speculative verify step allocates KV for all it may accept). "
+        f"{leaked(llm)} KV slots leaked")
 
 
 def test_skip_finished_off_shows_its_symptom(qwen3):
