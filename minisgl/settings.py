@@ -123,7 +123,7 @@ SETTINGS: tuple[Setting, ...] = (
     # the batch (benchmarks/RESULTS.md); the fast plan skips it and schedules the same work.
     Setting("fast_decode_plan", True, "plan decode attention with FlashInfer's fast_decode_plan after each "
             "wrapper's first plan() (False: plan() every time)", kind=bool),
-    # Off until measured against the eager prefill on the H200 (benchmarks/RESULTS.md).
+    # Off until an A/B on the H200 (benchmarks/gpu_checks.py prefill: eager, then these graphs) shows it faster.
     Setting("enable_piecewise_cuda_graph", False, "prefill and other forwards outside the decode graphs from CUDA "
             "graphs cut at attention, which runs eagerly between them (gpu/piecewise_graph.py)", kind=bool),
 )
