@@ -112,9 +112,9 @@ class PiecewisePrefill:
     def can_run(self, meta: AttentionMetadata) -> bool:
         return sum(meta.qo_lens) <= self.buckets[-1]
 
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, every_position: bool = False) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The forward on the current (engine) stream, its attention planned already (backend.plan);
-        returns what CausalLM.forward does."""
+        returns what CausalLM.forward does: each request's last token's logits."""
         num_tokens = sum(meta.qo_lens)
         bucket = self.bucket_for(num_tokens)
         for buffer, values in ((self.input_ids, input_ids), (self.positions, meta.positions),
@@ -136,7 +136,7 @@ class PiecewisePrefill:
             else:
                 previous = self._piece(i, bucket, previous, rope)
         h, residual = previous
-        return self.model.logits(h[:num_tokens], residual[:num_tokens], meta, every_position)
+        return self.model.logits(h[:num_tokens], residual[:num_tokens], meta)
 
     def close(self) -> None:
         """Free the graphs, their memory pool and the fixed buffers (see CudaGraphRunner.close)."""
