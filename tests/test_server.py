@@ -124,6 +124,14 @@ def test_logprobs_match_the_engine(server, llm):
                                   extra_body={"ignore_eos": True})
     streamed = [chunk.choices[0].logprobs for chunk in stream if chunk.choices[0].logprobs.tokens]
     assert len(streamed) > 1 and sum((x.text_offset for x in streamed), []) == lp.text_offset
+    # a special token (an EOS let through by ignore_eos) is listed, but adds nothing to the text
+    out = c.completions.create(model="demo", prompt="count 1 to 400:", max_tokens=24, temperature=0, logprobs=0,
+                               extra_body={"ignore_eos": True})
+    text, lp = out.choices[0].text, out.choices[0].logprobs
+    special = set(llm.tokenizer.all_special_tokens)
+    assert special & set(lp.tokens), "the case needs a special token inside the completion"
+    assert all(text[o:o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset) if t not in special)
+    assert lp.text_offset[-1] + len(lp.tokens[-1]) * (lp.tokens[-1] not in special) == len(text)
     chat = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}], temperature=0,
                                      max_tokens=12, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content

@@ -54,13 +54,15 @@ class CompletionFormat(Format):
 
     def __init__(self, model: str, tokenizer) -> None:
         super().__init__(model, tokenizer)
-        self.offsets: dict[int, int] = {}  # by choice: characters of its tokens sent so far (a stream's chunks)
+        self.offsets: dict[int, int] = {}  # by choice: characters of its text so far (a stream's chunks)
+        self.shown = text_decoder(tokenizer)  # a token's text as the choice's text has it: none for a special one
 
     def logprobs(self, index: int, entries: list[TokenLogprob | None]) -> dict:
-        """`text_offset`: where each token's text starts, counted over this choice's tokens from its first."""
+        """`text_offset`: where each token's text starts in the choice's text (a special token, e.g.
+        an EOS that ignore_eos let through, is listed but adds no text)."""
         entries = [e for e in entries if e is not None]
         tokens = [self.token_text(e.token_id) for e in entries]
-        offsets = list(accumulate((len(t) for t in tokens), initial=self.offsets.get(index, 0)))
+        offsets = list(accumulate((len(self.shown([e.token_id])) for e in entries), initial=self.offsets.get(index, 0)))
         self.offsets[index] = offsets.pop()
         return {"tokens": tokens, "text_offset": offsets,
                 "token_logprobs": [_finite(e.logprob) for e in entries],
