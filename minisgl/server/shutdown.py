@@ -15,6 +15,7 @@ few seconds to exit, then is killed.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from types import FrameType
@@ -53,6 +54,9 @@ class Server(uvicorn.Server):
         self.signals.append(sig)
         if len(self.signals) > 1:
             self.force_exit = True
+        else:  # else a quiet drain of up to --drain-timeout seconds looks like a hang
+            print(f"minisgl serve: {signal.Signals(sig).name}: finishing the requests in flight (at most "
+                  f"--drain-timeout seconds); send it again to stop now", file=sys.stderr, flush=True)
         self.should_exit = True
 
     @property
