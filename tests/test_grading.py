@@ -41,7 +41,7 @@ def read(entry: Path, base: Path, tmp_path: Path) -> submission.Submission:
     scratch.mkdir()
     tree, skipped = submission.tree_from_entry(entry, base, scratch)
     marked = {f"minisgl/{rel.as_posix()}": n for rel, n in grade.marked_files(base / "minisgl").items()}
-    submission.read_tree(sub, base, tree, marked)
+    submission.read_tree(sub, base, tree, marked, skipped)
     sub.notes += skipped
     return sub
 
@@ -181,6 +181,14 @@ REACHES_OUTSIDE = {
     "a library loaded": "torch.ops.load_library('/tmp/x.so')",
     "a module renamed": "t = torch\nt.equal = lambda *a: True",
     "a module passed": "import functools\nfunctools.update_wrapper(self, torch, assigned=('os',), updated=())",
+    # a teacher's trial: a function's globals copied into the region's, then a private name of torch's
+    "another module's globals copied": "import functools\ndef holder():\n    pass\n"
+                                       "functools.update_wrapper(holder, torch.is_tensor, assigned=(), "
+                                       "updated=('__globals__',))",
+    "the same through wraps": "import functools\nw = functools.wraps(torch.is_tensor, (), ('__globals__',))",
+    "a name planted in the globals": "run = _import_dotted_name('builtins.exec')",
+    "annotations evaluated": "import functools\ndef h(x: \"__import__('os')\"):\n    pass\n"
+                             "functools.singledispatch(h).register(h)",
     "a module in a list": "ms = [torch]",
     "a module as a default": "f = lambda m=torch: m",
     "a submodule handed around": "m = torch.cuda\nm.synchronize = None",
@@ -453,6 +461,74 @@ def test_a_marked_file_missing_costs_only_its_exercises(base, reference, tmp_pat
     sub = read(entry, base, tmp_path)
     assert not sub.not_gradable and set(sub.costs) == set(numbers), (sub.costs, sub.not_gradable)
     assert all("missing" in why for n in numbers for why in sub.costs[n])
+
+
+def test_a_symlinked_marked_file_or_a_tree_without_any_is_named_as_such(base, reference, tmp_path):
+    """A trial class: a marked file that is a symlink read "is missing", and an empty folder
+    "edited outside the markers"; the first costs its exercises, the second is not a work tree."""
+    entry = put_regions(reference, {}, tmp_path / "linked")
+    future_map = entry / "minisgl" / "future_map.py"
+    future_map.unlink()
+    future_map.symlink_to(ROOT / "minisgl" / "future_map.py")
+    sub = read(entry, base, tmp_path)
+    assert set(sub.costs) == {2} and "symlink" in sub.costs[2][0], sub.costs
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(submission.NotGradable, match="not a work tree"):
+        read(tmp_path / "empty", base, tmp_path)
+
+
+def test_an_edit_around_a_region_that_ends_its_function_costs_its_exercise(base, reference, tmp_path):
+    """A trial class: a region's closing marker is a comment after its function's last statement,
+    so edits in a function that a region ends (10 of the regions) were charged to nothing."""
+    for edit in ('"""Runs on the engine stream right after sampling batch n (mine)."""',
+                 "# <<< exercise 2\n        self.tokens.zero_()"):
+        entry = put_regions(reference, {}, tmp_path / f"edit-{len(edit)}")
+        future_map = entry / "minisgl" / "future_map.py"
+        old = ('"""Runs on the engine stream right after sampling batch n."""' if edit.startswith('"""')
+               else "# <<< exercise 2")
+        future_map.write_text(future_map.read_text().replace(old, edit, 1))
+        sub = read(entry, base, tmp_path)
+        assert set(sub.costs) == {2}, (edit, sub.costs, sub.notes)
+    helper = put_regions(reference, {}, tmp_path / "helper")
+    future_map = helper / "minisgl" / "future_map.py"
+    future_map.write_text(future_map.read_text() + "\n\ndef my_helper():\n    return 1\n")
+    assert read(helper, base, tmp_path).costs == {}  # a function of its own costs nothing
+
+
+def test_a_region_indented_with_tabs_costs_what_the_students_own_checker_would(base, reference, tmp_path):
+    """Python refuses a file whose indentation mixes tabs and spaces (TabError): the student's
+    checker cannot import it, so the grade must not pass the region re-indented."""
+    entry = put_regions(reference, {}, tmp_path / "tabs")
+    future_map = entry / "minisgl" / "future_map.py"
+    source = future_map.read_text()
+    future_map.write_text(source.replace("        self.tokens[rows] = next_tokens", "\tself.tokens[rows] = next_tokens", 1))
+    with pytest.raises(TabError):
+        compile(future_map.read_text(), "future_map.py", "exec")
+    sub = read(entry, base, tmp_path)
+    assert set(sub.costs) == {2} and "TabError" in sub.costs[2][0], sub.costs
+
+
+def test_a_zip_from_windows_reads_as_its_tree_and_one_that_points_outside_is_refused(base, reference, tmp_path):
+    """Explorer's "Compressed folder": the tree in one folder, backslashes in the names, CRLF."""
+    import zipfile
+
+    entry = tmp_path / "dave.zip"
+    with zipfile.ZipFile(entry, "w") as archive:
+        for path in sorted(reference.rglob("*")):
+            if path.is_file():
+                name = "dave\\" + str(path.relative_to(reference)).replace("/", "\\")
+                data = path.read_bytes()
+                archive.writestr(name, data.replace(b"\n", b"\r\n") if path.suffix == ".py" else data)
+    sub = read(entry, base, tmp_path)
+    assert submission.student_name(entry) == "dave"
+    assert sub.code == grade.written_regions(ROOT) and sub.costs == {} and sub.notes == [], (sub.costs, sub.notes)
+    for i, name in enumerate(("../../evil.py", "/etc/evil.py", "C:\\evil.py", "minisgl\\..\\..\\evil.py")):
+        hostile = tmp_path / f"mallory{i}.zip"
+        with zipfile.ZipFile(hostile, "w") as archive:
+            archive.writestr(name, "x = 1\n")
+        with pytest.raises(submission.NotGradable, match="outside"):
+            read(hostile, base, tmp_path)
+    assert not (tmp_path / "evil.py").exists() and not (tmp_path.parent / "evil.py").exists()
 
 
 def test_a_killed_grading_runs_scratch_is_removed_by_the_next_run(tmp_path):

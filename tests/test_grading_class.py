@@ -356,6 +356,18 @@ assert not [s for s in seen if root in s], "the teacher's checkout is named in t
 """ + SNAPSHOT
         clean = j.check(3, {"snapshot": looker})
         assert clean.status == "passed", clean  # no path of the checkout in its env, argv, cwd or import path
+        peeker = f"""
+read = []
+for path in ({str(TEACHER)!r}, {str(tmp_path / "edition" / "README.md")!r}):
+    try:
+        open(path).close()
+        read.append(path)
+    except PermissionError:
+        pass
+assert not read, "a check read " + str(read)
+""" + SNAPSHOT
+        if j.starter.confinement["landlock"] > 0:  # the teacher's checkout and other folders: not readable
+            assert j.check(3, {"snapshot": peeker}).status == "passed"
         marker = f"stray{os.getpid() % 10**6}"
         forker = ("import os\nif 'FORKED' not in os.environ:\n    os.environ['FORKED'] = '1'\n"
                   "    if os.fork() == 0:\n        os.setsid()\n        while True:\n            pass\n"

@@ -565,6 +565,15 @@ if req.row_generation != generation and self.on("retract_skip_inflight"):
     self.stats.retracted_late_results += 1
     continue
 """}),
+    Wrong(9, "table-generation", "tests the row table's current generation instead of the request's own: with "
+          "deferred_row_free off a finished request's row goes to the next request while its overshoot step is in "
+          "flight, and that late result is counted as a retraction that never happened",
+          "not the row table's generation",
+          {"skip a retracted request's in-flight result": """
+if (req.row != row or self.req_to_token.generation[row] != generation) and self.on("retract_skip_inflight"):
+    self.stats.retracted_late_results += 1
+    continue
+"""}),
     Wrong(10, "masks-without-finished-rows", "builds the delayed masks without the rows whose request finished "
           "while the batch was in flight", "also for a request that finished",
           delayed_sample(reqs="[r for r in inflight.view.reqs if not r.finished]")),

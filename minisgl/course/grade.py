@@ -160,7 +160,7 @@ def read_class(submissions: Path, edition: Path, scratch: Path) -> list[Submissi
         work.mkdir()
         try:
             tree, skipped = tree_from_entry(named[0], edition, work)
-            read_tree(sub, edition, tree, marked)
+            read_tree(sub, edition, tree, marked, skipped)
             if skipped:
                 sub.notes.append(f"ignored (not regular files): {', '.join(skipped[:3])}")
         except NotGradable as exc:

@@ -15,8 +15,10 @@ Defence in depth, where the OS offers it (Linux): the zygote is a child subreape
 check leaves behind (a daemon that left its session, its working folder and its environment) is
 re-parented to the zygote and killed once no check runs; and each child confines itself with
 Landlock before any submission code runs: it may write, create, remove or rename files only in
-its copy (and a few devices), may not signal or connect to processes outside its own checks'
-domain, and may not open TCP connections. The zygote's first datagram tells the judge which
+its copy (and a few devices, /dev/shm for multiprocessing's semaphores), may read only its copy,
+the interpreter's folders and the system's (never the teacher's checkout, the other submissions
+or the grades), may not signal or connect to processes outside its own checks' domain, and may
+not open TCP connections. The zygote's first datagram tells the judge which
 Landlock ABI the kernel offers (0: none, the checks run unconfined). This file is run from a copy
 in the run's scratch folder: no path of the teacher's checkout is in any process's argv.
 """
@@ -50,10 +52,28 @@ except (OSError, AttributeError):
 
 # Landlock (linux/landlock.h); the syscall numbers are the same on x86_64 and arm64
 SYS_CREATE_RULESET, SYS_ADD_RULE, SYS_RESTRICT_SELF = 444, 445, 446
-WRITE_FILE, MAKE_ALL, REFER, TRUNCATE = 1 << 1, sum(1 << b for b in range(4, 13)), 1 << 13, 1 << 14
+WRITE_FILE, READ_FILE, READ_DIR = 1 << 1, 1 << 2, 1 << 3
+MAKE_ALL, REFER, TRUNCATE = sum(1 << b for b in range(4, 13)), 1 << 13, 1 << 14
 NET_TCP = (1 << 0) | (1 << 1)  # bind and connect
 SCOPES = (1 << 0) | (1 << 1)  # abstract unix sockets and signals outside the domain
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
+# what a check may read besides its copy and the interpreter's own folders: the system's libraries,
+# configuration, devices and /proc, /sys (CPU and GPU queries); never a folder above a hidden one
+SYSTEM_READABLE = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc", "/opt", "/nix", "/proc",
+                   "/sys", "/dev", "/run")
+
+
+def readable_roots(hidden: tuple[str, ...] | list[str]) -> list[str]:
+    """The folders a check may read outside its copy: the interpreter's (its prefixes and import
+    path) and the system's, less any that holds a hidden folder (the teacher's checkout: a venv
+    inside it stays readable, the checkout around it does not)."""
+    hidden_dirs = [os.path.join(os.path.realpath(h), "") for h in hidden]
+    found = []
+    for path in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, *SYSTEM_READABLE):
+        real = os.path.join(os.path.realpath(path or "."), "")
+        if os.path.isdir(real) and not any(h.startswith(real) for h in hidden_dirs) and real not in found:
+            found.append(real)
+    return found
 
 
 def landlock_abi() -> int:
@@ -64,10 +84,10 @@ def landlock_abi() -> int:
     return max(abi, 0)
 
 
-def confine(abi: int, writable: str) -> None:
-    """Let this process (and all it starts) write only under `writable` and to a few devices, and,
-    as far as the ABI goes, neither use TCP nor signal or reach processes outside its domain.
-    Reads are left alone (the judge's messages show only the tests' own text). Raises OSError."""
+def confine(abi: int, writable: str, readable: list[str]) -> None:
+    """Let this process (and all it starts) write only under `writable` and to a few devices, read
+    only there and under `readable`, and, as far as the ABI goes, neither use TCP nor signal or
+    reach processes outside its domain. Raises OSError."""
     if abi <= 0:
         return
 
@@ -78,7 +98,7 @@ def confine(abi: int, writable: str) -> None:
         _pack_ = 1
         _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
-    handled = WRITE_FILE | MAKE_ALL | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0)
+    handled = WRITE_FILE | READ_FILE | READ_DIR | MAKE_ALL | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0)
     ruleset = Ruleset(handled, NET_TCP if abi >= 4 else 0, SCOPES if abi >= 6 else 0)
     size = 8 if abi < 4 else 16 if abi < 6 else 24
 
@@ -90,8 +110,9 @@ def confine(abi: int, writable: str) -> None:
 
     fd = check(LIBC.syscall(SYS_CREATE_RULESET, ctypes.byref(ruleset), ctypes.c_size_t(size), ctypes.c_uint32(0)))
     try:
-        file_rights = WRITE_FILE | (TRUNCATE if abi >= 3 else 0)
+        file_rights = WRITE_FILE | READ_FILE | (TRUNCATE if abi >= 3 else 0)
         paths = [(writable, handled), ("/dev/shm", handled)]
+        paths += [(folder, READ_FILE | READ_DIR) for folder in readable]
         paths += [(d, file_rights) for d in DEVICES]
         paths += [(os.path.join(folder, n), file_rights) for folder in ("/dev", "/dev/dri") if os.path.isdir(folder)
                   for n in sorted(os.listdir(folder)) if n.startswith(("nvidia", "card", "renderD"))]
@@ -138,7 +159,7 @@ def child(request: dict, report_fd: int, control: socket.socket) -> None:
         sys.path_importer_cache.clear()
         sys.dont_write_bytecode = True
         sys.path.insert(0, request["copy"])  # the copy's minisgl, as PYTHONPATH does for an interpreter
-        confine(request.get("landlock", 0), request["copy"])
+        confine(request.get("landlock", 0), request["copy"], readable_roots(request.get("hide", ())))
         if request.get("memory"):  # before any code of the submission runs
             try:
                 resource.setrlimit(resource.RLIMIT_DATA, (request["memory"], request["memory"]))

@@ -6,7 +6,9 @@ report, change what the tests call, or read and write files it must not. No exer
 of that: a region works on the engine's own objects (`self`, the batch, tensors), calls torch and
 a few harmless modules, and makes or reads the package's classes. So a region is held to this:
 
-- names: no dunder; of the builtins only the harmless ones (no setattr, vars, open, ...), and two
+- names: only those the region binds, the package's own code names (its globals, the enclosing
+  function's parameters and locals) or a builtin has (a name planted in the module's globals is
+  never reached); no dunder; of the builtins only the harmless ones (no setattr, vars, open, ...), and two
   only in their harmless form: `getattr(obj, "name"[, default])` with the name written out (read
   as `obj.name`, under the attribute rules) and `type(x)` in a comparison (`type(x) is T`; a call
   of it would make classes); no module or foreign object that a file of the package imported
@@ -50,7 +52,7 @@ from typing import Callable
 
 from minisgl.course.region_policy_lists import (ALLOWED_IMPORTS, DENIED_ATTRIBUTES, DENIED_NAMES, DENIED_NODES,
                                                 NAMES_FROM, NARROWED, SAFE_BUILTINS)
-from minisgl.course.region_policy_package import PACKAGE_DIR, package_names
+from minisgl.course.region_policy_package import PACKAGE_DIR, bound_or_named, package_names
 
 _MISSING = object()
 
@@ -111,6 +113,9 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
     modules: dict[str, str] = {m: m for m in ALLOWED_IMPORTS}  # a name in the region -> the module it is
     classes = set(known.classes)
     problems: list[str] = []
+    # A name the region does not bind, that no code of the package names and that no builtin has
+    # would be a NameError, unless something put it in the module's globals: never reach it.
+    nameable = known.spelled | set(bound_or_named(tree, loaded=False)) | set(dir(builtins))
 
     def attribute_problem(attr: str) -> str | None:
         if _is_dunder(attr) or attr in denied_attributes:
@@ -172,6 +177,9 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
             problems.append(f"a region may not use `{type(node).__name__.lower()}`")
         elif isinstance(node, ast.keyword) and node.arg == "file":
             problems.append("a region may not pass `file=` (it reaches outside the engine)")
+        elif isinstance(node, ast.Name) and node.id not in nameable:
+            problems.append(f"a region may not use the name `{node.id}`: neither the region nor the package's code "
+                            f"defines it (a name put into the module's globals from outside)")
         elif isinstance(node, ast.Name):
             problems += _name_problems(node, parent, parents, modules, classes, denied_everywhere,
                                        hint=id(node) in annotations)

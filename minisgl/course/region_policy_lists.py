@@ -31,6 +31,9 @@ DENIED_NAMES = frozenset({
     "warnings", "asyncio", "concurrent", "selectors", "mmap", "fcntl", "pty", "shlex", "string", "sysconfig",
     "zipfile", "tarfile", "urllib", "http", "code", "codeop", "pdb", "cProfile", "profile", "tracemalloc",
     "_thread", "posix", "nt", "fileinput", "filecmp", "uuid", "webbrowser", "ssl", "select", "queue",
+    # functools' helpers that copy attributes named by strings (update_wrapper(f, g, updated=("__globals__",))
+    # fills the region's globals with another module's) or evaluate a function's annotations
+    "update_wrapper", "wraps", "WRAPPER_ASSIGNMENTS", "WRAPPER_UPDATES", "singledispatch", "singledispatchmethod",
 })
 DENIED_ATTRIBUTES = frozenset({
     # the interpreter, its frames and code

@@ -28,6 +28,9 @@ class PackageNames:
         self.foreign: set[str] = set()  # names bound to modules, or imported from modules not harmless
         self.modules: set[str] = set()  # names bound to modules (`import x`, `from . import module`)
         trees = dict(_parsed_modules(package))  # module path (a/b.py) -> its tree, parsed once for both passes
+        # every name the package's own code spells (its globals, its functions' parameters and locals):
+        # a region may name nothing else that it does not bind itself (region_policy.py)
+        self.spelled: set[str] = {name for tree in trees.values() for name in bound_or_named(tree)}
         for rel, tree in trees.items():
             path = self.package / rel
             defined, imported = self.defined.setdefault(rel, set()), self.imported.setdefault(rel, set())
@@ -143,6 +146,25 @@ class PackageNames:
                 if path.is_file() and path.is_relative_to(self.package):
                     found.append(path.relative_to(self.package).as_posix())
         return sorted(set(found))
+
+
+def bound_or_named(tree: ast.AST, loaded: bool = True):
+    """Every name `tree` binds (assigned, a parameter, a function, an import, an exception or match
+    name) and, if `loaded`, every name it reads bare."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            if loaded or not isinstance(node.ctx, ast.Load):
+                yield node.id
+        elif isinstance(node, ast.arg):
+            yield node.arg
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name
+        elif isinstance(node, ast.alias):
+            yield node.asname or node.name.split(".")[0]
+        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+            yield node.name
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            yield node.rest
 
 
 def _parsed_modules(package: Path):

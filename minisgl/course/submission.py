@@ -1,12 +1,15 @@
 """One student's hand-in, read safely: a work tree or a patch, normalized, its regions and its edits.
 
-A submission is an entry of the submissions folder: a folder (the student's work tree) or a
-`NAME.patch` / `NAME.diff` file (`git diff` in the student's tree; PowerShell writes it UTF-16).
+A submission is an entry of the submissions folder: a folder (the student's work tree), a
+`NAME.zip` of it (Windows' "Send to > Compressed folder" included: backslashes in its names, the
+tree in one folder of it) or a `NAME.patch` / `NAME.diff` file (`git diff` in the student's tree;
+PowerShell writes it UTF-16).
 It is never run and never read in place: its regular files are copied into scratch, text
 normalized (a BOM dropped, CRLF and CR ends made LF), and what laptops add (`.DS_Store`,
 `Thumbs.db`, `__pycache__`, editor folders) left out. A symlink, FIFO or device is never
-followed or opened. A malformed submission (the entry a symlink or a FIFO, a patch that does not
-apply or is too big, a marked file that is not a regular file) raises NotGradable: one row of the
+followed or opened; a zip is unpacked name by name, none outside its folder. A malformed
+submission (the entry a symlink or a FIFO, a patch that does not apply or is too big, a zip that
+is not one or names a path outside it, a tree without any marked file) raises NotGradable: one row of the
 grade sheet, never the end of the class. A marked file that is missing (a tree from an older
 edition) costs only the exercises whose regions it holds.
 
@@ -27,12 +30,15 @@ import shutil
 import stat
 import subprocess
 import textwrap
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from minisgl.course.markers import regions
 
 PATCH_SUFFIXES = (".patch", ".diff")
+ARCHIVE_SUFFIX = ".zip"
 MAX_PATCH_BYTES = 16 << 20  # a patch of the exercise regions is kilobytes
 MAX_FILE_BYTES = 16 << 20
 MAX_TREE_BYTES = 256 << 20
@@ -59,7 +65,7 @@ class Submission:
 
 
 def student_name(entry: Path) -> str:
-    return entry.name[:-len(entry.suffix)] if entry.suffix in PATCH_SUFFIXES else entry.name
+    return entry.name[:-len(entry.suffix)] if entry.suffix in (*PATCH_SUFFIXES, ARCHIVE_SUFFIX) else entry.name
 
 
 def is_submission(entry: Path) -> bool:
@@ -126,6 +132,54 @@ def copy_tree_safely(source: Path, dest: Path) -> list[str]:
     return skipped
 
 
+def unzip_safely(archive_path: Path, dest: Path) -> list[str]:
+    """A zip's regular files into dest, text normalized and litter left out as copy_tree_safely
+    does: a name written with backslashes (Windows) read as a path; an absolute name, a drive, or
+    `..` refused, so nothing lands outside dest; a link skipped; the sizes bounded by what is read,
+    not by what the archive claims. Returns what was skipped."""
+    skipped: list[str] = []
+    total = 0
+    try:
+        with zipfile.ZipFile(archive_path) as archive:
+            members = archive.infolist()
+            if len(members) > MAX_FILES:
+                raise NotGradable(f"{archive_path.name} holds more than {MAX_FILES} entries")
+            for member in members:
+                name = member.filename.replace("\\", "/")
+                parts = [part for part in name.split("/") if part not in ("", ".")]
+                if name.startswith("/") or ".." in parts or (parts and ":" in parts[0]):
+                    raise NotGradable(f"{archive_path.name} names a path outside its folder: {member.filename[:80]!r}")
+                if not parts or any(_ignored(part) for part in parts):
+                    continue
+                target = dest.joinpath(*parts)
+                if member.is_dir() or name.endswith("/"):
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                if stat.S_ISLNK(member.external_attr >> 16):
+                    skipped.append("/".join(parts))
+                    continue
+                with archive.open(member) as f:
+                    data = f.read(MAX_FILE_BYTES + 1)
+                total += len(data)
+                if len(data) > MAX_FILE_BYTES or total > MAX_TREE_BYTES:
+                    raise NotGradable(f"{archive_path.name} unpacks to more than {MAX_TREE_BYTES >> 20} MiB, or a "
+                                      f"file over {MAX_FILE_BYTES >> 20} MiB ({'/'.join(parts)})")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(normalize_text(data))
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, RuntimeError, EOFError, zlib.error) as exc:
+        raise NotGradable(f"{archive_path.name} is not a zip this grader can read ({str(exc)[:120]})") from exc
+    return skipped
+
+
+def _tree_root(folder: Path) -> Path:
+    """The folder itself, or the one folder it holds, whichever has the package in it (a zip of
+    the work tree's folder unpacks to one folder)."""
+    inside = [p for p in folder.iterdir() if not _ignored(p.name)]
+    if not (folder / "minisgl").is_dir() and len(inside) == 1 and (inside[0] / "minisgl").is_dir():
+        return inside[0]
+    return folder
+
+
 def tree_from_entry(entry: Path, edition: Path, scratch: Path) -> tuple[Path, list[str]]:
     """The submission's work tree, normalized, in scratch/tree; and the entries skipped."""
     mode = entry.lstat().st_mode
@@ -137,8 +191,14 @@ def tree_from_entry(entry: Path, edition: Path, scratch: Path) -> tuple[Path, li
         return tree, copy_tree_safely(entry, tree)
     if not stat.S_ISREG(mode):
         raise NotGradable(f"{entry.name} is not a regular file or a folder")
+    if entry.suffix == ARCHIVE_SUFFIX:
+        tree.mkdir(parents=True)
+        skipped = unzip_safely(entry, tree)
+        root = _tree_root(tree)
+        below = root.relative_to(tree).as_posix() + "/"  # "./" where the package is at the zip's top
+        return root, [name.removeprefix(below) for name in skipped]
     if entry.suffix not in PATCH_SUFFIXES:
-        raise NotGradable(f"{entry.name} is neither a folder nor a {' or '.join(PATCH_SUFFIXES)} file")
+        raise NotGradable(f"{entry.name} is neither a folder nor a {', '.join(PATCH_SUFFIXES)} or {ARCHIVE_SUFFIX} file")
     if entry.lstat().st_size > MAX_PATCH_BYTES:
         raise NotGradable(f"{entry.name} holds more than {MAX_PATCH_BYTES >> 20} MiB: not a patch of the exercises")
     with open(entry, "rb") as f:
@@ -170,15 +230,42 @@ def _outside(lines: list[str]) -> tuple[list[str], list[int]]:
     return out + lines[pos:], origin + list(range(pos, len(lines)))
 
 
-def _exercises_of_function(source: str, line: int) -> set[int]:
-    """The exercises with regions inside the innermost function around `line` (0-based), if any."""
-    spans = [(node.lineno - 1, node.end_lineno - 1) for node in ast.walk(ast.parse(source))
-             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    inside = [span for span in spans if span[0] <= line <= span[1]]
-    if not inside:
-        return set()
-    first, last = min(inside, key=lambda span: span[1] - span[0])
-    return {r.number for r in regions(source.splitlines()) if first <= r.first and r.last <= last}
+def exercises_by_line(source: str) -> list[frozenset[int]]:
+    """For each line (0-based), the exercises whose regions open inside the innermost function
+    around it: the function that holds them, its closing marker included (a comment after the
+    function's last statement, where a region ends its function). Empty where the source does
+    not parse."""
+    lines = source.splitlines()
+    owners = [frozenset()] * len(lines)
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return owners
+    marked = regions(lines)
+    functions = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first, last = node.lineno - 1, node.end_lineno - 1
+            held = [r for r in marked if first <= r.first <= last]
+            functions.append((first, max([last] + [r.last for r in held]), frozenset(r.number for r in held)))
+    for first, last, numbers in sorted(functions, key=lambda f: f[0] - f[1]):  # outermost first, inner overwrite
+        owners[first:last + 1] = [numbers] * (last + 1 - first)
+    return owners
+
+
+def _tab_error(rel: str, source: str, marked: list) -> tuple[set[int], str] | None:
+    """The exercises that a TabError in `source` costs (the region holding it, else every one of
+    the file) and why: the student's own checker cannot import such a file, so neither may the grade
+    take its regions re-indented."""
+    try:
+        compile(source, rel, "exec", dont_inherit=True)
+    except TabError as exc:
+        line = (exc.lineno or 1) - 1
+        numbers = {r.number for r in marked if r.first < line < r.last} or {r.number for r in marked}
+        return numbers, f"{rel} line {line + 1}: tabs and spaces mixed in its indentation (Python's TabError)"
+    except (SyntaxError, ValueError):
+        return None  # a region's own syntax error is its exercise's (region_policy says where)
+    return None
 
 
 def _files(tree: Path) -> set[str]:
@@ -186,14 +273,22 @@ def _files(tree: Path) -> set[str]:
             if not any(_ignored(part) for part in rel.parts)}
 
 
-def read_tree(sub: Submission, edition: Path, tree: Path, marked: dict[str, list[int]]) -> None:
-    """Fill sub's regions, costs and notes from its normalized tree against the edition."""
+def read_tree(sub: Submission, edition: Path, tree: Path, marked: dict[str, list[int]],
+              skipped: list[str] | tuple[str, ...] = ()) -> None:
+    """Fill sub's regions, costs and notes from its normalized tree against the edition (`skipped`:
+    what copy_tree_safely did not copy, symlinks and the like)."""
     def cost(numbers: set[int] | list[int], what: str) -> None:
         for number in sorted(numbers):
             sub.costs.setdefault(number, []).append(what)
 
+    if not any(os.path.lexists(tree / rel) or rel in skipped for rel in marked):
+        raise NotGradable(f"none of the files with exercises ({', '.join(list(marked)[:2])}, ...) is in it: "
+                          f"not a work tree of the student edition")
     for rel, numbers in marked.items():
         path = tree / rel
+        if rel in skipped:
+            cost(numbers, f"{rel} is a symlink or not a regular file: not read")
+            continue
         if not os.path.lexists(path):  # handed in from an older edition, say: only its exercises are lost
             cost(numbers, f"{rel} is missing")
             continue
@@ -218,14 +313,21 @@ def read_tree(sub: Submission, edition: Path, tree: Path, marked: dict[str, list
         for region in after_regions:
             sub.code.setdefault(region.number, {})[region.name] = textwrap.dedent(
                 "".join(lines[region.first + 1:region.last]))
+        tabs = _tab_error(rel, after, after_regions)
+        if tabs:
+            cost(*tabs)
         outside_before, origin = _outside(before.splitlines(keepends=True))
-        outside_after, _ = _outside(lines)
+        outside_after, origin_after = _outside(lines)
+        owners_before, owners_after = exercises_by_line(before), exercises_by_line(after)
         matcher = difflib.SequenceMatcher(a=outside_before, b=outside_after, autojunk=False)
-        for tag, i1, _, _, _ in matcher.get_opcodes():
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
             if tag == "equal":
                 continue
             line = origin[min(i1, len(origin) - 1)]
-            owners = _exercises_of_function(before, line)
+            # the function a changed line was in, or an added line is in now (after a region that
+            # ends its function, say); a deleted line's function is the edition's
+            owners = set().union(*(owners_before[origin[i]] for i in range(i1, i2)),
+                                 *(owners_after[origin_after[j]] for j in range(j1, j2)))
             if owners:
                 cost(owners, f"{rel} line {line + 1} changed, outside the markers but in the function that "
                              f"holds the region")

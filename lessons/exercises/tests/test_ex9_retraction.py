@@ -147,3 +147,21 @@ def test_the_row_tells_a_request_admitted_into_another_row():
         "per row, so a retracted request admitted again into another row may have the generation it launched "
         f"with, and only the row says the late result is not its own (retracted_late_results "
         f"{sched.stats.retracted_late_results})")
+
+
+def test_a_row_recycled_under_a_request_that_kept_it_is_no_retraction():
+    """With deferred_row_free off a finished request's row goes to the next request while its
+    overshoot step is in flight: the row table's generation moves, the request's own (row,
+    generation) does not. Staged here by moving only the table's generation. That late result is
+    the generation check's (stale_row_results), not a retraction: the test is the request's own
+    pair against the batch's, never the table's generation."""
+    llm = engine()
+    sched = llm.scheduler
+    batch, (_, req) = decode_batch_in_flight(llm)
+    sched.req_to_token.generation[req.row] += 1  # the row went to another request; this one was not retracted
+    sched.commit(batch)
+    assert (sched.stats.retracted_late_results, sched.stats.stale_row_results) == (0, 1), (
+        "compare the request's own (row, row_generation) with the batch's, not the row table's generation: the "
+        "table's moves when the row goes to another request (deferred_row_free off), which retracts nothing; that "
+        f"late result is left to the generation check (retracted_late_results {sched.stats.retracted_late_results}, "
+        f"stale_row_results {sched.stats.stale_row_results})")
