@@ -45,6 +45,7 @@ import pytest
 
 from minisgl.course import ROOT, grade, judge
 from minisgl.course import student_edition as edition
+from minisgl.course.catalog import EXERCISES
 from minisgl.course.judge_copy import put_regions
 from minisgl.course.make_exercise import WRONG
 
@@ -245,6 +246,8 @@ def test_every_mark_of_the_class_is_right(graded):
         "twice": ("0", "0"), "fifo": ("0", "0"), "loop": ("0", "0"), "broken": ("0", "0"),
     }, marks
     assert rows["added-import"]["notes"] and "batch.py" in rows["added-import"]["notes"]
+    ungraded = ", ".join(str(n) for n in sorted(EXERCISES) if str(n) not in GRADED)
+    assert f"exercises {ungraded} written but not graded in this run" in rows["reference"]["notes"], rows["reference"]
     assert all(rows[n]["total"] == str(sum(map(int, marks[n]))) for n in rows)
     details = list(csv.DictReader(open(out / "grade-details.csv", newline="")))
     spin = [d for d in details if d["student"] == "spinner" and d["exercise"] == "2"]

@@ -565,6 +565,16 @@ if req.row_generation != generation and self.on("retract_skip_inflight"):
     self.stats.retracted_late_results += 1
     continue
 """}),
+    Wrong(10, "check-after-launch", "refuses to go on only after it has launched the sampling: the sampling of a "
+          "batch whose predecessor is still in flight is out already, from states one token behind",
+          "refuse before launching the sampling", {"launch the delayed sampling": """
+result = inflight.result
+with sched.tracer.host(SpanName.SAMPLE, result.batch_id):
+    reqs = inflight.view.reqs
+    launch_sample(sched.engine, result, build_mask([r.params.grammar for r in reqs], [r.grammar_state for r in reqs]))
+assert sched.rows.done_id == result.batch_id - 1, "sampling before the previous commit"
+sched.stats.delayed_samples += 1
+"""}),
     Wrong(9, "table-generation", "tests the row table's current generation instead of the request's own: with "
           "deferred_row_free off a finished request's row goes to the next request while its overshoot step is in "
           "flight, and that late result is counted as a retraction that never happened",

@@ -4,8 +4,8 @@
                                    [--memory-limit 8]
 
 Each entry of SUBMISSIONS is one student, named by the entry: a work tree (a folder of the
-student edition, edited) or a patch against it (`NAME.patch` or `NAME.diff`, from `git diff` in
-the student's tree, in any encoding PowerShell or Git writes). Entries may be malformed (a
+student edition, edited), a zip of one (`NAME.zip`) or a patch against it (`NAME.patch` or
+`NAME.diff`, from `git diff` in the student's tree, in any encoding PowerShell or Git writes). Entries may be malformed (a
 symlink, a FIFO, a patch that does not apply): each is one "not gradable" row. Hidden entries
 and the folders of tools and OSes (`work`, `build`, `venv`, `__MACOSX`, ...) are skipped, the
 folders among them named on the console. SUBMISSIONS may be anywhere, this checkout included.
@@ -21,10 +21,10 @@ between the others, with a limit in time per check (a hang is reported as one) a
 process of a check (--memory-limit). The verdict is the judge's, not the child's: a forged
 report, a crash, a hang or a check over the memory limit earns nothing. Submissions with the
 same code in an exercise's regions (comments and spacing aside) share one check. A check may
-not write outside its copy (Landlock, on Linux; the run's first lines say whether this machine
-has it); without that wall, a write into the teacher's checkout is seen by a listing before
-and after each check and costs the check its marks (status escaped); nothing a check starts
-outlives it.
+not write outside its copy nor read the teacher's checkout or other submissions (Landlock, on
+Linux; the run's first lines say whether this machine has it); without that wall, a write into
+the teacher's checkout is seen by a listing before and after each check and costs the check its
+marks (status escaped); nothing a check starts outlives it.
 
 Writes, only when every check has run:
 - DIR/grades.csv: one row per student, a column per exercise (1 when every check passes, the
@@ -144,7 +144,7 @@ def read_class(submissions: Path, edition: Path, scratch: Path) -> list[Submissi
     """One Submission per student name, malformed ones included (not gradable)."""
     entries = sorted(p for p in submissions.iterdir() if is_submission(p))
     if not entries:
-        raise ValueError(f"no submission (a folder, or a .patch or .diff file) in {submissions}")
+        raise ValueError(f"no submission (a folder, a .zip, or a .patch or .diff file) in {submissions}")
     by_name: dict[str, list[Path]] = {}
     for entry in entries:
         by_name.setdefault(student_name(entry), []).append(entry)
@@ -270,6 +270,13 @@ def grade_class(submissions: Path, out: Path, numbers: list[int], jobs: int, lim
               flush=True)
     edition = write_student_edition(scratch / "edition", exclude=(submissions, out))
     subs = read_class(submissions, edition, scratch)
+    stubs = written_regions(edition)
+    for sub in subs:  # work on an exercise this run does not grade (the wrong one done, say) is named
+        written = [n for n in sorted(sub.code) if n not in numbers and fingerprint(n, sub.code[n]) !=
+                   fingerprint(n, stubs.get(n, {}))]
+        if written:
+            sub.notes.append(f"exercise{'s' * (len(written) > 1)} {', '.join(map(str, written))} written but not "
+                             f"graded in this run (--exercises)")
     reference = written_regions(ROOT)
     judge = Judge(edition, scratch, reference, limit_s, scratch.name, guard=ROOT, guard_skip=[submissions, out],
                   confine=confine, memory_gib=memory_gib)
@@ -326,7 +333,8 @@ def exercises_line(numbers: list[int]) -> str:
 def confinement_line(word: dict | None) -> str:
     """What the OS does to keep a check in its copy, for the teacher's console."""
     abi = (word or {}).get("landlock", 0)
-    walls = (f"writes confined to their copies by Landlock (ABI {abi}{', no TCP' if abi >= 4 else ''}"
+    walls = (f"reads and writes confined to their copies and the interpreter's and system's folders by Landlock "
+             f"(ABI {abi}{', no TCP' if abi >= 4 else ''}"
              f"{', no signal outside' if abi >= 6 else ''})" if abi else
              "not confined by the OS (no Landlock here): a write outside a copy is only detected")
     reaper = "; what a check leaves running is re-parented and killed" if (word or {}).get("subreaper") else ""

@@ -8,8 +8,9 @@ Each check gets:
   pytest once and nothing of the teacher's, and runs from a copy in the run's scratch), its
   working folder, HOME and TMPDIR inside the copy, and an environment, argv and import path
   holding no path of the teacher's checkout;
-- on Linux with Landlock, a kernel wall: it may write only inside its copy, may not use TCP, nor
-  signal a process outside its own check (judge_zygote.confine);
+- on Linux with Landlock, a kernel wall: it may write only inside its copy, read only there and
+  in the interpreter's and the system's folders, may not use TCP, nor signal a process outside
+  its own check (judge_zygote.confine);
 - a limit in seconds: past it, every process of the session is killed and the check is a hang.
   Whatever it started is killed when it ends: its session, any process working in its copy, and
   any stray re-parented to the zygote (a child subreaper);

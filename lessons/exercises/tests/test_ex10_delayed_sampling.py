@@ -117,8 +117,11 @@ def test_sampling_before_the_previous_batch_is_committed_is_refused(qwen3):
                      "batch's tokens, and the masks would be one token behind") + (
         f" [then: {type(unrefused_error or cleanup_error).__name__}: {unrefused_error or cleanup_error}]"
         if unrefused_error or cleanup_error else "")
-    if cleanup_error is not None:
-        raise cleanup_error
+    if cleanup_error is not None:  # refused, yet batch 1 cannot be committed: its sampling had been launched
+        raise AssertionError(
+            "refuse before launching the sampling, not after it: batch 1 was sampled from grammar states that lack "
+            "batch 0's tokens, and its delayed sampling then found itself launched already "
+            f"[then: {type(cleanup_error).__name__}: {cleanup_error}]") from None
 
 
 def test_switched_off_the_masks_are_built_at_planning(qwen3):
