@@ -187,6 +187,19 @@ REACHES_OUTSIDE = {
                                        "updated=('__globals__',))",
     "the same through wraps": "import functools\nw = functools.wraps(torch.is_tensor, (), ('__globals__',))",
     "a name planted in the globals": "run = _import_dotted_name('builtins.exec')",
+    # a red-team trial: torch functions that follow strings as attribute paths or imports, or write files
+    "a getattr by dotted strings": "got = []\ntorch.quantization.fuse_modules(torch.is_tensor, ['__globals__'], True, "
+                                   "lambda mods, qat, extra: got.extend(mods))",
+    "a setattr by dotted strings": "torch.quantization.fuse_modules(self, ['__class__.resolve'], True, "
+                                   "lambda mods, qat, extra: [len])",
+    "an import by name": "torch.set_default_tensor_type('ftplib.FTP')",
+    "a file written": "w = torch.PyTorchFileWriter('/tmp/x')\nw.write_end_of_file()",
+    "a class built by name": "E = torch.ao.quantization.quant_type.enum.Enum('E', {'A': 1, 'B': len})",
+    "an enum of the file": "E = Enum('E', {'A': 1})",
+    "a package parser that opens @files": "from .frontend.options import OneLineParser\n"
+                                          "p = OneLineParser(fromfile_prefix_chars='@')",
+    "copy's global table": "import copy\ncopy.dispatch_table[bytearray] = len",
+    "a dunder in a string": "x = {'__builtins__': 1}",
     "annotations evaluated": "import functools\ndef h(x: \"__import__('os')\"):\n    pass\n"
                              "functools.singledispatch(h).register(h)",
     "a module in a list": "ms = [torch]",

@@ -16,7 +16,8 @@ a few harmless modules, and makes or reads the package's classes. So a region is
 - attributes: no dunder, no private one except on `self`, none on the deny lists below, and
   every name a region may not use bare is an attribute it may not use either (`cfg.gc`,
   `torch.os`, `x.getattr`);
-- imports: `import M` of a few harmless modules; `from M import NAME` with NAME held to the
+- imports: `import M` of a few harmless modules, of which a region may use only the names
+  MODULE_NAMES lists (of torch: tensors, dtypes, their functions, CUDA's events and streams); `from M import NAME` with NAME held to the
   attribute rules; of dataclasses only `replace` and `fields` (its `make_dataclass` makes
   classes); from the package only a class, function or constant it defines itself (`from
   .grammar import TokenMask`), never a module (`from . import config`) nor what a module of the
@@ -51,7 +52,7 @@ from pathlib import Path
 from typing import Callable
 
 from minisgl.course.region_policy_lists import (ALLOWED_IMPORTS, DENIED_ATTRIBUTES, DENIED_NAMES, DENIED_NODES,
-                                                NAMES_FROM, NARROWED, SAFE_BUILTINS)
+                                                MODULE_NAMES, NAMES_FROM, NARROWED, SAFE_BUILTINS)
 from minisgl.course.region_policy_package import PACKAGE_DIR, bound_or_named, package_names
 
 _MISSING = object()
@@ -70,6 +71,16 @@ def _resolve(root: str, attrs: list[str]):
         return obj
     except Exception:  # noqa: BLE001 - a name the module does not hold: the region fails at run time
         return _MISSING
+
+
+def module_name_problem(module: str, name: str) -> str:
+    """Why a region may not use `module.name` ('' where it may): a name outside the module's allow list."""
+    allowed = MODULE_NAMES.get(module)
+    if allowed is None or name in allowed:
+        return ""
+    what = " (tensors, their dtypes and functions, CUDA's events and streams)" if module.startswith("torch") else ""
+    return (f"a region may not use `{module}.{name}`: of {module} a region may use only the names listed in "
+            f"region_policy_lists.MODULE_NAMES{what}")
 
 
 def _import_rule(name: str) -> str:
@@ -143,6 +154,9 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
                 if why or alias.name.startswith("_"):
                     problems.append(why or f"a region may not import the private `{alias.name}`")
                     continue
+                if module_name_problem(module, alias.name):
+                    problems.append(module_name_problem(module, alias.name))
+                    continue
                 value = _resolve(module, [alias.name])
                 if isinstance(value, types.ModuleType):
                     problems.append(f"a region may not import the module `{module}.{alias.name}` (use "
@@ -175,6 +189,8 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
         parent = parents.get(node)
         if isinstance(node, DENIED_NODES):
             problems.append(f"a region may not use `{type(node).__name__.lower()}`")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_dunder(node.value.strip()):
+            problems.append(f"a region may not write a dunder name, even as a string (`{node.value.strip()}`)")
         elif isinstance(node, ast.keyword) and node.arg == "file":
             problems.append("a region may not pass `file=` (it reaches outside the engine)")
         elif isinstance(node, ast.Name) and node.id not in nameable:
@@ -235,6 +251,13 @@ def _name_problems(node: ast.Name, parent: ast.AST | None, parents: dict, module
             top = up
         if not isinstance(top.ctx, ast.Load):
             return [f"a region may not change what a module holds (`{name}.{'.'.join(chain)}`)"]
+        module = modules[name]
+        for attr in chain:  # through the allowed modules (torch, then torch.cuda) to the object named
+            if module not in MODULE_NAMES:
+                break
+            if module_name_problem(module, attr):
+                return [module_name_problem(module, attr)]
+            module = f"{module}.{attr}"
         value = _resolve(modules[name], chain)
         if isinstance(value, types.ModuleType):
             return [f"a region may use the module `{name}.{'.'.join(chain)}` only as `{name}.{'.'.join(chain)}.NAME`"]

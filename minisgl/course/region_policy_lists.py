@@ -1,13 +1,47 @@
 """The lists that the rules on region code (region_policy.py) are made of: the modules a region
-may import, the builtins it may use, and the names, attributes and statements it may not; and the
-modules and builtins that make a function of the package one a region may not import."""
+may import and what of each it may use, the builtins it may use, and the names, attributes and
+statements it may not; and the builtins that make a function of the package one a region may not
+import (region_policy_package.py: so does any module that is neither harmless nor the package)."""
 
 from __future__ import annotations
 
 import ast
 
-ALLOWED_IMPORTS = frozenset({"torch", "copy", "math", "time", "itertools", "functools", "collections",
-                             "heapq", "bisect"})
+# What a region may use of each module it may import, as `module.NAME` or `from module import NAME`
+# (None: all of it; a name that is itself a module, torch.cuda, has its own entry). An allow list,
+# because torch's surface is large and parts of it reach files or follow strings as attribute paths
+# or imports (a red-team trial left through fuse_modules, set_default_tensor_type, PyTorchFileWriter
+# and an Enum built by name): a region needs tensors, their dtypes and functions, and CUDA's events.
+TORCH_NAMES = frozenset({
+    # dtypes and the classes a region names
+    "bool", "uint8", "int8", "int16", "int32", "int64", "long", "int", "float16", "half", "bfloat16", "float32",
+    "float", "float64", "double", "Tensor", "Size", "device", "dtype", "Generator", "no_grad", "inference_mode",
+    "cuda",
+    # making tensors
+    "tensor", "as_tensor", "zeros", "zeros_like", "ones", "ones_like", "empty", "empty_like", "full", "full_like",
+    "arange", "linspace", "randint", "rand", "randn", "randperm", "multinomial",
+    # computing with them
+    "where", "cat", "concat", "stack", "hstack", "vstack", "split", "chunk", "narrow", "flatten", "reshape",
+    "squeeze", "unsqueeze", "flip", "roll", "gather", "scatter", "index_select", "masked_select", "masked_fill",
+    "take", "nonzero", "argwhere", "repeat_interleave", "searchsorted", "bucketize", "unique", "unique_consecutive",
+    "sort", "argsort", "topk", "kthvalue", "cumsum", "cumprod", "diff", "sum", "prod", "mean", "max", "min",
+    "maximum", "minimum", "amax", "amin", "argmax", "argmin", "clamp", "clip", "abs", "neg", "exp", "log", "sqrt",
+    "floor", "ceil", "round", "remainder", "fmod", "softmax", "log_softmax", "any", "all", "count_nonzero",
+    "numel", "is_tensor", "is_floating_point", "equal", "allclose", "isclose", "isin", "isnan", "isinf", "isfinite",
+    "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and",
+    "bitwise_or", "bitwise_not", "bitwise_xor", "add", "sub", "mul", "div", "matmul",
+})
+MODULE_NAMES: dict[str, frozenset[str] | None] = {
+    "torch": TORCH_NAMES,
+    "torch.cuda": frozenset({"Event", "Stream", "current_stream", "default_stream", "stream", "synchronize",
+                             "is_available", "device_count", "current_device"}),
+    "copy": frozenset({"copy", "deepcopy"}),
+    "time": frozenset({"perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns", "sleep"}),
+    "functools": frozenset({"partial", "reduce", "lru_cache", "cache", "cached_property", "cmp_to_key"}),
+    "collections": frozenset({"deque", "defaultdict", "Counter", "OrderedDict"}),
+    "math": None, "itertools": None, "heapq": None, "bisect": None,
+}
+ALLOWED_IMPORTS = frozenset(module for module in MODULE_NAMES if "." not in module)
 NAMES_FROM = {"dataclasses": frozenset({"replace", "fields"})}  # modules a region may take only these names from
 # modules a file of the package may take names from that a region may use bare (a dataclass's
 # `replace`, typing's names); everything imported from any other module is out of reach
@@ -34,6 +68,9 @@ DENIED_NAMES = frozenset({
     # functools' helpers that copy attributes named by strings (update_wrapper(f, g, updated=("__globals__",))
     # fills the region's globals with another module's) or evaluate a function's annotations
     "update_wrapper", "wraps", "WRAPPER_ASSIGNMENTS", "WRAPPER_UPDATES", "singledispatch", "singledispatchmethod",
+    # classes that build classes from a name and a namespace (dunders included): no class definition
+    "Enum", "IntEnum", "StrEnum", "Flag", "IntFlag", "EnumMeta", "EnumType", "ABCMeta", "ABC", "NamedTuple",
+    "namedtuple", "TypedDict", "NewType", "Protocol", "Generic",
 })
 DENIED_ATTRIBUTES = frozenset({
     # the interpreter, its frames and code
@@ -56,14 +93,6 @@ DENIED_ATTRIBUTES = frozenset({
     "overrides", "export", "classes", "profiler", "autograd", "onnx", "np", "numpy", "import_module",
     "compiler", "tunable", "gds", "cudart", "CUDAPluggableAllocator", "change_current_allocator", "load_library",
     "load_inline", "cpp_extension", "prepare_multiprocessing_environment", "monitor",
-})
-# modules whose names make a function of the package one a region may not import
-REACHING_MODULES = frozenset({
-    "os", "sys", "subprocess", "pathlib", "io", "pickle", "marshal", "shutil", "tempfile", "socket", "ctypes",
-    "importlib", "builtins", "multiprocessing", "threading", "_thread", "signal", "gc", "inspect", "runpy",
-    "faulthandler", "resource", "mmap", "fcntl", "pty", "asyncio", "urllib", "http", "zipfile", "tarfile", "glob",
-    "codecs", "webbrowser", "ssl", "select", "selectors", "pdb", "code", "platform", "logging", "csv", "sqlite3",
-    "safetensors", "uvicorn", "zmq", "starlette", "concurrent", "tracemalloc", "cProfile", "profile",
 })
 # builtins that make a function of the package one a region may not import
 REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",

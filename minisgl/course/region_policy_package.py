@@ -10,8 +10,7 @@ import functools
 from pathlib import Path
 
 from minisgl.course.markers import regions
-from minisgl.course.region_policy_lists import (ALLOWED_IMPORTS, DENIED_ATTRIBUTES, HARMLESS_SOURCES,
-                                                REACHING_BUILTINS, REACHING_MODULES)
+from minisgl.course.region_policy_lists import ALLOWED_IMPORTS, DENIED_ATTRIBUTES, HARMLESS_SOURCES, REACHING_BUILTINS
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the package whose regions are checked
 
@@ -69,36 +68,31 @@ class PackageNames:
 
     def _unsafe_definitions(self, trees: dict[str, ast.Module]) -> dict[str, set[str]]:
         """module path -> its top-level functions and classes whose code reaches outside the engine:
-        a name its module took from outside the harmless modules (`Path`, `json`), a denied builtin
-        (`open`) or attribute (`.write_text`), or a function or class of the package that does.
-        A region may not import these (`write_chrome_trace(spans, path)` writes a file)."""
+        a name its module took from outside the harmless modules (`Path`, `json`, argparse's parser,
+        which opens `@file` arguments), an import inside it of such a module, a denied builtin (`open`)
+        or attribute (`.write_text`), or a function or class of the package that does (imported at the
+        top or inside it). A region may not import these (`write_chrome_trace(spans, path)` writes a file)."""
         uses: dict[tuple[str, str], tuple[bool, set[tuple[str, str]]]] = {}
         for rel, tree in trees.items():
             path = self.package / rel
             origin: dict[str, tuple[str, str]] = {}  # a name imported from the package -> (module, name)
-            foreign: set[str] = set()  # names from the modules that reach files, processes or the interpreter
+            foreign: set[str] = set()  # names from any module that is neither harmless nor the package
             for node in _top_level(tree.body):
-                if isinstance(node, ast.Import):
-                    foreign.update(a.asname or a.name.split(".")[0] for a in node.names
-                                   if a.name.split(".")[0] in REACHING_MODULES)
-                elif isinstance(node, ast.ImportFrom):
-                    local = node.level > 0 or (node.module or "").split(".")[0] == self.package.name
-                    for alias in node.names:
-                        if not local:
-                            if (node.module or "").split(".")[0] in REACHING_MODULES:
-                                foreign.add(alias.asname or alias.name)
-                            continue
-                        files = self.candidates(node.level, node.module, path.parent) if node.level else [
-                            p for p in self.candidates(1, ".".join((node.module or "").split(".")[1:]) or None)]
-                        if files:
-                            origin[alias.asname or alias.name] = (files[0], alias.name)
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    imported, reaching = self._imports(node, path)
+                    origin.update(imported)
+                    foreign |= reaching
             top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
             for node in tree.body:
                 if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                     continue
                 bad, calls = False, set()
                 for sub in ast.walk(node):
-                    if isinstance(sub, ast.Name):
+                    if isinstance(sub, (ast.Import, ast.ImportFrom)):  # an import inside the function
+                        imported, reaching = self._imports(sub, path)
+                        calls.update(imported.values())
+                        bad = bad or bool(reaching)
+                    elif isinstance(sub, ast.Name):
                         if sub.id in foreign or sub.id in REACHING_BUILTINS:
                             bad = True
                         elif sub.id in origin:
@@ -120,6 +114,19 @@ class PackageNames:
         for rel, name in unsafe:
             found.setdefault(rel, set()).add(name)
         return found
+
+    def _imports(self, node: ast.Import | ast.ImportFrom, path: Path) -> tuple[dict[str, tuple[str, str]], set[str]]:
+        """What an import statement of the file at `path` binds: the names it takes from the package
+        (name -> (module path, name)), and the names it takes from any other module not harmless."""
+        if isinstance(node, ast.Import):
+            return {}, {a.asname or a.name.split(".")[0] for a in node.names
+                        if a.name.split(".")[0] not in HARMLESS_SOURCES | {self.package.name}}
+        top = (node.module or "").split(".")[0]
+        if node.level == 0 and top != self.package.name:
+            return {}, (set() if top in HARMLESS_SOURCES else {a.asname or a.name for a in node.names})
+        files = self.candidates(node.level, node.module, path.parent) if node.level else \
+            self.candidates(1, ".".join((node.module or "").split(".")[1:]) or None)
+        return ({a.asname or a.name: (files[0], a.name) for a in node.names} if files else {}), set()
 
     def is_module(self, folder: Path, level: int, module: str | None, name: str) -> bool:
         """Whether `from <level dots><module> import name` in a file of `folder` names a module."""
