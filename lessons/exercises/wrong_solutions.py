@@ -584,6 +584,9 @@ if (req.row != row or self.req_to_token.generation[row] != generation) and self.
     self.stats.retracted_late_results += 1
     continue
 """}),
+    Wrong(10, "live-running-batch", "builds the masks from the live running batch instead of the batch's own "
+          "requests: by the delayed sampling the running batch has moved on (filtered, merged)",
+          "not the live running batch", delayed_sample(reqs="sched.running.reqs")),
     Wrong(10, "masks-without-finished-rows", "builds the delayed masks without the rows whose request finished "
           "while the batch was in flight", "also for a request that finished",
           delayed_sample(reqs="[r for r in inflight.view.reqs if not r.finished]")),

@@ -18,9 +18,10 @@ PROMPTS = ["hello there", "the lazy dog jumps over the fox and runs far away", "
 CYCLE = Grammar({0: {5: 1, 6: 1, 7: 1}, 1: {10: 2, 11: 2, 12: 2}, 2: {20: 0, 21: 0, 22: 0}})
 MIXED = (0, 3, 4)  # the prompts with a grammar in the mixed workload: greedy, seeded, greedy
 
-STATE_RULE = ("each row's mask comes from its request's grammar state NOW, when every earlier batch is committed "
-              "(build it inside DelayedSampling.launch, from the batch's own requests): a mask built at planning is one "
-              "token behind in the overlap loop, and the outputs break their grammar")
+STATE_RULE = ("build each row's mask inside DelayedSampling.launch, from the batch's own requests (the view it launched "
+              "with, not the live running batch, which has moved on) and each one's grammar state NOW, when every "
+              "earlier batch is committed: a mask built at planning is one token behind in the overlap loop, and the "
+              "outputs break their grammar")
 ROW_RULE = ("the mask has one entry per row of the batch, in the batch's order, each from that row's own request; a "
             "request without a grammar is unconstrained (its entry is None: build_mask does that) and samples what it "
             "samples with no grammar around it")

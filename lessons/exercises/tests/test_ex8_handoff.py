@@ -157,11 +157,13 @@ def test_a_fault_in_the_devices_work_is_raised_on_the_host_and_nothing_of_it_is_
     except Exception as exc:  # noqa: BLE001 - which exception came out is what is checked
         raised = exc
     committed = [n for kind, n in llm.stats.events if kind == "commit"]
+    case = {"device-slow": "", "batch-over-at-commit": " (here the batch was over before its commit: query() "
+            "only says the event passed, failed or not)", "early-commit": " (here at an early commit, at a sync "
+            "boundary: it must wait like any other)"}[order]
     assert failing_batch and 2 not in committed, (
         "the host must always wait for a batch's copy_done event before it reads the tokens: that "
-        "wait is where a failure of the device's work reaches the host (query() only says the event passed, "
-        "failed or not); batch 2 failed on the device and was committed anyway (its tokens are whatever the "
-        f"empty buffer held); committed batches {committed}")
+        f"wait is where a failure of the device's work reaches the host{case}; batch 2 failed on the device and was "
+        f"committed anyway (its tokens are whatever the empty buffer held); committed batches {committed}")
     assert isinstance(raised, DeviceError) and "injected device fault" in str(raised), (
         "a failure of the device's work must reach the caller as the DeviceError that the host's wait for copy_done "
         f"raises, naming the fault; got {raised!r}")
