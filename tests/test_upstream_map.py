@@ -69,6 +69,19 @@ def test_a_column_accepts_only_its_own_code_base(names):
     ]
 
 
+def test_a_name_written_after_a_file_must_be_defined_in_that_file(names):
+    """A reader of SGLang found `ScheduleBatch.copy` placed in scheduler.py: the name resolved, so
+    only the file it was written after could say it was wrong."""
+    upstream, own = names
+    table = ("| minisgl | SGLang |\n| --- | --- |\n"
+             "| `BatchView.snapshot` | scheduler.py: `ScheduleBatch.copy` |\n"
+             "| `BatchView.snapshot` | managers/schedule_batch.py: `ScheduleBatch.copy` |\n")
+    assert upstream_map.check_text(table, upstream, own) == [
+        "line 3: `ScheduleBatch.copy` is not defined in scheduler.py but in python/sglang/srt/managers/schedule_batch.py"]
+    claims = [c for path in upstream_map.MAP_FILES for c in upstream_map.FILE_CLAIM.findall(path.read_text())]
+    assert len(claims) > 20  # the map's file claims are read, and pass (test_the_readings_pass)
+
+
 def test_prose_names_flags_variables_paths_and_commits(names):
     upstream, own = names
     right = ("`FutureMap.publish(x)` `req.kv.kv_committed_len` `--disable-overlap-schedule` "

@@ -9,7 +9,9 @@ and checks the map files against it:
   defined in SGLang (or mini-SGLang);
 - everywhere else in the map files, each backticked name must be defined in minisgl, SGLang or
   mini-SGLang, or be one of `NAMED_ELSEWHERE` (older releases' code, the articles' pseudo-code);
-- a backticked commit id must have all 40 characters.
+- a backticked commit id must have all 40 characters;
+- a name written right after a file (`managers/schedule_batch.py: \`ScheduleBatch.copy\``) must
+  be defined in that file, where its first part is a class or a module-level function.
 
 What counts as defined: a class, a module-level function or variable, a class member (method,
 class attribute, dataclass field, `self.x` attribute), a function parameter, an environment
@@ -89,6 +91,7 @@ NAME = re.compile(r"[A-Za-z_]\w*")
 DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 PATH = re.compile(r"[\w.-]+(?:/[\w.-]*)*")
 FIELDS = ("functions", "module_names", "parameters", "local_names", "environment", "files")
+FILE_CLAIM = re.compile(r"([\w./-]+\.py): `([^`\n]+)`")  # a file, then the name it defines
 BUILTINS = set(dir(builtins))
 HEX = re.compile(r"[0-9a-f]{7,40}")
 
@@ -104,15 +107,18 @@ class Names:
     local_names: set[str] = field(default_factory=set)  # assigned or defined inside a function
     environment: set[str] = field(default_factory=set)
     files: set[str] = field(default_factory=set)
+    defined_in: dict[str, set[str]] = field(default_factory=dict)  # a class or module-level function -> its files
 
     @classmethod
     def from_json(cls, data: dict) -> Names:
         classes = {c: {"bases": set(v["bases"]), "members": set(v["members"])} for c, v in data["classes"].items()}
-        return cls(classes, *(set(data[k]) for k in FIELDS))
+        defined_in = {name: set(files) for name, files in data["defined_in"].items()}
+        return cls(classes, *(set(data[k]) for k in FIELDS), defined_in)
 
     def to_json(self) -> dict:
         classes = {c: {k: sorted(v) for k, v in entry.items()} for c, entry in sorted(self.classes.items())}
-        return {"classes": classes, **{k: sorted(getattr(self, k)) for k in FIELDS}}
+        return {"classes": classes, **{k: sorted(getattr(self, k)) for k in FIELDS},
+                "defined_in": {name: sorted(files) for name, files in sorted(self.defined_in.items())}}
 
     @cached_property
     def every_name(self) -> set[str]:
@@ -138,6 +144,10 @@ class Names:
         path = path.strip("/")
         return any(f == path or f.endswith("/" + path) or f"/{path}/" in f"/{f}" for f in self.files)
 
+    def files_defining(self, name: str) -> set[str]:
+        """The files that define `name`'s first part as a class or module-level function."""
+        return self.defined_in.get(name.split(".")[0], set())
+
 
 def collect(parent: Path, package: str, read: list[str], prefix: str = "") -> Names:
     """The names defined in the .py files under `parent/package/<each of read>`; files as `prefix + path`."""
@@ -145,13 +155,16 @@ def collect(parent: Path, package: str, read: list[str], prefix: str = "") -> Na
     for part in read:
         top = parent / package / part
         for path in [top] if top.is_file() else sorted(top.rglob("*.py")):
-            names.files.add(prefix + path.relative_to(parent).as_posix())
-            collect_module(ast.parse(path.read_text(encoding="utf-8")), names)
+            file = prefix + path.relative_to(parent).as_posix()
+            names.files.add(file)
+            collect_module(ast.parse(path.read_text(encoding="utf-8")), names, file)
     return names
 
 
-def collect_module(tree: ast.Module, names: Names) -> None:
+def collect_module(tree: ast.Module, names: Names, file: str) -> None:
     for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.defined_in.setdefault(node.name, set()).add(file)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             names.functions.add(node.name)
         elif isinstance(node, ast.ClassDef):
@@ -290,10 +303,36 @@ def problem(source: str | None, code: str, upstream: dict[str, Names], own: Name
     return None if ok else f"`{value}` is not defined in {where} at the pinned version"
 
 
+def file_problems(text: str, upstream: dict[str, Names]) -> list[tuple[int, str]]:
+    """(line number, problem) for every name written right after a file that defines it elsewhere:
+    in a `SGLang...` or `mini-SGLang...` column against that code base, elsewhere against either."""
+    found, columns = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("|"):
+            columns, cells, sources = None, [line], [None]
+        else:
+            cells = line.strip().strip("|").split("|")
+            if columns is None:
+                columns = [column_source(c) for c in cells]
+                continue
+            sources = [columns[i] if i < len(columns) else None for i in range(len(cells))]
+        for cell, source in zip(cells, sources):
+            for path, code in FILE_CLAIM.findall(cell):
+                kind_name = candidate(code)
+                if kind_name is None or kind_name[0] != "name":
+                    continue
+                files = {f for s in ([source] if source else upstream) for f in upstream[s].files_defining(kind_name[1])}
+                if files and not any(f == path or f.endswith("/" + path.strip("/")) for f in files):
+                    found.append((number, f"`{kind_name[1]}` is not defined in {path} but in {', '.join(sorted(files)[:3])}"))
+    return found
+
+
 def check_text(text: str, upstream: dict[str, Names], own: Names) -> list[str]:
-    """Problems (`line N: ...`) for every span that names nothing at the pinned versions."""
-    found = ((number, problem(source, code, upstream, own)) for number, source, code in spans(text))
-    return [f"line {number}: {p}" for number, p in found if p]
+    """Problems (`line N: ...`) for every span that names nothing at the pinned versions, or names
+    it in the wrong file."""
+    found = [(number, problem(source, code, upstream, own)) for number, source, code in spans(text)]
+    found = sorted([(number, p) for number, p in found if p] + file_problems(text, upstream), key=lambda f: f[0])
+    return [f"line {number}: {p}" for number, p in found]
 
 
 def scan() -> list[str]:
