@@ -137,9 +137,11 @@ def test_a_malformed_submission_is_not_gradable_with_one_reason(kind, base, refe
 def test_every_reference_and_known_wrong_region_may_run_and_code_that_reaches_outside_may_not():
     for number, bodies in grade.written_regions(ROOT).items():
         assert all(region_policy.region_problems(code) == [] for code in bodies.values()), number
+        assert region_policy.refusal(bodies) == "", number  # in its own scope too
     for wrong in WRONG:
         assert all(region_policy.region_problems(textwrap.dedent(code)) == [] for code in wrong.regions.values()), \
             wrong.name
+        assert region_policy.refusal({k: textwrap.dedent(c) for k, c in wrong.regions.items()}) == "", wrong.name
     for code in ("import sys\nsys.modules['_pytest.reports'].TestReport.outcome = 'passed'",
                  "open('/tmp/x', 'w').write('x')", "import os\nos.fork()", "x = self.__class__",
                  "t = torch.load('/etc/passwd')", "e = RuntimeError()\nf = e.__traceback__.tb_frame.f_globals",
@@ -230,6 +232,30 @@ REACHES_OUTSIDE = {
     "a package function that writes a file": "from .observe.trace import write_chrome_trace\n"
                                              "write_chrome_trace([], '/tmp/x')",
 }
+
+
+# A second red-team trial, each in the region it ran from: what `self` reaches (the model's
+# Hugging Face config, the config's Path), package objects imported as constants, a submodule the
+# import system bound in a package's globals.
+REACHES_OUTSIDE_FROM = {
+    "the commit point": 'd = "_" * 2\nb = self.engine.model.config.from_dict({"dtype": d + "builtins" + d}).dtype',
+    "publish": "from .observe.bench import console\nconsole.save_text('/tmp/x')",
+    "resolve": "from .demo.paths import CHECKPOINT_DIR\nroot = CHECKPOINT_DIR.parents[2]",
+    "staging write-after-read wait": "from .settings import SETTING\nP = SETTING['x'].kind",
+    "allocate for the most a step can accept": "relay.SpecRelay.host_lengths = lambda self, rows: [0] * len(rows)",
+    "skip_finished": "p = self.config.model_path",
+    "checkpoint": "self.mechanisms.to_json_file('/tmp/x')",
+    "deferred row free": "from dataclasses import fields\nc = [f.default_factory for f in fields(self)]",
+    "snapshot": "print(1, **{'file': self})",
+    "the decode row": "x = torch.zeros(1)",  # mixed_chunk.py binds no torch: a NameError there
+}
+
+
+def test_a_region_is_held_to_the_scope_it_runs_in():
+    for region, code in REACHES_OUTSIDE_FROM.items():
+        assert region_policy.region_problems(code, region=region), (region, code)
+    assert region_policy.region_problems("import torch\nx = torch.zeros(1)", region="the decode row") == []
+    assert region_policy.region_problems("n = len(decodes)", region="the decode row") == []  # its function's
 
 
 def records(nonce_ok: bool = True, **outcomes: str) -> list[dict]:

@@ -325,7 +325,7 @@ def test_a_report_forged_past_the_region_check_is_caught_by_the_judge(tmp_path):
     base = edition.write_student_edition(tmp_path / "edition")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    j = judge.Judge(base, scratch, REFERENCE, LIMIT_S, "forged-test", vet=lambda code: [], guard=ROOT)
+    j = judge.Judge(base, scratch, REFERENCE, LIMIT_S, "forged-test", vet=lambda code, region=None: [], guard=ROOT)
     try:
         j.learn_expected(3)
         verdict = j.check(3, {"snapshot": textwrap.dedent(HOSTILE_EX3["forger"])})
@@ -341,7 +341,7 @@ def test_a_report_forged_past_the_region_check_is_caught_by_the_judge(tmp_path):
             ESCAPED.unlink(missing_ok=True)
         (tmp_path / "scratch2").mkdir()
         unconfined = judge.Judge(base, tmp_path / "scratch2", REFERENCE, LIMIT_S, "unconfined-test",
-                                 vet=lambda code: [], guard=ROOT, confine=False)
+                                 vet=lambda code, region=None: [], guard=ROOT, confine=False)
         try:  # without the wall (a kernel with no Landlock): the write lands, the watch sees it, no marks
             unconfined.expected[3] = j.expected[3]
             verdict = unconfined.check(3, {"snapshot": textwrap.dedent(HOSTILE_EX3["gc-escaper"])})

@@ -6,9 +6,10 @@ report, change what the tests call, or read and write files it must not. No exer
 of that: a region works on the engine's own objects (`self`, the batch, tensors), calls torch and
 a few harmless modules, and makes or reads the package's classes. So a region is held to this:
 
-- names: only those the region binds, the package's own code names (its globals, the enclosing
-  function's parameters and locals) or a builtin has (a name planted in the module's globals is
-  never reached); no dunder; of the builtins only the harmless ones (no setattr, vars, open, ...), and two
+- names: only those the region binds, its enclosing functions bind (parameters, locals), its file
+  binds at the top level, or a builtin has: the scope it runs in, so a name the module gets from
+  outside (planted in its globals, a package's submodule bound by the import system) is never
+  reached; no dunder; of the builtins only the harmless ones (no setattr, vars, open, ...), and two
   only in their harmless form: `getattr(obj, "name"[, default])` with the name written out (read
   as `obj.name`, under the attribute rules) and `type(x)` in a comparison (`type(x) is T`; a call
   of it would make classes); no module or foreign object that a file of the package imported
@@ -17,11 +18,15 @@ a few harmless modules, and makes or reads the package's classes. So a region is
   every name a region may not use bare is an attribute it may not use either (`cfg.gc`,
   `torch.os`, `x.getattr`);
 - imports: `import M` of a few harmless modules, of which a region may use only the names
-  MODULE_NAMES lists (of torch: tensors, dtypes, their functions, CUDA's events and streams); `from M import NAME` with NAME held to the
-  attribute rules; of dataclasses only `replace` and `fields` (its `make_dataclass` makes
-  classes); from the package only a class, function or constant it defines itself (`from
-  .grammar import TokenMask`), never a module (`from . import config`) nor what a module of the
-  package imported;
+  MODULE_NAMES lists (of torch: tensors, dtypes, their functions, CUDA's events and streams);
+  `from M import NAME` with NAME held to the attribute rules; of dataclasses only `replace`
+  (its `make_dataclass` makes classes, `fields` hands out factories); from the package only a
+  class or function it defines itself whose code stays in the engine, or a constant of plain
+  values (`from .grammar import TokenMask`), never a module (`from . import config`), an object
+  (a Path, a console), nor what a module of the package imported;
+- attributes that reach files through objects a region can get from `self` (a Hugging Face
+  config's from_dict and to_json_file, a Path's links, nn.Module's lookups by name) are denied,
+  and so is any attribute named like a path (`*_path`, `*_dir`, `*_file`);
 - modules stay put: a module is used only as `module.name` (never stored, passed or returned),
   what a module holds is never assigned or deleted (`torch.equal = ...`), a name that resolves to
   a module is never handed around (`m = torch.cuda`);
@@ -107,8 +112,9 @@ class _PlainGetattr(ast.NodeTransformer):
         return read if len(args) == 2 else ast.copy_location(ast.BoolOp(ast.Or(), [read, args[2]]), node)
 
 
-def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
-    """Why the code of one region may not run, one short rule each (empty: it may)."""
+def region_problems(code: str, package: Path = PACKAGE_DIR, region: str | None = None) -> list[str]:
+    """Why the code of one region may not run, one short rule each (empty: it may). `region`, its
+    name, places it in its file and function: its bare names are then held to that scope."""
     try:
         tree = ast.parse("def region():\n" + textwrap.indent(code or "pass\n", "    "))
     except SyntaxError as exc:
@@ -126,11 +132,18 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
     problems: list[str] = []
     # A name the region does not bind, that no code of the package names and that no builtin has
     # would be a NameError, unless something put it in the module's globals: never reach it.
-    nameable = known.spelled | set(bound_or_named(tree, loaded=False)) | set(dir(builtins))
+    if region in known.scopes:  # the names its function and its file bind, as at run time
+        rel, around = known.scopes[region]
+        nameable = around | known.defined[rel] | known.imported[rel]
+    else:
+        nameable = known.spelled
+    nameable = nameable | set(bound_or_named(tree, loaded=False)) | set(dir(builtins))
 
     def attribute_problem(attr: str) -> str | None:
         if _is_dunder(attr) or attr in denied_attributes:
             return f"a region may not use the attribute `.{attr}` (it reaches outside the engine)"
+        if attr.endswith(("_path", "_dir", "_file", "_filename")):  # a Path reaches the file system
+            return f"a region may not use the attribute `.{attr}` (a file's path: no exercise needs one)"
         return None
 
     # imports first: they decide which names are modules and classes
@@ -175,6 +188,9 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
                         name in known.defined[f] for f in files):
                     problems.append(f"a region may import from the package only a class, function or constant that "
                                     f"a module defines, not `{name}` (a module, or what a module imported)")
+                elif any(name in known.variables[f] and name not in known.literals[f] for f in files):
+                    problems.append(f"a region may import from the package only classes, functions and constants of "
+                                    f"plain values, not `{name}` (an object: it may reach files or the interpreter)")
                 elif any(name in known.unsafe.get(f, ()) for f in files):
                     problems.append(f"a region may not import `{name}` from the package (its code reaches files, "
                                     f"processes or the interpreter)")
@@ -191,11 +207,12 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
             problems.append(f"a region may not use `{type(node).__name__.lower()}`")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_dunder(node.value.strip()):
             problems.append(f"a region may not write a dunder name, even as a string (`{node.value.strip()}`)")
-        elif isinstance(node, ast.keyword) and node.arg == "file":
-            problems.append("a region may not pass `file=` (it reaches outside the engine)")
+        elif isinstance(node, ast.keyword) and (node.arg == "file" or node.arg is None and isinstance(
+                parents.get(node), ast.Call) and isinstance(parents[node].func, ast.Name) and parents[node].func.id == "print"):
+            problems.append("a region may not pass `file=` (it reaches outside the engine), nor print(**keywords)")
         elif isinstance(node, ast.Name) and node.id not in nameable:
-            problems.append(f"a region may not use the name `{node.id}`: neither the region nor the package's code "
-                            f"defines it (a name put into the module's globals from outside)")
+            problems.append(f"a region may not use the name `{node.id}`: neither the region, its function nor its "
+                            f"file defines it (a module it needs: import it in the region; a name the module gets from outside is never reached)")
         elif isinstance(node, ast.Name):
             problems += _name_problems(node, parent, parents, modules, classes, denied_everywhere,
                                        hint=id(node) in annotations)
@@ -208,10 +225,10 @@ def region_problems(code: str, package: Path = PACKAGE_DIR) -> list[str]:
     return list(dict.fromkeys(problems))
 
 
-def refusal(bodies: dict[str, str], vet: Callable[[str], list[str]] = region_problems) -> str:
+def refusal(bodies: dict[str, str], vet: Callable[..., list[str]] = region_problems) -> str:
     """Why an exercise's region code (region name -> code) may not run, in the one line that the
     grader records and the student's checker prints ('' where it may run)."""
-    problems = list(dict.fromkeys(p for code in bodies.values() for p in vet(code)))  # whole sentences
+    problems = list(dict.fromkeys(p for name, code in bodies.items() for p in vet(code, region=name)))
     return f"not run: {first_few(problems, '; ')}" if problems else ""
 
 

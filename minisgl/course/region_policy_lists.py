@@ -42,7 +42,7 @@ MODULE_NAMES: dict[str, frozenset[str] | None] = {
     "math": None, "itertools": None, "heapq": None, "bisect": None,
 }
 ALLOWED_IMPORTS = frozenset(module for module in MODULE_NAMES if "." not in module)
-NAMES_FROM = {"dataclasses": frozenset({"replace", "fields"})}  # modules a region may take only these names from
+NAMES_FROM = {"dataclasses": frozenset({"replace"})}  # modules a region may take only these names from
 # modules a file of the package may take names from that a region may use bare (a dataclass's
 # `replace`, typing's names); everything imported from any other module is out of reach
 HARMLESS_SOURCES = ALLOWED_IMPORTS | {"__future__", "typing", "dataclasses", "enum", "numbers", "abc"}
@@ -93,6 +93,17 @@ DENIED_ATTRIBUTES = frozenset({
     "overrides", "export", "classes", "profiler", "autograd", "onnx", "np", "numpy", "import_module",
     "compiler", "tunable", "gds", "cudart", "CUDAPluggableAllocator", "change_current_allocator", "load_library",
     "load_inline", "cpp_extension", "prepare_multiprocessing_environment", "monitor",
+    # a second red-team trial's ways out through objects a region can reach from `self`: the model's
+    # Hugging Face config (from_dict looks a dtype up by any string, from_json_file reads and
+    # to_json_file writes any path), a Path's links and listings, nn.Module's lookups by dotted name
+    # and hooks, rich's console saving to a file, a storage's class, a dataclass field's factory
+    "from_dict", "from_json_file", "to_json_file", "to_json_string", "from_pretrained", "save_pretrained",
+    "push_to_hub", "register_for_auto_class", "symlink_to", "hardlink_to", "iterdir", "readlink", "glob",
+    "rglob", "get_submodule", "set_submodule", "get_parameter", "get_buffer", "get_extra_state",
+    "register_module", "add_module", "register_buffer", "register_parameter", "load_state_dict", "state_dict",
+    "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+    "register_full_backward_pre_hook", "register_backward_hook", "register_state_dict_pre_hook",
+    "register_load_state_dict_post_hook", "save_text", "save_html", "save_svg", "storage_type", "default_factory",
 })
 # builtins that make a function of the package one a region may not import
 REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import textwrap
 from pathlib import Path
 
+from minisgl.course.catalog import EXERCISES
 from minisgl.course.markers import regions
 from minisgl.course.region_policy_lists import ALLOWED_IMPORTS, DENIED_ATTRIBUTES, HARMLESS_SOURCES, REACHING_BUILTINS
 
@@ -26,13 +28,18 @@ class PackageNames:
         self.classes: set[str] = set()  # names of the package's classes (and classes it imports)
         self.foreign: set[str] = set()  # names bound to modules, or imported from modules not harmless
         self.modules: set[str] = set()  # names bound to modules (`import x`, `from . import module`)
+        self.literals: dict[str, set[str]] = {}  # module path -> its constants whose values are literals
+        self.variables: dict[str, set[str]] = {}  # module path -> the names its top level assigns
         trees = dict(_parsed_modules(package))  # module path (a/b.py) -> its tree, parsed once for both passes
         # every name the package's own code spells (its globals, its functions' parameters and locals):
-        # a region may name nothing else that it does not bind itself (region_policy.py)
+        # a region whose file is not known may name nothing else that it does not bind itself
         self.spelled: set[str] = {name for tree in trees.values() for name in bound_or_named(tree)}
+        # region name -> (its file, the names its enclosing functions bind): the scope it runs in
+        self.scopes: dict[str, tuple[str, set[str]]] = dict(_region_scopes(trees))
         for rel, tree in trees.items():
             path = self.package / rel
             defined, imported = self.defined.setdefault(rel, set()), self.imported.setdefault(rel, set())
+            literals, variables = self.literals.setdefault(rel, set()), self.variables.setdefault(rel, set())
             for node in _top_level(tree.body):
                 if isinstance(node, ast.ClassDef):
                     defined.add(node.name)
@@ -41,7 +48,11 @@ class PackageNames:
                     defined.add(node.name)
                 elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                    defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+                    bound = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                    defined.update(bound)
+                    variables.update(bound)
+                    if node.value is not None and _is_literal(node.value):
+                        literals.update(bound)
                 elif isinstance(node, ast.Import):
                     for alias in node.names:
                         bound = alias.asname or alias.name.split(".")[0]
@@ -155,6 +166,29 @@ class PackageNames:
         return sorted(set(found))
 
 
+def _is_literal(node: ast.expr) -> bool:
+    """A constant, or a tuple, list, set or dict of them (a region may import such a constant)."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return all(_is_literal(e) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return all(k is not None and _is_literal(k) for k in node.keys) and all(_is_literal(v) for v in node.values)
+    return isinstance(node, ast.UnaryOp) and _is_literal(node.operand)
+
+
+def _region_scopes(trees: dict[str, ast.Module]):
+    """(region name, (its file, the names the functions around it bind or read)) for every region:
+    their parameters and locals, and the names they read that an earlier region binds (`written`,
+    which exercise 5's region assigns and the code after exercise 4's reads), are what the region
+    may find bare besides its file's globals."""
+    for rel, tree in trees.items():
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for lineno, name in getattr(tree, "region_lines", ()):
+            around = [f for f in functions if f.lineno < lineno <= f.end_lineno]
+            yield name, (rel, {n for f in around for n in bound_or_named(f)})
+
+
 def bound_or_named(tree: ast.AST, loaded: bool = True):
     """Every name `tree` binds (assigned, a parameter, a function, an import, an exception or match
     name) and, if `loaded`, every name it reads bare."""
@@ -179,17 +213,25 @@ def _parsed_modules(package: Path):
     region's body left out."""
     for path in sorted(package.rglob("*.py")):
         try:
-            yield path.relative_to(package).as_posix(), ast.parse(_without_regions(path.read_text(encoding="utf-8")))
+            source = _without_regions(path.read_text(encoding="utf-8"))
+            tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
             continue
+        tree.region_lines = [(r.first + 2, r.name) for r in regions(source.splitlines())]  # its `pass`, 1-based
+        yield path.relative_to(package).as_posix(), tree
 
 
 def _without_regions(source: str) -> str:
-    """The source with `pass` as each exercise region's body: what the package names and reaches
-    is then the same in the teacher's checkout and in any student's edition."""
+    """The source with the catalog's stub as each exercise region's body (`pass` where it has none):
+    what the package names and reaches is then the same in the teacher's checkout and in any
+    student's edition, and a name a stub binds for the code after it (exercise 5's `written`) is
+    in its function's scope."""
     lines = source.splitlines(keepends=True)
     for region in reversed(regions(lines)):
-        lines[region.first + 1:region.last] = [f"{region.indent}pass\n"]
+        stub = EXERCISES[region.number].stubs.get(region.name) if region.number in EXERCISES else None
+        body = textwrap.indent(textwrap.dedent(stub).strip("\n") + "\n", region.indent) if stub else \
+            f"{region.indent}pass\n"
+        lines[region.first + 1:region.last] = [body]
     return "".join(lines)
 
 

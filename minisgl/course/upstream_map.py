@@ -10,8 +10,8 @@ and checks the map files against it:
 - everywhere else in the map files, each backticked name must be defined in minisgl, SGLang or
   mini-SGLang, or be one of `NAMED_ELSEWHERE` (older releases' code, the articles' pseudo-code);
 - a backticked commit id must have all 40 characters;
-- a name written right after a file (`managers/schedule_batch.py: \`ScheduleBatch.copy\``) must
-  be defined in that file, where its first part is a class or a module-level function.
+- a name written right after a file (managers/schedule_batch.py: then ScheduleBatch.copy in
+  backticks) must be defined in that file, where its first part is a class or a module-level function.
 
 What counts as defined: a class, a module-level function or variable, a class member (method,
 class attribute, dataclass field, `self.x` attribute), a function parameter, an environment
