@@ -266,7 +266,7 @@ def test_every_mark_of_the_class_is_right(graded):
     assert said["interrupter"] == ("ex3: interrupted", "ex3: the check was interrupted (KeyboardInterrupt raised by "
                                                        "the submission)"), said
     assert said["numpy"] == ("ex3: refused", "ex3: not run: a region may not import `numpy` (only bisect, "
-                             "collections, copy, functools, heapq, itertools, math, time and torch, fields and replace "
+                             "collections, copy, functools, heapq, itertools, math, time and torch, replace "
                              "from dataclasses, and the package's own classes and functions)"), said
     assert said["loop"][0] == "not gradable" and "loop.patch" in said["loop"][1], said
 
