@@ -70,7 +70,7 @@ DENIED_NAMES = frozenset({
     "update_wrapper", "wraps", "WRAPPER_ASSIGNMENTS", "WRAPPER_UPDATES", "singledispatch", "singledispatchmethod",
     # classes that build classes from a name and a namespace (dunders included): no class definition
     "Enum", "IntEnum", "StrEnum", "Flag", "IntFlag", "EnumMeta", "EnumType", "ABCMeta", "ABC", "NamedTuple",
-    "namedtuple", "TypedDict", "NewType", "Protocol", "Generic",
+    "namedtuple", "TypedDict", "NewType", "Protocol", "Generic", "dataclass", "make_dataclass",
 })
 DENIED_ATTRIBUTES = frozenset({
     # the interpreter, its frames and code
@@ -104,6 +104,10 @@ DENIED_ATTRIBUTES = frozenset({
     "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
     "register_full_backward_pre_hook", "register_backward_hook", "register_state_dict_pre_hook",
     "register_load_state_dict_post_hook", "save_text", "save_html", "save_svg", "storage_type", "default_factory",
+    # a third round: the model (its Hugging Face config's get_config_dict reads any JSON file; its
+    # nn.Module hooks and apply) is nothing a region needs, nor the tokenizer
+    "model", "draft_model", "tokenizer", "get_config_dict", "register_load_state_dict_pre_hook",
+    "register_state_dict_post_hook", "share_memory", "apply",
 })
 # builtins that make a function of the package one a region may not import
 REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",
@@ -113,5 +117,6 @@ NARROWED = {
     "getattr": 'only as getattr(obj, "name") or getattr(obj, "name", default), with the name written out',
     "type": "only to compare, as in type(x) is T or type(a) == type(b) (never called, stored or passed)",
 }
+# `match` too: a class pattern reads attributes named by plain strings (`case str(__class__=C)`)
 DENIED_NODES = (ast.Global, ast.Nonlocal, ast.ClassDef, ast.AsyncFunctionDef, ast.Await, ast.AsyncFor,
-                ast.AsyncWith)
+                ast.AsyncWith, ast.Match)
