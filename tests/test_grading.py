@@ -237,25 +237,28 @@ REACHES_OUTSIDE = {
 # A second red-team trial, each in the region it ran from: what `self` reaches (the model's
 # Hugging Face config, the config's Path), package objects imported as constants, a submodule the
 # import system bound in a package's globals.
-REACHES_OUTSIDE_FROM = {
-    "the commit point": 'd = "_" * 2\nb = self.engine.model.config.from_dict({"dtype": d + "builtins" + d}).dtype',
-    "publish": "from .observe.bench import console\nconsole.save_text('/tmp/x')",
-    "resolve": "from .demo.paths import CHECKPOINT_DIR\nroot = CHECKPOINT_DIR.parents[2]",
-    "staging write-after-read wait": "from .settings import SETTING\nP = SETTING['x'].kind",
-    "allocate for the most a step can accept": "relay.SpecRelay.host_lengths = lambda self, rows: [0] * len(rows)",
-    "skip_finished": "p = self.config.model_path",
-    "checkpoint": "self.mechanisms.to_json_file('/tmp/x')",
-    "deferred row free": "from dataclasses import fields\nc = [f.default_factory for f in fields(self)]",
-    "snapshot": "print(1, **{'file': self})",
-    "the decode row": "x = torch.zeros(1)",  # mixed_chunk.py binds no torch: a NameError there
+REACHES_OUTSIDE_FROM = [
+    ("the commit point", 'd = "_" * 2\nb = self.engine.model.config.from_dict({"dtype": d + "builtins" + d}).dtype'),
+    ("publish", "from .observe.bench import console\nconsole.save_text('/tmp/x')"),
+    ("resolve", "from .demo.paths import CHECKPOINT_DIR\nroot = CHECKPOINT_DIR.parents[2]"),
+    ("staging write-after-read wait", "from .settings import SETTING\nP = SETTING['x'].kind"),
+    ("allocate for the most a step can accept", "relay.SpecRelay.host_lengths = lambda self, rows: [0] * len(rows)"),
+    ("skip_finished", "p = self.config.model_path"),
+    ("checkpoint", "self.mechanisms.to_json_file('/tmp/x')"),
+    ("deferred row free", "from dataclasses import fields\nc = [f.default_factory for f in fields(self)]"),
+    ("snapshot", "print(1, **{'file': self})"),
+    ("the decode row", "x = torch.zeros(1)"),  # mixed_chunk.py binds no torch: a NameError there
     # a third round: a class pattern's attributes are plain strings; the model's config reads JSON files
-    "length lookahead": "match SpanName.COMMIT:\n    case str(__class__=C):\n        C.x = 1",
-    "the host waits for copy_done": "d = self.engine.model.config.get_config_dict('/tmp/x.json')",
-}
+    ("length lookahead", "match SpanName.COMMIT:\n    case str(__class__=C):\n        C.x = 1"),
+    ("the host waits for copy_done", "d = self.engine.model.config.get_config_dict('/tmp/x.json')"),
+    # a fourth round: globals the region's file took from the package, used bare
+    ("allocate for the most a step can accept", "p = DEMO_DRAFT_DIR"),
+    ("the engine stream waits for the scheduler stream", "m = load_model('/tmp/m', torch.float32, torch.device('cpu'))"),
+]
 
 
 def test_a_region_is_held_to_the_scope_it_runs_in():
-    for region, code in REACHES_OUTSIDE_FROM.items():
+    for region, code in REACHES_OUTSIDE_FROM:
         assert region_policy.region_problems(code, region=region), (region, code)
     assert region_policy.region_problems("import torch\nx = torch.zeros(1)", region="the decode row") == []
     assert region_policy.region_problems("n = len(decodes)", region="the decode row") == []  # its function's

@@ -132,12 +132,22 @@ def region_problems(code: str, package: Path = PACKAGE_DIR, region: str | None =
     problems: list[str] = []
     # A name the region does not bind, that no code of the package names and that no builtin has
     # would be a NameError, unless something put it in the module's globals: never reach it.
+    bound_here = set(bound_or_named(tree, loaded=False))
     if region in known.scopes:  # the names its function and its file bind, as at run time
         rel, around = known.scopes[region]
         nameable = around | known.defined[rel] | known.imported[rel]
+        # a global of the file, its own or taken from the package, is held to the rules of a
+        # region's own `from . import`: no object (a Path, a console), no function that reaches files
+        for name in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - bound_here - around:
+            where, what = known.origins[rel].get(name, (rel, name))
+            if what in known.variables.get(where, ()) and what not in known.literals[where]:
+                problems.append(f"a region may not use `{name}`: an object of its file's globals, not a plain value "
+                                f"(it may reach files or the interpreter)")
+            elif what in known.unsafe.get(where, ()):
+                problems.append(f"a region may not use `{name}` (its code reaches files, processes or the interpreter)")
     else:
         nameable = known.spelled
-    nameable = nameable | set(bound_or_named(tree, loaded=False)) | set(dir(builtins))
+    nameable = nameable | bound_here | set(dir(builtins))
 
     def attribute_problem(attr: str) -> str | None:
         if _is_dunder(attr) or attr in denied_attributes:

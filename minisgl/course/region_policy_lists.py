@@ -46,6 +46,9 @@ NAMES_FROM = {"dataclasses": frozenset({"replace"})}  # modules a region may tak
 # modules a file of the package may take names from that a region may use bare (a dataclass's
 # `replace`, typing's names); everything imported from any other module is out of reach
 HARMLESS_SOURCES = ALLOWED_IMPORTS | {"__future__", "typing", "dataclasses", "enum", "numbers", "abc"}
+# modules whose use inside a function of the package leaves it one a region may call: they compute
+# (operator.index, re, random numbers) and reach no file, process or interpreter state
+COMPUTING_SOURCES = HARMLESS_SOURCES | {"operator", "re", "random", "statistics", "struct", "textwrap", "string"}
 SAFE_BUILTINS = frozenset({
     "abs", "all", "any", "ascii", "bin", "bool", "bytearray", "bytes", "callable", "chr", "complex", "dict",
     "divmod", "enumerate", "filter", "float", "frozenset", "hasattr", "hash", "hex", "id", "int", "isinstance",
@@ -108,6 +111,9 @@ DENIED_ATTRIBUTES = frozenset({
     # nn.Module hooks and apply) is nothing a region needs, nor the tokenizer
     "model", "draft_model", "tokenizer", "get_config_dict", "register_load_state_dict_pre_hook",
     "register_state_dict_post_hook", "share_memory", "apply",
+    # a fourth round: a Path's rename, links and ways to any other path
+    "replace", "joinpath", "link_to", "cwd", "home", "lchmod", "owner", "group", "expanduser", "with_name",
+    "with_stem", "with_suffix", "relative_to", "samefile",
 })
 # builtins that make a function of the package one a region may not import
 REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from minisgl.course.catalog import EXERCISES
 from minisgl.course.markers import regions
-from minisgl.course.region_policy_lists import ALLOWED_IMPORTS, DENIED_ATTRIBUTES, HARMLESS_SOURCES, REACHING_BUILTINS
+from minisgl.course.region_policy_lists import (ALLOWED_IMPORTS, COMPUTING_SOURCES, DENIED_ATTRIBUTES, HARMLESS_SOURCES,
+                                                REACHING_BUILTINS)
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the package whose regions are checked
 
@@ -30,6 +31,7 @@ class PackageNames:
         self.modules: set[str] = set()  # names bound to modules (`import x`, `from . import module`)
         self.literals: dict[str, set[str]] = {}  # module path -> its constants whose values are literals
         self.variables: dict[str, set[str]] = {}  # module path -> the names its top level assigns
+        self.origins: dict[str, dict[str, tuple[str, str]]] = {}  # module path -> name -> (package file, name)
         trees = dict(_parsed_modules(package))  # module path (a/b.py) -> its tree, parsed once for both passes
         # every name the package's own code spells (its globals, its functions' parameters and locals):
         # a region whose file is not known may name nothing else that it does not bind itself
@@ -40,6 +42,7 @@ class PackageNames:
             path = self.package / rel
             defined, imported = self.defined.setdefault(rel, set()), self.imported.setdefault(rel, set())
             literals, variables = self.literals.setdefault(rel, set()), self.variables.setdefault(rel, set())
+            origins = self.origins.setdefault(rel, {})
             for node in _top_level(tree.body):
                 if isinstance(node, ast.ClassDef):
                     defined.add(node.name)
@@ -73,6 +76,10 @@ class PackageNames:
                             self.modules.add(bound)
                         elif alias.name[:1].isupper():
                             self.classes.add(bound)
+        for rel, tree in trees.items():  # what each file took from the package, for its regions' bare names
+            for node in _top_level(tree.body):
+                if isinstance(node, ast.ImportFrom):
+                    self.origins[rel].update(self._imports(node, self.package / rel)[0])
         self.foreign -= ALLOWED_IMPORTS  # `import torch` in a file: a region may use torch.name
         self.modules -= ALLOWED_IMPORTS
         self.unsafe = self._unsafe_definitions(trees)
@@ -131,10 +138,10 @@ class PackageNames:
         (name -> (module path, name)), and the names it takes from any other module not harmless."""
         if isinstance(node, ast.Import):
             return {}, {a.asname or a.name.split(".")[0] for a in node.names
-                        if a.name.split(".")[0] not in HARMLESS_SOURCES | {self.package.name}}
+                        if a.name.split(".")[0] not in COMPUTING_SOURCES | {self.package.name}}
         top = (node.module or "").split(".")[0]
         if node.level == 0 and top != self.package.name:
-            return {}, (set() if top in HARMLESS_SOURCES else {a.asname or a.name for a in node.names})
+            return {}, (set() if top in COMPUTING_SOURCES else {a.asname or a.name for a in node.names})
         files = self.candidates(node.level, node.module, path.parent) if node.level else \
             self.candidates(1, ".".join((node.module or "").split(".")[1:]) or None)
         return ({a.asname or a.name: (files[0], a.name) for a in node.names} if files else {}), set()
