@@ -254,6 +254,9 @@ REACHES_OUTSIDE_FROM = [
     # a fourth round: globals the region's file took from the package, used bare
     ("allocate for the most a step can accept", "p = DEMO_DRAFT_DIR"),
     ("the engine stream waits for the scheduler stream", "m = load_model('/tmp/m', torch.float32, torch.device('cpu'))"),
+    # a fifth round: a storage shrunk under its tensor (memory past the buffer); the ABC registry
+    ("publish", "import torch\na = torch.zeros(1 << 20, dtype=torch.uint8)\na.untyped_storage().resize_(1)"),
+    ("delay the sampling", "Sequence.register(int)"),
 ]
 
 

@@ -114,6 +114,10 @@ DENIED_ATTRIBUTES = frozenset({
     # a fourth round: a Path's rename, links and ways to any other path
     "replace", "joinpath", "link_to", "cwd", "home", "lchmod", "owner", "group", "expanduser", "with_name",
     "with_stem", "with_suffix", "relative_to", "samefile",
+    # a fifth round: a tensor's storage shrunk under it reads and writes the process's heap past its
+    # buffer; an ABC's register changes what isinstance accepts everywhere
+    "untyped_storage", "storage", "resize_", "resize_as_", "set_", "as_strided", "as_strided_", "data_ptr",
+    "share_memory_", "apply_", "map_", "map2_", "register",
 })
 # builtins that make a function of the package one a region may not import
 REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",
