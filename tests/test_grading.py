@@ -265,6 +265,10 @@ def test_a_region_is_held_to_the_scope_it_runs_in():
         assert region_policy.region_problems(code, region=region), (region, code)
     assert region_policy.region_problems("import torch\nx = torch.zeros(1)", region="the decode row") == []
     assert region_policy.region_problems("n = len(decodes)", region="the decode row") == []  # its function's
+    # attributes: the engine's own, a builtin type's, the listed tensor methods; no library door by another name
+    assert region_policy.region_problems("x = next_tokens.masked_fill(next_tokens < 0, 0).tolist()\nx.sort()",
+                                         region="publish") == []
+    assert region_policy.region_problems("d = self.tokens.register_hook(len)", region="publish")
 
 
 def records(nonce_ok: bool = True, **outcomes: str) -> list[dict]:

@@ -24,6 +24,8 @@ a few harmless modules, and makes or reads the package's classes. So a region is
   class or function it defines itself whose code stays in the engine, or a constant of plain
   values (`from .grammar import TokenMask`), never a module (`from . import config`), an object
   (a Path, a console), nor what a module of the package imported;
+- attributes: only those the package's own code uses, a builtin type's methods, and the tensor
+  and stream methods TENSOR_METHODS lists (then the deny list);
 - attributes that reach files through objects a region can get from `self` (a Hugging Face
   config's from_dict and to_json_file, a Path's links, nn.Module's lookups by name) are denied,
   and so is any attribute named like a path (`*_path`, `*_dir`, `*_file`);
@@ -56,8 +58,9 @@ import types
 from pathlib import Path
 from typing import Callable
 
-from minisgl.course.region_policy_lists import (ALLOWED_IMPORTS, DENIED_ATTRIBUTES, DENIED_NAMES, DENIED_NODES,
-                                                MODULE_NAMES, NAMES_FROM, NARROWED, SAFE_BUILTINS)
+from minisgl.course.region_policy_lists import (ALLOWED_IMPORTS, BUILTIN_METHODS, DENIED_ATTRIBUTES, DENIED_NAMES,
+                                                DENIED_NODES, MODULE_NAMES, NAMES_FROM, NARROWED, SAFE_BUILTINS,
+                                                TENSOR_METHODS)
 from minisgl.course.region_policy_package import PACKAGE_DIR, bound_or_named, package_names
 
 _MISSING = object()
@@ -228,8 +231,15 @@ def region_problems(code: str, package: Path = PACKAGE_DIR, region: str | None =
                                        hint=id(node) in annotations)
         elif isinstance(node, ast.Attribute):
             why = attribute_problem(node.attr)
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
             if why:
                 problems.append(why)
+            elif not (isinstance(root, ast.Name) and root.id in modules) and node.attr not in (
+                    known.attributes | TENSOR_METHODS | BUILTIN_METHODS):  # a module's names: MODULE_NAMES
+                problems.append(f"a region may not use the attribute `.{node.attr}`: neither the engine's code, a "
+                                f"tensor (region_policy_lists.TENSOR_METHODS) nor a builtin type has it")
             elif node.attr.startswith("_") and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
                 problems.append(f"a region may use a private attribute only on `self`, not `.{node.attr}`")
     return list(dict.fromkeys(problems))

@@ -42,6 +42,26 @@ MODULE_NAMES: dict[str, frozenset[str] | None] = {
     "math": None, "itertools": None, "heapq": None, "bisect": None,
 }
 ALLOWED_IMPORTS = frozenset(module for module in MODULE_NAMES if "." not in module)
+# The attributes a region may use: those the package's own code uses (its objects' fields and
+# methods), a builtin container's or string's methods, and these tensor and stream methods; the
+# deny list below still applies. An allow list: every red-team round found a library door by a
+# name nothing in the engine needs (get_config_dict, symlink_to, untyped_storage, resize_, ...).
+TENSOR_METHODS = frozenset({
+    "to", "clone", "copy_", "fill_", "zero_", "index_copy_", "index_fill_", "index_put_", "index_add_",
+    "index_select", "masked_fill", "masked_fill_", "masked_scatter_", "masked_select", "scatter", "scatter_",
+    "scatter_add_", "gather", "view", "view_as", "reshape", "flatten", "unsqueeze", "squeeze", "expand",
+    "expand_as", "repeat", "repeat_interleave", "contiguous", "tolist", "item", "numel", "nelement", "size",
+    "dim", "shape", "dtype", "device", "is_cuda", "sum", "mean", "prod", "max", "min", "argmax", "argmin", "any",
+    "all", "eq", "ne", "lt", "le", "gt", "ge", "long", "int", "float", "bool", "half", "cumsum", "cumprod",
+    "clamp", "clamp_", "clamp_min", "clamp_max", "where", "nonzero", "sort", "argsort", "topk", "add", "add_",
+    "sub", "sub_", "mul", "mul_", "div", "div_", "neg", "abs", "logical_and", "logical_or", "logical_not",
+    "bitwise_and", "bitwise_or", "bitwise_not", "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor",
+    "narrow", "split", "chunk", "flip", "roll", "unique", "cpu", "cuda", "detach", "type_as", "equal",
+    "allclose", "count_nonzero", "diff", "stride", "is_contiguous", "element_size", "record_stream", "T",
+    "record", "query", "synchronize", "wait", "wait_event", "wait_stream", "elapsed_time",
+})
+BUILTIN_METHODS = frozenset(name for kind in (list, dict, set, frozenset, tuple, str, bytes, int, float, bool)
+                            for name in dir(kind) if not name.startswith("_"))
 NAMES_FROM = {"dataclasses": frozenset({"replace"})}  # modules a region may take only these names from
 # modules a file of the package may take names from that a region may use bare (a dataclass's
 # `replace`, typing's names); everything imported from any other module is out of reach

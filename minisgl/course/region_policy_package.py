@@ -36,6 +36,11 @@ class PackageNames:
         # every name the package's own code spells (its globals, its functions' parameters and locals):
         # a region whose file is not known may name nothing else that it does not bind itself
         self.spelled: set[str] = {name for tree in trees.values() for name in bound_or_named(tree)}
+        # every attribute name the package's own code uses: its objects' fields and methods
+        self.attributes: set[str] = {n.attr for tree in trees.values() for n in ast.walk(tree)
+                                     if isinstance(n, ast.Attribute)}
+        self.attributes |= {name for tree in trees.values() for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+                            for node in cls.body for name in _class_member_names(node)}  # fields, methods
         # region name -> (its file, the names its enclosing functions bind): the scope it runs in
         self.scopes: dict[str, tuple[str, set[str]]] = dict(_region_scopes(trees))
         for rel, tree in trees.items():
@@ -182,6 +187,14 @@ def _is_literal(node: ast.expr) -> bool:
     if isinstance(node, ast.Dict):
         return all(k is not None and _is_literal(k) for k in node.keys) and all(_is_literal(v) for v in node.values)
     return isinstance(node, ast.UnaryOp) and _is_literal(node.operand)
+
+
+def _class_member_names(node: ast.stmt) -> set[str]:
+    """The names one statement of a class body gives the class: a method, a nested class, a field."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
 
 
 def _region_scopes(trees: dict[str, ast.Module]):
