@@ -258,6 +258,14 @@ BAD_COMPLETIONS = [
     ({"model": "demo", "prompt": "hi", "stop_regex": ["x+"]}, "stop_regex"),
     ({"model": "demo", "prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
     ({"model": "demo", "prompt": "hi", "regex": 7}, "regex"),
+    ({"model": "demo", "prompt": "hi", "regex": "a\ud800"}, "regex"),
+    ({"model": "demo", "prompt": "hi", "ebnf": 'root ::= "\udc80"'}, "ebnf"),
+    ({"model": "demo", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "string", "enum": ["\ud800"]}}}}, "response_format"),
+    ({"model": "demo", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"properties": {"a": {"$ref": "other.json#/x"}}}}}}, "response_format"),
+    ({"model": "demo", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"$ref": "http://example.com/s.json"}}}}, "response_format"),
 ]
 BAD_CHAT = [
     ({"model": "demo"}, "messages"),
@@ -301,6 +309,14 @@ def test_what_was_wrong_is_said(server):
     assert "6400 generations" in error["error"]["message"] and "--max-inflight" in error["error"]["message"]
     status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", "stop": ["y" * 300000]})
     assert error["error"]["message"] == "a stop string is 300000 characters; at most 400"
+    status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", "seed": 10**4000})
+    assert error["error"]["message"].endswith("... (4001 characters)") and len(error["error"]["message"]) < 200
+    for kind, text in (("regex", "x\ud800"), ("ebnf", 'root ::= "\ud800"')):  # as the prompt's message says it
+        status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", kind: text})
+        assert error["error"]["message"].startswith(f"{kind} is not valid Unicode text (surrogates not allowed")
+    status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", "response_format": {
+        "type": "json_schema", "json_schema": {"schema": {"$ref": "s.json\nminisgl serve: exiting"}}}})
+    assert error["error"]["message"].startswith("a $ref in the JSON schema must point into the schema"), error
 
 
 def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server):

@@ -68,6 +68,8 @@ def test_shutdown(flags, signals, code, reason, tmp_path):
         assert proc.wait(EXIT_WAIT_S) == code, log.read_text()
         # the drain says what it is doing (a quiet wait of up to --drain-timeout looked like a hang)
         assert f"minisgl serve: {signals[0].name}: finishing the requests in flight" in log.read_text()
+        timed_out = "minisgl serve: the drain timed out after 0.5 s: aborting 1 generations in flight (exit code 3)"
+        assert (timed_out in log.read_text().splitlines()) == (code == 3), log.read_text()
         thread.join(EXIT_WAIT_S)
         assert finish_reasons(events) == [reason] and events[-1] == "[DONE]"  # the client was told
         with pytest.raises(ProcessLookupError):  # the scheduler process is gone (its engine freed)

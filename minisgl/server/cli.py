@@ -124,6 +124,9 @@ async def serve(args: argparse.Namespace) -> int:
         drained = drain.done() and drain.result()
         if not drained:
             drain.cancel()
+            if not server.forced and client.failure is None:  # else a forced exit or the failure says why
+                print(f"minisgl serve: the drain timed out after {args.drain_timeout:g} s: aborting "
+                      f"{client.in_flight} generations in flight (exit code 3)", file=sys.stderr, flush=True)
             client.abort_all()  # each stream still open ends with finish_reason "abort"
         await serving
     finally:

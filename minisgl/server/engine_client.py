@@ -106,6 +106,11 @@ class EngineClient:
         """Seconds since the scheduler process last sent anything."""
         return time.monotonic() - self.last_heard
 
+    @property
+    def in_flight(self) -> int:
+        """Generations submitted and not finished yet."""
+        return len(self._submissions)
+
     async def drain(self, timeout_s: float) -> bool:
         """Take no new request; wait until every generation in flight is finished (True), or
         until the timeout (False)."""

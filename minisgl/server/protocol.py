@@ -187,6 +187,7 @@ def _grammar(body: dict) -> GrammarSpec | None:
                 raise APIError(f"{kind} must be a non-empty string", kind)
             if len(text) > MAX_GRAMMAR_CHARS:
                 raise APIError(f"{kind} is {len(text)} characters; at most {MAX_GRAMMAR_CHARS}", kind)
+            check_text(text, kind)
             found.append(GrammarSpec(kind, text))
     if len(found) > 1:
         raise APIError("at most one of response_format (json), regex and ebnf", "response_format")
@@ -214,13 +215,27 @@ def _bounded_schema(schema: dict) -> str:
         if isinstance(value, dict):
             if isinstance(value.get("enum"), list):
                 enum_values += len(value["enum"])
+            _check_local_ref(value.get("$ref"))
+            for key in value:
+                check_text(key, param)
             stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, str):
+            check_text(value, param)
         elif isinstance(value, list):
             stack.extend((v, depth + 1) for v in value)
     if enum_values > MAX_SCHEMA_ENUM_VALUES:
         raise APIError(f"the JSON schema's enums have {enum_values} values together; at most "
                        f"{MAX_SCHEMA_ENUM_VALUES}", param)
     return text
+
+
+def _check_local_ref(ref: Any) -> None:
+    """A $ref (a string) must point into the schema itself: "#" or "#/...". xgrammar compiles any other
+    (another file, a URL) to a schema that constrains nothing, and writes the reference, the
+    client's text, into the server's log."""
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):  # else a property named $ref
+        raise APIError(f"a $ref in the JSON schema must point into the schema (\"#\" or \"#/...\"), "
+                       f"got {_shortened(json.dumps(ref))}", "response_format")
 
 
 def _top_k(body: dict) -> int:
@@ -268,7 +283,7 @@ def _int(body: dict, name: str, default: int | None, low: int, high: int) -> int
     if not is_int(value):
         raise APIError(f"{name} must be an integer, got {_kind(value)}", name)
     if not low <= value <= high:
-        raise APIError(f"{name} must be in [{low}, {high}], got {value}", name)
+        raise APIError(f"{name} must be in [{low}, {high}], got {_shortened(value)}", name)
     return int(value)
 
 
@@ -281,7 +296,7 @@ def _float(body: dict, name: str, default: float, low: float, high: float) -> fl
     if not math.isfinite(value):  # Python's json reads NaN, Infinity and -Infinity
         raise APIError(f"{name} must be a finite number, got {json.dumps(value)}", name)
     if not low <= value <= high:
-        raise APIError(f"{name} must be in [{low:g}, {high:g}], got {value}", name)
+        raise APIError(f"{name} must be in [{low:g}, {high:g}], got {_shortened(value)}", name)
     return float(value)
 
 
@@ -304,6 +319,12 @@ def check_text(text: str, param: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate ("\\ud800" in the JSON)
         raise APIError(f"{param} is not valid Unicode text ({exc.reason} at index {exc.start})", param) from None
+
+
+def _shortened(value: Any, limit: int = 40) -> str:
+    """A client's value as an error message quotes it: a 4,000-digit number is not echoed whole."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _kind(value: Any) -> str:
