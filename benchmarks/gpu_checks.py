@@ -15,7 +15,7 @@ prefill: one prefill batch at a time on an idle engine, 256 to 8,192 tokens of ~
         its floor (observe/breakdown.py) and floor / device; then cProfile's top functions over
         launches of 1,024-token batches. Where device ms stops following host ms is where a
         batch's compute covers its launches: the value for min_prefill_tokens (config.py).
-        Two engines in turn, an A/B: the eager prefill, then enable_piecewise_cuda_graph.
+        Two engines in turn, an A/B: the eager prefill, then piecewise_cuda_graph.
 eager-ab: lesson 9's workload again, both loops built once and run in ABBA order (4 pairs, the
         first a warm-up), then one overlap run under torch's sync debug mode (every synchronizing
         CUDA call warns): is eager overlap's loss steady, and does any hidden synchronization remain?
@@ -230,7 +230,7 @@ def prefill_batches(model: str, piecewise: bool) -> None:
         return [[rng.randint(0, 10000) for _ in range(n)] for n in lengths]
 
     started = time.perf_counter()
-    llm = LLM(model, device="cuda", loop="overlap", trace=True, enable_piecewise_cuda_graph=piecewise)
+    llm = LLM(model, device="cuda", loop="overlap", trace=True, piecewise_cuda_graph=piecewise)
     print(f"engine start {time.perf_counter() - started:.1f} s (graph captures included), "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, {llm.engine.kv_pool.kv_tokens} KV slots")
     llm.generate(prompts(8192), one)  # warm-up: kernels and plans for every size below

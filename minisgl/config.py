@@ -82,7 +82,7 @@ class EngineConfig:
     fused_kernels: bool
     tensor_core_decode_min_batch: int | None
     fast_decode_plan: bool
-    enable_piecewise_cuda_graph: bool
+    piecewise_cuda_graph: bool
     model_window: int
     kv_bytes_per_token: int  # K and V of one position, every layer, in `dtype`
     weight_bytes: int  # the model's weights in `dtype`

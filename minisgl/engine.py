@@ -107,12 +107,13 @@ class Engine:
         self.future_map = FutureMap(config.max_running_requests, device)
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PiecewisePrefill | None = None
+        self.prefill_graphs_off: str | None = "piecewise_cuda_graph=False"  # why prefill runs eagerly
         # Deterministic mode runs eagerly: FlashInfer's unsplit tensor-core decode in CUDA graphs crashed
         # every engine after the first in a process ("illegal memory access"; benchmarks/RESULTS.md).
         if isinstance(self.backend, FlashInferBackend) and self.mechanisms.on("cuda_graph") and not config.deterministic:
             self.graphs = CudaGraphRunner(m, self.kv, self.backend, config.max_running_requests,
                                           self.kv_pool.num_slots, device)
-        if config.enable_piecewise_cuda_graph:
+        if config.piecewise_cuda_graph:
             self.prefill_graphs = self._piecewise_prefill()
         # Last: on CPU the stream starts a worker thread, which a failure above would leak.
         self.stream: Stream = make_device_stream("engine", device)
@@ -121,15 +122,16 @@ class Engine:
             cuda_lifecycle.engine_started(self)
 
     def _piecewise_prefill(self) -> PiecewisePrefill | None:
-        """The prefill graphs, where they can run: else a warning says why the setting does nothing."""
+        """The prefill graphs, where they can run: else prefill_graphs_off says why not (no warning:
+        the setting is on by default, as fast_decode_plan is, and means "where it can run")."""
         config = self.config
         # Only where the qkv epilogue writes the new K/V itself: else each piece would keep its own
         # k and v buffers alive, a forward's worth per layer. A speculative verify runs its own forwards.
         why_not = ("the decode graphs are off (CUDA, FlashInfer, cuda_graph on, deterministic off)" if self.graphs is None
                    else "the qkv epilogue is not fused (fused_kernels, head size)" if not writes_kv_in_epilogue(self.model)
                    else "speculation runs its own forwards" if config.speculative_algorithm is not None else None)
+        self.prefill_graphs_off = why_not
         if why_not is not None:
-            warnings.warn(f"enable_piecewise_cuda_graph does nothing here: {why_not}", RuntimeWarning, stacklevel=4)
             return None
         # The most tokens a forward outside the decode graphs holds: a prompt chunk, and the running
         # decodes when mixed (config.max_batch_tokens also counts a decode step's rows).

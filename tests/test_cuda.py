@@ -150,7 +150,7 @@ def test_cuda_graph_on_equals_off(qwen3):
 
 
 def test_piecewise_prefill_graphs_match_the_eager_prefill(qwen3, record_property):
-    """Prefill from CUDA graphs cut at attention (enable_piecewise_cuda_graph; every forward here fits
+    """Prefill from CUDA graphs cut at attention (piecewise_cuda_graph; every forward here fits
     a bucket): a prompt's logits are the eager forward's within bf16 rounding (a padded GEMM may
     take another cuBLAS kernel), most sequences are identical, and the KV pool is whole. Chunks of
     48 tokens mixed with the running decodes: several buckets, each padded."""
@@ -159,7 +159,7 @@ def test_piecewise_prefill_graphs_match_the_eager_prefill(qwen3, record_property
     outputs, first_logits = [], []
     for piecewise in (True, False):
         llm = LLM(qwen3, device="cuda", loop="overlap", chunk_size=48, enable_mixed_chunk=True,
-                  enable_piecewise_cuda_graph=piecewise)
+                  piecewise_cuda_graph=piecewise)
         engine = llm.engine
         assert (engine.prefill_graphs is not None) == piecewise
         outputs.append([o.token_ids for o in llm.generate(prompts, params)])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from minisgl import LLM, SamplingParams, demo_model_path
@@ -282,10 +284,15 @@ def test_fast_decode_plan_only_after_a_wrappers_first_plan():
 
 
 def test_piecewise_prefill_graphs_say_why_they_are_not_built():
-    """enable_piecewise_cuda_graph where they cannot run (here: the CPU, no decode graphs): a warning
-    that names the reason, and the eager prefill."""
-    with pytest.warns(RuntimeWarning, match="enable_piecewise_cuda_graph does nothing here: the decode graphs are off"):
-        llm = LLM(demo_model_path(), device="cpu", enable_piecewise_cuda_graph=True)
+    """piecewise_cuda_graph (on by default) where they cannot run (here: the CPU, no decode graphs):
+    no warning, the reason in Engine.prefill_graphs_off, and the eager prefill."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm = LLM(demo_model_path(), device="cpu")
     assert llm.engine.prefill_graphs is None
+    assert llm.engine.prefill_graphs_off.startswith("the decode graphs are off")
     assert llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=2))[0].token_ids
     llm.close()
+    off = LLM(demo_model_path(), device="cpu", piecewise_cuda_graph=False)
+    assert off.engine.prefill_graphs_off == "piecewise_cuda_graph=False"
+    off.close()

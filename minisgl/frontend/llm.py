@@ -40,7 +40,7 @@ class LLM(DrivingMixin):
                  speculative_algorithm: str | None = None, speculative_num_steps: int = 3,
                  speculative_draft_model_path: str | os.PathLike | None = None, enable_mixed_chunk: bool = False,
                  fused_kernels: bool = True, tensor_core_decode_min_batch: int | None = 1,
-                 fast_decode_plan: bool = True, enable_piecewise_cuda_graph: bool = False) -> None:
+                 fast_decode_plan: bool = True, piecewise_cuda_graph: bool = True) -> None:
         """The keywords are the engine's settings, in minisgl.config.SETTINGS with their ranges and help
         (a test holds this signature to that table)."""
         settings = {name: value for name, value in locals().items() if name not in ("self", "model_path")}
