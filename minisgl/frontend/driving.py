@@ -7,7 +7,6 @@ A step's finished requests become results (`_store`), kept until a public call h
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 from ..invariants import memory_report
@@ -57,16 +56,18 @@ class DrivingMixin:
         call around it holds Ctrl-C back until they are stored). An error (not a held-back
         Ctrl-C) stops the scheduler: it is raised here once, and every later call refuses (see
         _refuse); what finished before it is still stored, for collect(). Returns their ids."""
+        if self._guard.stopping.is_set():  # the finalizer at interpreter exit waits for this (Guard.stop_calls)
+            self._guard.park()
         nothing_in_flight, launched = self.scheduler.last is None, self.scheduler.stats.batches
         try:
             done = self.scheduler.step()
         except BaseException:
-            if not self._stop_engine.alive:
-                # The engine was stopped under this running call. Only the finalizer at interpreter
-                # exit does that (close() refuses while a call runs), and then only daemon threads
-                # still run: this one waits to be stopped with the interpreter, as daemon threads
-                # are, instead of printing the stopped engine's error.
-                threading.Event().wait()
+            if self._guard.stopping.is_set():
+                # The engine was stopped under this running call: only the finalizer at interpreter
+                # exit does that (close() refuses while a call runs), after waiting for it to park
+                # in vain (a step longer than its bound). This daemon thread ends with the
+                # interpreter instead of printing the stopped engine's error.
+                self._guard.park()
             done, self.scheduler.finished = self.scheduler.finished, []  # finished before the error
             self._store(done)
             raise

@@ -13,16 +13,39 @@ from __future__ import annotations
 import functools
 import signal
 import threading
+import time
 from typing import Callable
 
 SECOND_INTERRUPT = "second interrupt: the call was cut short"
 
 
 class Guard:
-    """An LLM's lock (re-entrant: on_step may add_request) and its innermost call's undo list and Held."""
+    """An LLM's lock (re-entrant: on_step may add_request) and its innermost call's undo list and Held;
+    at interpreter exit, how the finalizer stops a call a daemon thread is still inside (`stop_calls`)."""
 
     def __init__(self) -> None:
         self.lock, self.undo, self.held = threading.RLock(), None, None
+        self.stopping, self.parked = threading.Event(), threading.Event()
+
+    def stop_calls(self, timeout_s: float) -> None:
+        """The finalizer, before it stops the engine: every call's next step parks (`park`, called by
+        _step), and this returns once no other thread is inside a call, or the one inside has
+        parked, or timeout_s has passed. Only at interpreter exit can another thread be inside a
+        call (a running call holds its LLM); after close() no call steps again (they refuse)."""
+        self.stopping.set()
+        deadline = time.monotonic() + timeout_s
+        while not self.lock.acquire(timeout=0.01):  # at once if none is, or it is this thread's close()
+            if self.parked.is_set() or time.monotonic() > deadline:
+                return
+        self.lock.release()
+
+    def park(self) -> None:
+        """Where a call's thread waits forever once the engine is stopped under it (`stop_calls`),
+        outside any torch op, to end with the interpreter as daemon threads do. One still inside a
+        torch op as the interpreter finishes is killed in C++ code when the op takes the GIL back:
+        "terminate called without an active exception", SIGABRT."""
+        self.parked.set()
+        threading.Event().wait()
 
 
 class Held(list):

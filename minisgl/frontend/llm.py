@@ -76,7 +76,7 @@ class LLM(DrivingMixin):
             raise ValueError(f"cannot load the model in {self.model_path}: {exc}") from exc
         # Stops the engine's worker thread if this LLM is dropped or the interpreter exits
         # unclosed (a torch kernel still running during interpreter teardown can abort it).
-        self.engine, self._stop_engine = engine, weakref.finalize(self, _stop_engine, engine, self._pid)
+        self.engine, self._stop_engine = engine, weakref.finalize(self, _stop_engine, engine, self._pid, self._guard)
         self.engine.tracer.enabled = self.config.trace
         self.tokenizer = load_tokenizer(self.model_path)
         check_tokenizer_fits(self.tokenizer, self.engine.model.vocab_size, self.model_path)
@@ -301,8 +301,18 @@ _FORKED = ("this LLM was created in another process: after fork() its engine's w
 _REENTRANT = ("generate(), step() and close() cannot be called from inside generate() (its on_step callback): "
               "they would take over the running call's requests")
 
-def _stop_engine(engine: Engine, pid: int) -> None:
+# How long the finalizer at interpreter exit waits for a daemon thread's call to park (Guard.stop_calls):
+# a step's worth, plus an on_step callback. Past it the engine is stopped under the call, which may
+# then be inside a torch op as the interpreter finishes: SIGABRT (see Guard.park).
+_PARK_TIMEOUT_S = 10.0
+
+
+def _stop_engine(engine: Engine, pid: int, guard: Guard) -> None:
     """The finalizer: stop the engine, in the process that started it (a fork()ed child has
-    no worker thread to stop, and a hung device's work is not waited for: Engine.hung)."""
+    no worker thread to stop, and a hung device's work is not waited for: Engine.hung). At
+    interpreter exit a daemon thread may still be inside a call: it parks at its next step
+    boundary first, and the engine's stream worker is joined (Engine.close), so that no thread of
+    ours is inside a torch op when the interpreter finishes."""
     if os.getpid() == pid:
+        guard.stop_calls(0.0 if engine.hung else _PARK_TIMEOUT_S)
         engine.close()
