@@ -24,6 +24,21 @@ MAX_RUNNING_REQUESTS = 1 << 20
 MAX_DELAY_MS = 3_600_000.0  # an hour per step: any more is a typo, not a teaching aid
 
 
+def shortened(value: Any, limit: int = 40) -> str:
+    """A caller's value as an error message quotes it: a 4,000-digit number is not echoed whole."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def check_schema_ref(ref: Any) -> None:
+    """A JSON schema's $ref (a string) must point into the schema itself: "#" or "#/...". xgrammar
+    compiles any other (another file, a URL) to a schema that constrains nothing, and writes the
+    reference, the caller's text, into the log."""
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):  # else a property named $ref
+        raise ValueError(f"a $ref in the JSON schema must point into the schema (\"#\" or \"#/...\"), "
+                         f"got {shortened(repr(ref))}")
+
+
 def is_int(value: Any) -> bool:
     """A true integer (int, numpy/torch integer scalar), never a bool, float or string."""
     if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):

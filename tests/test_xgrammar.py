@@ -80,6 +80,22 @@ def test_a_bad_grammar_is_one_value_error(kind, text):
         check_grammar(kind, text)
 
 
+@pytest.mark.parametrize("ref", ["http://example.com/a.json", "other.json#/a", "/etc/passwd"])
+def test_a_ref_out_of_the_schema_is_refused_before_xgrammar_sees_it(ref, capfd):
+    """xgrammar compiles a $ref to another file or a URL to a schema that constrains nothing, and
+    logs the reference: the in-process compile refuses it as the server does, and nothing is logged."""
+    from minisgl.frontend.tokenizer import load_tokenizer
+
+    schema = json.dumps({"type": "object", "properties": {"a": {"$ref": ref}, "$ref": {"type": "string"}}})
+    compiler = GrammarCompiler(load_tokenizer(demo_model_path()), 512, [1])
+    for compile_it in (lambda: check_grammar("json_schema", schema), lambda: compiler.compile("json_schema", schema)):
+        with pytest.raises(ValueError, match="a \\$ref in the JSON schema must point into the schema"):
+            compile_it()
+    assert ref not in "".join(capfd.readouterr())
+    local = {"$defs": {"n": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}}
+    compiler.compile("json_schema", json.dumps(local))  # a reference into the schema compiles
+
+
 def test_the_compilers_cache_stays_within_its_limit():
     """Distinct grammars, one after another (a server's clients): xgrammar's cache stays near the
     limit given (it may pass it by about the newest grammar). Without a limit it kept every one:

@@ -9,6 +9,7 @@ token bitmask (one bit per vocabulary entry), filled on the host once the state 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -16,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 import xgrammar as xgr
 
+from ..checks import check_schema_ref
 from ..constraint import REJECTED, Constraint
 from .grammar import TokenMask
 from .json_text import JsonTextTokens
@@ -46,6 +48,7 @@ class GrammarCompiler:
         is a ValueError."""
         try:
             if kind == "json_schema":
+                check_refs(text)
                 compiled = self.compiler.compile_json_schema(text, any_whitespace=False)
             elif kind == "json_object":  # any object, in JSON without free whitespace
                 compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
@@ -64,6 +67,7 @@ def check_grammar(kind: str, text: str = "") -> None:
     """Parse a grammar without a tokenizer (cheap): a ValueError names what is wrong."""
     try:
         if kind == "json_schema":
+            check_refs(text)
             xgr.Grammar.from_json_schema(text, any_whitespace=False)
         elif kind == "regex":
             xgr.Grammar.from_regex(text)
@@ -71,6 +75,22 @@ def check_grammar(kind: str, text: str = "") -> None:
             xgr.Grammar.from_ebnf(text)
     except RuntimeError as exc:
         raise ValueError(f"invalid {kind}: {_reason(exc)}") from None
+
+
+def check_refs(schema_text: str) -> None:
+    """Every $ref in a JSON schema points into it (checks.check_schema_ref), checked before
+    xgrammar sees the schema; text that is not JSON is left to xgrammar's own message."""
+    try:
+        stack = [json.loads(schema_text)]
+    except ValueError:
+        return
+    while stack:  # no recursion: a deeply nested schema is not a RecursionError
+        value = stack.pop()
+        if isinstance(value, dict):
+            check_schema_ref(value.get("$ref"))
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def _reason(exc: RuntimeError) -> str:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..checks import INT64_MAX, INT64_MIN, is_int
+from ..checks import INT64_MAX, INT64_MIN, check_schema_ref, is_int, shortened
 from ..sampling_params import FLOAT32_TINY
 from .messages import GrammarSpec
 
@@ -230,12 +230,10 @@ def _bounded_schema(schema: dict) -> str:
 
 
 def _check_local_ref(ref: Any) -> None:
-    """A $ref (a string) must point into the schema itself: "#" or "#/...". xgrammar compiles any other
-    (another file, a URL) to a schema that constrains nothing, and writes the reference, the
-    client's text, into the server's log."""
-    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):  # else a property named $ref
-        raise APIError(f"a $ref in the JSON schema must point into the schema (\"#\" or \"#/...\"), "
-                       f"got {_shortened(json.dumps(ref))}", "response_format")
+    try:
+        check_schema_ref(ref)
+    except ValueError as exc:
+        raise APIError(str(exc), "response_format") from None
 
 
 def _top_k(body: dict) -> int:
@@ -283,7 +281,7 @@ def _int(body: dict, name: str, default: int | None, low: int, high: int) -> int
     if not is_int(value):
         raise APIError(f"{name} must be an integer, got {_kind(value)}", name)
     if not low <= value <= high:
-        raise APIError(f"{name} must be in [{low}, {high}], got {_shortened(value)}", name)
+        raise APIError(f"{name} must be in [{low}, {high}], got {shortened(value)}", name)
     return int(value)
 
 
@@ -296,7 +294,7 @@ def _float(body: dict, name: str, default: float, low: float, high: float) -> fl
     if not math.isfinite(value):  # Python's json reads NaN, Infinity and -Infinity
         raise APIError(f"{name} must be a finite number, got {json.dumps(value)}", name)
     if not low <= value <= high:
-        raise APIError(f"{name} must be in [{low:g}, {high:g}], got {_shortened(value)}", name)
+        raise APIError(f"{name} must be in [{low:g}, {high:g}], got {shortened(value)}", name)
     return float(value)
 
 
@@ -319,12 +317,6 @@ def check_text(text: str, param: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate ("\\ud800" in the JSON)
         raise APIError(f"{param} is not valid Unicode text ({exc.reason} at index {exc.start})", param) from None
-
-
-def _shortened(value: Any, limit: int = 40) -> str:
-    """A client's value as an error message quotes it: a 4,000-digit number is not echoed whole."""
-    text = str(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _kind(value: Any) -> str:
