@@ -218,7 +218,6 @@ BAD_COMPLETIONS = [
     ({"model": "demo", "prompt": [1, 2, 512]}, "prompt"),  # the demo vocabulary is 512
     ({"model": "demo", "prompt": "x" * 5000}, "prompt"),  # beyond the window
     ({"model": "demo", "prompt": "\ud800"}, "prompt"),
-    ({"model": "nope", "prompt": "hi"}, "model"),
     ({"prompt": "hi"}, "model"),
     ({"model": 3, "prompt": "hi"}, "model"),
     ({"model": "demo", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
@@ -317,6 +316,16 @@ def test_what_was_wrong_is_said(server):
     status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", "response_format": {
         "type": "json_schema", "json_schema": {"schema": {"$ref": "s.json\nminisgl serve: exiting"}}}})
     assert error["error"]["message"].startswith("a $ref in the JSON schema must point into the schema"), error
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}  # xgrammar would not enforce it
+    status, error = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", "response_format": {
+        "type": "json_schema", "json_schema": {"schema": schema}}})
+    assert status == 400 and error["error"]["param"] == "response_format", error
+    assert error["error"]["message"].startswith("the JSON schema keyword uniqueItems is not enforced"), error
+    schema = {"type": "object", "properties": {"a": {"const": {"$ref": "http://x"}}}, "required": ["a"]}  # data
+    status, out = post_json(server, "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 40,
+                                                        "response_format": {"type": "json_schema",
+                                                                            "json_schema": {"schema": schema}}})
+    assert status == 200 and out["choices"][0]["finish_reason"] in ("stop", "length"), out
 
 
 def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server):
@@ -376,7 +385,12 @@ def test_models_health_and_metrics(server):
         client(server).models.retrieve("gpt-4")
     assert missing.value.body == {"message": "the model 'gpt-4' does not exist; this server serves 'demo'",
                                   "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):  # as OpenAI's API answers
+        client(server).completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client(server).chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     assert request(server, "GET", "/health")[0] == 200
+    client(server).completions.create(model="demo", prompt="hi", max_tokens=2)  # a first token to time
     text = request(server, "GET", "/metrics")[1].decode()
     for name in ("minisgl:num_running_reqs", "minisgl:num_queue_reqs", "minisgl:token_usage",
                  "minisgl:gen_throughput", "minisgl:time_to_first_token_seconds_bucket",

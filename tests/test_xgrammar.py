@@ -86,14 +86,60 @@ def test_a_ref_out_of_the_schema_is_refused_before_xgrammar_sees_it(ref, capfd):
     logs the reference: the in-process compile refuses it as the server does, and nothing is logged."""
     from minisgl.frontend.tokenizer import load_tokenizer
 
-    schema = json.dumps({"type": "object", "properties": {"a": {"$ref": ref}, "$ref": {"type": "string"}}})
     compiler = GrammarCompiler(load_tokenizer(demo_model_path()), 512, [1])
-    for compile_it in (lambda: check_grammar("json_schema", schema), lambda: compiler.compile("json_schema", schema)):
-        with pytest.raises(ValueError, match="a \\$ref in the JSON schema must point into the schema"):
-            compile_it()
+    for schema in ({"type": "object", "properties": {"a": {"$ref": ref}, "$ref": {"type": "string"}}},
+                   {"type": "object", "properties": {"enum": {"$ref": ref}}},  # a property named as a keyword
+                   {"anyOf": [{"type": "integer"}, {"items": {"$ref": ref}}]}):
+        for compile_it in (check_grammar, compiler.compile):
+            with pytest.raises(ValueError, match="a \\$ref in the JSON schema must point into the schema"):
+                compile_it("json_schema", json.dumps(schema))
     assert ref not in "".join(capfd.readouterr())
-    local = {"$defs": {"n": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}}
-    compiler.compile("json_schema", json.dumps(local))  # a reference into the schema compiles
+    # A reference into the schema compiles; so does a {"$ref": ...} that is JSON data, not a schema.
+    for schema in ({"$defs": {"n": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
+                   {"const": {"$ref": ref}}, {"enum": [{"$ref": ref}, 1]},
+                   {"type": "integer", "default": {"$ref": ref}, "examples": [{"$ref": ref}]}):
+        check_grammar("json_schema", json.dumps(schema))
+        compiler.compile("json_schema", json.dumps(schema))
+
+
+# (schema, an output that breaks it, the keyword the refusal names)
+UNENFORCED = [({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "uniqueItems"),
+              ({"allOf": [{"type": "integer", "minimum": 5}, {"maximum": 6}]}, "1", "allOf"),
+              ({"type": "integer", "not": {"const": 1}}, "1", "not"),
+              ({"type": "array", "contains": {"const": 5}}, "[]", "contains"),
+              ({"if": {"type": "integer"}, "then": {"minimum": 5}}, "1", "if"),
+              ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "dependentRequired"),
+              ({"type": "object", "properties": {}, "required": ["zz"]}, "{}", "'zz'")]
+
+
+@pytest.mark.parametrize("schema, breaking, keyword", UNENFORCED)
+def test_a_keyword_xgrammar_does_not_enforce_is_refused(schema, breaking, keyword):
+    """xgrammar compiles these schemas to grammars that accept an output breaking them (it would
+    end with finish_reason "stop"): the compile refuses them and names the keyword. Should a new
+    xgrammar enforce one, the first assertion fails and its refusal can go."""
+    import xgrammar as xgr
+    from minisgl.frontend.tokenizer import load_tokenizer
+
+    compiler = GrammarCompiler(load_tokenizer(demo_model_path()), 512, [1])
+    unchecked = xgr.GrammarMatcher(compiler.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+    assert unchecked.accept_string(breaking) and unchecked.accept_token(1)  # xgrammar lets it end there
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(breaking), schema)
+    for compile_it in (check_grammar, compiler.compile):
+        with pytest.raises(ValueError, match=re.escape(keyword)):
+            compile_it("json_schema", json.dumps(schema))
+
+
+def test_the_keywords_xgrammar_enforces_compile():
+    from minisgl.frontend.tokenizer import load_tokenizer
+
+    compiler = GrammarCompiler(load_tokenizer(demo_model_path()), 512, [1])
+    for schema in ({"allOf": [{"type": "integer", "minimum": 5}]}, {"type": "array", "uniqueItems": False},
+                   {"oneOf": [{"type": "integer"}, {"type": "string"}]}, {"type": "string", "pattern": "^a+$"},
+                   {"type": "object", "properties": {"not": {"type": "integer"}}, "required": ["not"]},
+                   {"enum": [{"contains": 1}]}):
+        compiler.compile("json_schema", json.dumps(schema))
 
 
 def test_the_compilers_cache_stays_within_its_limit():

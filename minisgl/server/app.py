@@ -117,7 +117,7 @@ def build_app(state: ServerState) -> Starlette:
         return JSONResponse({"object": "list", "data": [model_card()]})
 
     async def model(request: Request) -> Response:
-        check_model(state, request.path_params["model_id"], status=404)
+        check_model(state, request.path_params["model_id"])
         return JSONResponse(model_card())
 
     async def health(request: Request) -> Response:
@@ -169,10 +169,11 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def check_model(state: ServerState, model: str, status: int = 400) -> None:
+def check_model(state: ServerState, model: str) -> None:
+    """An unknown model is a 404, as OpenAI's API answers it (the client raises NotFoundError)."""
     if model != state.model_name:
         raise APIError(f"the model {model!r} does not exist; this server serves {state.model_name!r}", "model",
-                       status=status, code="model_not_found")
+                       status=404, code="model_not_found")
 
 
 def check_engine_takes(state: ServerState, prompts: int, options: Options) -> None:

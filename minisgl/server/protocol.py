@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..checks import INT64_MAX, INT64_MIN, check_schema_ref, is_int, shortened
+from ..checks import INT64_MAX, INT64_MIN, is_int, shortened
 from ..sampling_params import FLOAT32_TINY
 from .messages import GrammarSpec
 
@@ -215,7 +215,6 @@ def _bounded_schema(schema: dict) -> str:
         if isinstance(value, dict):
             if isinstance(value.get("enum"), list):
                 enum_values += len(value["enum"])
-            _check_local_ref(value.get("$ref"))
             for key in value:
                 check_text(key, param)
             stack.extend((v, depth + 1) for v in value.values())
@@ -227,13 +226,6 @@ def _bounded_schema(schema: dict) -> str:
         raise APIError(f"the JSON schema's enums have {enum_values} values together; at most "
                        f"{MAX_SCHEMA_ENUM_VALUES}", param)
     return text
-
-
-def _check_local_ref(ref: Any) -> None:
-    try:
-        check_schema_ref(ref)
-    except ValueError as exc:
-        raise APIError(str(exc), "response_format") from None
 
 
 def _top_k(body: dict) -> int:
