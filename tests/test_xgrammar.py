@@ -110,7 +110,24 @@ UNENFORCED = [({"type": "array", "items": {"type": "integer"}, "uniqueItems": Tr
               ({"if": {"type": "integer"}, "then": {"minimum": 5}}, "1", "if"),
               ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                 "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "dependentRequired"),
-              ({"type": "object", "properties": {}, "required": ["zz"]}, "{}", "'zz'")]
+              ({"type": "object", "properties": {}, "required": ["zz"]}, "{}", "'zz'"),
+              ({"type": "array", "items": {"type": "integer"}, "uniqueItems": 1}, "[1, 1]", "uniqueItems"),
+              ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "dependencies": {"a": ["b"]}},
+               '{"a": 1}', "dependencies"),
+              ({"type": "number", "multipleOf": 0.5}, "0.3", "multipleOf"),
+              ({"type": "string", "pattern": "^a+$", "maxLength": 3}, '"aaaa"', "maxLength (beside pattern)"),
+              ({"type": "string", "format": "uuid", "maxLength": 3}, '"123e4567-e89b-12d3-a456-426614174000"',
+               "maxLength (beside format)"),
+              ({"allOf": [{"type": "integer"}], "maximum": 3}, "5", "maximum (beside allOf)"),
+              ({"type": "integer", "minimum": 0, "anyOf": [{"maximum": 3}, {"minimum": 10}]}, "5",
+               "minimum (beside anyOf)"),
+              ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}, '"abc"',
+               "maxLength (beside $ref)"),
+              ({"enum": ["ab", "cd"], "pattern": "^a"}, '"cd"', "pattern (beside enum)"),
+              # a reference into data: what it reaches is a schema all the same
+              ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x/default"}}, "required": ["a"],
+                "$defs": {"x": {"default": {"type": "integer", "not": {"const": 1}}}}}, '{"a": 1}', "not")]
 
 
 @pytest.mark.parametrize("schema, breaking, keyword", UNENFORCED)
@@ -124,8 +141,8 @@ def test_a_keyword_xgrammar_does_not_enforce_is_refused(schema, breaking, keywor
     compiler = GrammarCompiler(load_tokenizer(demo_model_path()), 512, [1])
     unchecked = xgr.GrammarMatcher(compiler.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
     assert unchecked.accept_string(breaking) and unchecked.accept_token(1)  # xgrammar lets it end there
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(json.loads(breaking), schema)
+    validator = jsonschema.validators.validator_for(schema)(schema)  # no metaschema check: uniqueItems 1 is one
+    assert list(validator.iter_errors(json.loads(breaking)))  # and it breaks the schema
     for compile_it in (check_grammar, compiler.compile):
         with pytest.raises(ValueError, match=re.escape(keyword)):
             compile_it("json_schema", json.dumps(schema))
@@ -138,8 +155,22 @@ def test_the_keywords_xgrammar_enforces_compile():
     for schema in ({"allOf": [{"type": "integer", "minimum": 5}]}, {"type": "array", "uniqueItems": False},
                    {"oneOf": [{"type": "integer"}, {"type": "string"}]}, {"type": "string", "pattern": "^a+$"},
                    {"type": "object", "properties": {"not": {"type": "integer"}}, "required": ["not"]},
-                   {"enum": [{"contains": 1}]}):
+                   {"enum": [{"contains": 1}]},
+                   # as pydantic writes them: an enum, an Optional field, a root model, a discriminated union
+                   {"enum": ["a", "b"], "title": "Color", "type": "string"},
+                   {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "X"},
+                   {"$ref": "#/$defs/X", "$defs": {"X": {"type": "integer", "minimum": 1}}},
+                   {"oneOf": [{"$ref": "#/$defs/C"}, {"$ref": "#/$defs/E"}],
+                    "discriminator": {"propertyName": "op", "mapping": {"contains": "#/$defs/C", "eq": "#/$defs/E"}},
+                    "$defs": {"C": {"type": "object", "properties": {"op": {"const": "contains"}}, "required": ["op"]},
+                              "E": {"type": "object", "properties": {"op": {"const": "eq"}}, "required": ["op"]}}},
+                   {"type": "object", "properties": {"name": {"type": "string"}},
+                    "example": {"name": "x", "required": ["email"]}}):
         compiler.compile("json_schema", json.dumps(schema))
+    with pytest.raises(ValueError, match="invalid json_schema"):  # xgrammar would compile the first value alone
+        check_grammar("json_schema", '{"type": "integer", "not": {"const": 1}} trailing')
+    with pytest.raises(ValueError, match="invalid json_schema"):
+        check_grammar("json_schema", '{"items": ' * 5000 + "{}" + "}" * 5000)
 
 
 def test_the_compilers_cache_stays_within_its_limit():

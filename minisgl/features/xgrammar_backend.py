@@ -9,7 +9,6 @@ token bitmask (one bit per vocabulary entry), filled on the host once the state 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -17,9 +16,9 @@ from typing import Any, Callable, Sequence
 import torch
 import xgrammar as xgr
 
-from ..checks import check_schema_ref
 from ..constraint import REJECTED, Constraint
 from .grammar import TokenMask
+from .json_schema_check import check_schema
 from .json_text import JsonTextTokens
 
 
@@ -75,54 +74,6 @@ def check_grammar(kind: str, text: str = "") -> None:
             xgr.Grammar.from_ebnf(text)
     except RuntimeError as exc:
         raise ValueError(f"invalid {kind}: {_reason(exc)}") from None
-
-
-# In a schema, these keywords hold JSON data (a {"$ref": ...} there is a value, not a reference), and
-# these hold a map of names to schemas (a property may be named "enum" or "$ref").
-DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-# Keywords xgrammar 0.2.9 compiles without enforcing them: the output could break the schema and still
-# end with finish_reason "stop" (measured: tests/test_xgrammar.py). Refused, as OpenAI's structured
-# outputs refuse the keywords they do not support. (oneOf is let through: read as anyOf, which is the
-# same for the discriminated unions clients send.)
-UNENFORCED_KEYWORDS = ("not", "contains", "if", "then", "else", "dependentRequired", "dependentSchemas")
-
-
-def check_schema(schema_text: str) -> None:
-    """What xgrammar would compile to something other than the schema is a ValueError, before
-    xgrammar sees it: a $ref out of the schema (checks.check_schema_ref), a keyword it does not
-    enforce. Text that is not JSON is left to xgrammar's own message."""
-    try:
-        stack = [(json.loads(schema_text), True)]  # (a value, whether it is a schema or a map of names to schemas)
-    except ValueError:
-        return
-    while stack:  # no recursion: a deeply nested schema is not a RecursionError
-        value, is_schema = stack.pop()
-        if isinstance(value, dict) and is_schema:
-            check_schema_ref(value.get("$ref"))
-            _check_enforced(value)
-            stack.extend((v, key not in NAMED_SCHEMAS) for key, v in value.items() if key not in DATA_KEYWORDS)
-        elif isinstance(value, dict):
-            stack.extend((v, True) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((v, is_schema) for v in value)
-
-
-def _check_enforced(schema: dict) -> None:
-    unenforced = [key for key in UNENFORCED_KEYWORDS if key in schema]
-    if schema.get("uniqueItems") is True:
-        unenforced.append("uniqueItems")
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:  # one member is enforced
-        unenforced.append("allOf (with more than one schema)")
-    if unenforced:
-        raise ValueError(f"the JSON schema keyword {unenforced[0]} is not enforced by the grammar backend "
-                         f"(xgrammar, as of 0.2.9): an output could break it")
-    required, listed = schema.get("required"), schema.get("properties", {})
-    missing = [name for name in required if isinstance(name, str) and name not in listed] \
-        if isinstance(required, list) and isinstance(listed, dict) else []
-    if missing:
-        raise ValueError(f"the JSON schema requires {missing[0]!r} but does not list it in properties: the grammar "
-                         f"backend (xgrammar, as of 0.2.9) generates only the listed properties")
 
 
 def _reason(exc: RuntimeError) -> str:
