@@ -121,13 +121,20 @@ UNENFORCED = [({"type": "array", "items": {"type": "integer"}, "uniqueItems": Tr
                "maxLength (beside format)"),
               ({"allOf": [{"type": "integer"}], "maximum": 3}, "5", "maximum (beside allOf)"),
               ({"type": "integer", "minimum": 0, "anyOf": [{"maximum": 3}, {"minimum": 10}]}, "5",
-               "minimum (beside anyOf)"),
+               "(beside anyOf)"),
               ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}, '"abc"',
                "maxLength (beside $ref)"),
               ({"enum": ["ab", "cd"], "pattern": "^a"}, '"cd"', "pattern (beside enum)"),
               # a reference into data: what it reaches is a schema all the same
               ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x/default"}}, "required": ["a"],
-                "$defs": {"x": {"default": {"type": "integer", "not": {"const": 1}}}}}, '{"a": 1}', "not")]
+                "$defs": {"x": {"default": {"type": "integer", "not": {"const": 1}}}}}, '{"a": 1}', "not"),
+              ({"type": "string", "enum": ["a", 1]}, "1", "type (beside enum)"),
+              ({"type": "string", "anyOf": [{"type": "integer"}, {"type": "string"}]}, "1", "type (beside anyOf)"),
+              ({"$defs": {"A": {"type": "integer"}}, "type": "string", "$ref": "#/$defs/A"}, "1", "type (beside $ref)"),
+              ({"type": "number", "multipleOf": 2}, "3", "multipleOf"),
+              ({"minimum": 5}, "4", "minimum (without a type)"),
+              ({"type": "object", "properties": {"a": {"maximum": 3}}, "required": ["a"]}, '{"a": 4}',
+               "maximum (without a type)")]
 
 
 @pytest.mark.parametrize("schema, breaking, keyword", UNENFORCED)
@@ -165,7 +172,10 @@ def test_the_keywords_xgrammar_enforces_compile():
                     "$defs": {"C": {"type": "object", "properties": {"op": {"const": "contains"}}, "required": ["op"]},
                               "E": {"type": "object", "properties": {"op": {"const": "eq"}}, "required": ["op"]}}},
                    {"type": "object", "properties": {"name": {"type": "string"}},
-                    "example": {"name": "x", "required": ["email"]}}):
+                    "example": {"name": "x", "required": ["email"]}},
+                   {"format": "uri", "minLength": 1, "type": "string"},  # pydantic's AnyUrl: no format matches ""
+                   {"type": "integer", "multipleOf": 3}, {"const": True, "type": "boolean"},
+                   {"enum": [1, 2.0, None], "type": ["integer", "null"]}):
         compiler.compile("json_schema", json.dumps(schema))
     with pytest.raises(ValueError, match="invalid json_schema"):  # xgrammar would compile the first value alone
         check_grammar("json_schema", '{"type": "integer", "not": {"const": 1}} trailing')

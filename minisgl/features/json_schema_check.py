@@ -24,11 +24,14 @@ NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definiti
 # Compiled without being enforced, wherever they appear.
 UNENFORCED_KEYWORDS = ("not", "contains", "if", "then", "else", "dependentRequired", "dependentSchemas",
                        "dependencies", "$dynamicRef", "$recursiveRef")
-# Beside a reference, a combinator or a list of values, xgrammar enforces only the type: any other
-# constraint there is dropped ({"type": "integer", "minimum": 0, "anyOf": [...]} lets -1 through).
+# Beside a reference, a combinator or a list of values, xgrammar drops every other constraint
+# ({"type": "integer", "minimum": 0, "anyOf": [...]} lets -1 through), the type included (_type_implied).
 ANNOTATIONS = frozenset({"type", "title", "description", "$comment", "deprecated", "readOnly", "writeOnly",
                          "$schema", "$id", "$anchor", "$defs", "definitions", *DATA_KEYWORDS})
 WHOLE_SCHEMA_KEYWORDS = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
+# In a schema with no type (and none of the above), xgrammar drops these ({"minimum": 5} lets 4 through).
+SCALAR_CONSTRAINTS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+                      "maxLength", "pattern", "format")
 
 
 def check_schema(schema_text: str) -> None:
@@ -71,23 +74,7 @@ def _resolve(root: Any, ref: str) -> Any:
 
 
 def _check_enforced(schema: dict) -> None:
-    unenforced = [key for key in UNENFORCED_KEYWORDS if key in schema]
-    if schema.get("uniqueItems", False) is not False:
-        unenforced.append("uniqueItems")
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:  # one member is enforced
-        unenforced.append("allOf (with more than one schema)")
-    multiple_of = schema.get("multipleOf")
-    if isinstance(multiple_of, (int, float)) and not float(multiple_of).is_integer():
-        unenforced.append("multipleOf (not an integer)")
-    lengths = [key for key in ("minLength", "maxLength") if key in schema]
-    if lengths and ("pattern" in schema or "format" in schema):
-        unenforced.append(f"{lengths[0]} (beside {'pattern' if 'pattern' in schema else 'format'})")
-    if "format" in schema and "pattern" in schema:
-        unenforced.append("pattern (beside format)")
-    whole = [key for key in WHOLE_SCHEMA_KEYWORDS if key in schema]
-    dropped = sorted(key for key in schema if key not in ANNOTATIONS and key not in WHOLE_SCHEMA_KEYWORDS)
-    if whole and dropped:
-        unenforced.append(f"{dropped[0]} (beside {whole[0]})")
+    unenforced = _unenforced(schema)
     if unenforced:
         raise ValueError(f"the JSON schema keyword {unenforced[0]} is not enforced by the grammar backend "
                          f"(xgrammar, as of 0.2.9): an output could break it")
@@ -97,3 +84,53 @@ def _check_enforced(schema: dict) -> None:
     if missing:
         raise ValueError(f"the JSON schema requires {missing[0]!r} but does not list it in properties: the grammar "
                          f"backend (xgrammar, as of 0.2.9) generates only the listed properties")
+
+
+def _unenforced(schema: dict) -> list[str]:
+    """The keywords of one schema (not its subschemas) that xgrammar would drop."""
+    found = [key for key in UNENFORCED_KEYWORDS if key in schema]
+    if schema.get("uniqueItems", False) is not False:
+        found.append("uniqueItems")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:  # one member is enforced
+        found.append("allOf (with more than one schema)")
+    if "multipleOf" in schema and not (schema.get("type") == "integer" and _is_whole(schema["multipleOf"])):
+        found.append("multipleOf (other than a whole number, on type integer)")
+    # No format matches "": a minLength of 1 beside one holds anyway (pydantic's AnyUrl writes it).
+    lengths = [key for key in ("minLength", "maxLength") if key in schema and not
+               (key == "minLength" and "pattern" not in schema and schema[key] in (0, 1))]
+    if lengths and ("pattern" in schema or "format" in schema):
+        found.append(f"{lengths[0]} (beside {'pattern' if 'pattern' in schema else 'format'})")
+    if "format" in schema and "pattern" in schema:
+        found.append("pattern (beside format)")
+    whole = [key for key in WHOLE_SCHEMA_KEYWORDS if key in schema]
+    if whole:
+        dropped = sorted(key for key in schema if key not in ANNOTATIONS and key not in WHOLE_SCHEMA_KEYWORDS)
+        if "type" in schema and not _type_implied(schema):
+            dropped.insert(0, "type")
+        found += [f"{dropped[0]} (beside {whole[0]})"] if dropped else []
+    elif "type" not in schema:
+        untyped = [key for key in SCALAR_CONSTRAINTS if key in schema]
+        found += [f"{untyped[0]} (without a type)"] if untyped else []
+    return found
+
+
+def _type_implied(schema: dict) -> bool:
+    """Beside enum or const, a type that every value has already (pydantic writes one) is kept by
+    the values; beside a reference or a combinator, xgrammar drops it."""
+    if any(key in schema for key in ("$ref", "allOf", "anyOf", "oneOf")):
+        return False
+    values = list(schema["enum"]) if isinstance(schema.get("enum"), list) else []
+    values += [schema["const"]] if "const" in schema else []
+    types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    return all(any(_has_type(value, name) for name in types) for value in values)
+
+
+def _has_type(value: Any, name: Any) -> bool:
+    if isinstance(value, bool):  # a bool is an int in Python, not in JSON
+        return name == "boolean"
+    return {"string": isinstance(value, str), "integer": _is_whole(value), "number": isinstance(value, (int, float)),
+            "null": value is None, "object": isinstance(value, dict), "array": isinstance(value, list)}.get(name, False)
+
+
+def _is_whole(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and float(value).is_integer()
