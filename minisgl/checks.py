@@ -30,15 +30,6 @@ def shortened(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def check_schema_ref(ref: Any) -> None:
-    """A JSON schema's $ref (a string) must point into the schema itself: "#" or "#/...". xgrammar
-    compiles any other (another file, a URL) to a schema that constrains nothing, and writes the
-    reference, the caller's text, into the log."""
-    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):  # else a property named $ref
-        raise ValueError(f"a $ref in the JSON schema must point into the schema (\"#\" or \"#/...\"), "
-                         f"got {shortened(repr(ref))}")
-
-
 def is_int(value: Any) -> bool:
     """A true integer (int, numpy/torch integer scalar), never a bool, float or string."""
     if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):

@@ -14,7 +14,7 @@ import json
 from typing import Any
 from urllib.parse import unquote
 
-from ..checks import check_schema_ref
+from ..checks import shortened
 
 # In a schema, these keywords hold JSON data or annotations, not schemas: a {"$ref": ...} there is a
 # value, not a reference ("example" and "discriminator" are OpenAPI's, which pydantic writes).
@@ -36,7 +36,7 @@ SCALAR_CONSTRAINTS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximu
 
 def check_schema(schema_text: str) -> None:
     """Every schema in `schema_text`, and every one a reference reaches, is one the backend
-    enforces, and every $ref points into the document (checks.check_schema_ref)."""
+    enforces, and every $ref points into the document (_check_ref)."""
     try:
         root = json.loads(schema_text)
     except (ValueError, RecursionError) as exc:  # text after the schema too: xgrammar would compile the first value alone
@@ -46,7 +46,7 @@ def check_schema(schema_text: str) -> None:
         value, is_schema = stack.pop()
         if isinstance(value, dict) and is_schema:
             ref = value.get("$ref")
-            check_schema_ref(ref)
+            _check_ref(ref)
             if isinstance(ref, str) and ref not in followed:  # what a reference reaches is a schema, wherever it lies
                 followed.add(ref)
                 stack.append((_resolve(root, ref), True))
@@ -56,6 +56,15 @@ def check_schema(schema_text: str) -> None:
             stack.extend((v, True) for v in value.values())
         elif isinstance(value, list):
             stack.extend((v, is_schema) for v in value)
+
+
+def _check_ref(ref: Any) -> None:
+    """A $ref (a string) must point into the schema itself: "#" or "#/...". xgrammar compiles any
+    other (another file, a URL) to a schema that constrains nothing, and writes the reference, the
+    caller's text, into the log."""
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):  # else a property named $ref
+        raise ValueError(f"a $ref in the JSON schema must point into the schema (\"#\" or \"#/...\"), "
+                         f"got {shortened(repr(ref))}")
 
 
 def _resolve(root: Any, ref: str) -> Any:
