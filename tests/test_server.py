@@ -156,6 +156,7 @@ def test_stop_strings_and_stop_ids(server, llm):
     prompt = "count 3 to 9:"
     full = llm.generate([prompt], SamplingParams(max_new_tokens=32)).pop()
     assert full.text == " 3 4 5 6 7 8 9"  # the demo model knows this one
+    aborted = metric(server, "minisgl:aborted_requests_total")
     out = c.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0, stop=[" 6", "zzz"])
     assert out.choices[0].text == " 3 4 5" and out.choices[0].finish_reason == "stop"
     text, finish = streamed_text(c.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0,
@@ -169,6 +170,7 @@ def test_stop_strings_and_stop_ids(server, llm):
     assert out.usage.completion_tokens == at + 1 and out.choices[0].finish_reason == "stop"
     assert before and out.choices[0].text == before  # the stop token's own text is left out, as SGLang does
     assert streamed_text(c.completions.create(stream=True, **kwargs)) == (before, "stop")
+    assert metric(server, "minisgl:aborted_requests_total") == aborted  # a stop string's end is no abort
 
 
 def test_a_client_that_disconnects_aborts_its_request_and_frees_its_kv(server):

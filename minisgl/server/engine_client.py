@@ -173,11 +173,17 @@ class EngineClient:
             self.abort(sub, rid)
 
     def abort(self, sub: Submission, rid: int) -> None:
+        """The client went away, or the server stops: `rid` is cut short (counted as aborted)."""
+        if rid in self._submissions:
+            self.metrics.aborted.inc()
+        self.stop(sub, rid)
+
+    def stop(self, sub: Submission, rid: int) -> None:
+        """The engine stops generating `rid`: its client has what it asked for (a stop string), or is gone."""
         sub.open.discard(rid)
         if rid in self._submissions:  # else the engine is done with it already: nothing to stop
             self._engine_done(rid)
             self._send(AbortRequest(rid))
-            self.metrics.aborted.inc()
 
     def _engine_done(self, rid: int) -> None:
         """The engine works on `rid` no more: its place is free for another generation."""

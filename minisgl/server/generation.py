@@ -108,8 +108,8 @@ class Generation:
         if finish is not None:
             text += choice.detokenizer.flush()
         text, stopped = choice.stops.feed(text)
-        if stopped:
-            self.client.abort(self.sub, delta.rid)
+        if stopped:  # the request's own end, not an abort: the engine just stops early
+            self.client.stop(self.sub, delta.rid)
             finish = "stop"
         elif finish is not None:
             text += choice.stops.flush()

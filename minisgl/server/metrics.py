@@ -1,7 +1,7 @@
 """Prometheus metrics under SGLang's names (`sglang:` becomes `minisgl:`), in a registry of
 the server's own (so that two servers in one process never share figures). Two differ from
 SGLang's: `minisgl:aborted_requests_total` is minisgl's own (SGLang's `num_aborted_requests`
-counts requests refused by a full queue; this one, generations stopped while running), and
+counts requests refused by a full queue; this one, generations cut short while running), and
 `minisgl:gen_throughput` is a window over the last seconds in the HTTP process (SGLang's: the
 scheduler's decode log interval)."""
 
@@ -87,8 +87,8 @@ class Metrics:
                                      registry=self.registry).labels(**labels)
         self.generation_tokens = Counter("minisgl:generation_tokens", "Tokens generated", labels.keys(),
                                          registry=self.registry).labels(**labels)
-        self.aborted = Counter("minisgl:aborted_requests", "Generations stopped while the engine ran them (client "
-                               "gone, stop string, shutdown); not those it refused", labels.keys(),
+        self.aborted = Counter("minisgl:aborted_requests", "Generations cut short while the engine ran them (client "
+                               "gone, shutdown); not those a stop string ended, nor those refused", labels.keys(),
                                registry=self.registry).labels(**labels)
 
     def observe_load(self, load: Load) -> None:
