@@ -536,6 +536,13 @@ if self.on("deferred_row_free"):
 else:
     self.req_to_token.free(row)
 """}),
+    Wrong(6, "park-behind-parked", "parks a row no batch in flight uses while other rows are parked (to keep "
+          "the order): it is freed one commit late", "also while other rows are parked", {"deferred row free": """
+if self.on("deferred_row_free") and (self.in_flight(row) or self.deferred_rows):
+    self.deferred_rows.append(row)
+else:
+    self.req_to_token.free(row)
+"""}),
     Wrong(8, "wait-only-if-not-passed", "waits for copy_done only when query() says it has not passed yet: a failed "
           "batch that is over by its commit is read as if it had worked", "where a failure of the device's work",
           {"the host waits for copy_done": """

@@ -117,10 +117,10 @@ def test_a_row_no_batch_in_flight_uses_is_free_at_once():
 
 
 def test_each_row_is_freed_as_soon_as_its_own_last_batch_has_passed():
-    """Rows c, a, b were last launched in batches 2, 3, 4. While 3 and 4 are in flight, row c is free
-    the moment it is released; a and b are parked, and the commit of batch 3 frees a, not b. Waiting
-    for other rows' batches would make a new request wait for batches that have nothing to do with
-    its row (the bubble, at every row reuse)."""
+    """Rows c, d, a, b were last launched in batches 2, 2, 3, 4. While 3 and 4 are in flight, row c is
+    free the moment it is released; a and b are parked; row d, released while they are parked, is free
+    at once too; and the commit of batch 3 frees a, not b. Waiting for other rows' batches would make a
+    new request wait for batches that have nothing to do with its row (the bubble, at every row reuse)."""
     import torch
 
     from minisgl.kv_pool import ReqToTokenPool
@@ -128,9 +128,9 @@ def test_each_row_is_freed_as_soon_as_its_own_last_batch_has_passed():
     from minisgl.request import Req
     from minisgl.rows import RowTracker
 
-    rows = RowTracker(ReqToTokenPool(3, 8, torch.device("cpu")), Mechanisms())
-    c, a, b = Req.__new__(Req), Req.__new__(Req), Req.__new__(Req)
-    for req, batch in ((c, 2), (a, 3), (b, 4)):
+    rows = RowTracker(ReqToTokenPool(4, 8, torch.device("cpu")), Mechanisms())
+    c, d, a, b = (Req.__new__(Req) for _ in range(4))
+    for req, batch in ((c, 2), (d, 2), (a, 3), (b, 4)):
         rows.assign(req)
         rows.planned([req.row], batch)
     rows.committed(2)
@@ -140,9 +140,13 @@ def test_each_row_is_freed_as_soon_as_its_own_last_batch_has_passed():
         f"(in_flight(row)): batch 2 was row c's last and is committed, yet it was parked {rows.deferred_rows}")
     rows.free(a.row)
     rows.free(b.row)  # both still used by a batch in flight: parked
+    rows.free(d.row)
+    assert rows.req_to_token.free_count == 2 and sorted(rows.deferred_rows) == sorted([a.row, b.row]), (
+        "a row whose own last batch has passed is free at once, also while other rows are parked: row d's last "
+        f"batch (2) is committed, yet it was parked with them, to be freed one commit late ({rows.deferred_rows})")
     rows.committed(3)
     rows.free_deferred()
-    assert rows.req_to_token.free_count == 2 and rows.deferred_rows == [b.row], (
+    assert rows.req_to_token.free_count == 3 and rows.deferred_rows == [b.row], (
         "free each parked row at the first commit after ITS OWN last batch (in_flight(row)), not once every parked "
         "row's batch has passed: the commit of batch 3 frees row a, row b waits for batch 4 "
         f"(free rows {rows.req_to_token.free_count}, still parked {rows.deferred_rows})")
