@@ -132,6 +132,11 @@ return BatchView(self.batch_id, False, reqs, self.rows, self.generations, self.s
 return BatchView(self.batch_id + 1, False, list(self.reqs), self.rows, self.generations, self.samples,
                  self.qo_lens)
 """}),
+    Wrong(3, "shared-list-for-one", "copies the request list, except for a batch of one request (nothing to "
+          "reorder)", "one request included", {"snapshot": """
+reqs = self.reqs if len(self.reqs) <= 1 else list(self.reqs)
+return BatchView(self.batch_id, False, reqs, self.rows, self.generations, self.samples, self.qo_lens)
+"""}),
 ]
 WRONG += [
     # ---------------------------------------------------------------- exercise 4: overshoot
@@ -635,6 +640,11 @@ WRONG += [
     Wrong(11, "ignores-wait-switch", "waits for the publish event even with spec_publish_wait off", "keep the switch",
           speculation(wait="""if self.publish_ready is not None:
     self.publish_ready.synchronize()
+return self.mirror[rows].tolist()""")),
+    Wrong(11, "wait-unless-flag-set", "skips the publish wait when the event's host flag is set already (on CUDA "
+          "it is set at launch: the wait never happens there)", "whatever the flag says", speculation(wait="""ready = self.publish_ready
+if ready is not None and self.mechanisms.on("spec_publish_wait") and not ready.done.is_set():
+    ready.synchronize()
 return self.mirror[rows].tolist()""")),
 ]
 

@@ -92,3 +92,34 @@ def test_the_accept_length_stays_on_the_device():
                              "drafts on the host (.tolist(), a loop over values) makes the verify step wait for the "
                              f"device ({type(exc).__name__}: {exc})") from None
     assert out.shape == (4,) and out.device == meta
+
+
+class PublishedOnTheHostOnly:
+    """A publish event as CUDA's looks between its launch and the device reaching it: `done` (the
+    host's flag) is set once the record is queued, the device's copy of the lengths not yet made."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.done = threading.Event()
+        self.done.set()
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+@pytest.mark.parametrize("switch_on", [True, False])
+def test_the_host_waits_for_the_publish_even_when_its_flag_is_set(switch_on):
+    """On CUDA the host's flag is set at launch, long before the device has published: the flag
+    says nothing about the mirror's values, only the event's synchronize() does."""
+    from minisgl.features.speculative.relay import SpecRelay
+    from minisgl.mechanisms import Mechanisms
+
+    relay = SpecRelay(4, 8, torch.device("cpu"), Mechanisms(() if switch_on else ("spec_publish_wait",)))
+    relay.publish_ready = event = PublishedOnTheHostOnly()
+    relay.host_lengths([0, 1])
+    assert event.waits == (1 if switch_on else 0), (
+        WAIT_RULE + f"; here the publish event's host flag was set (as on CUDA once its record is queued) and "
+        f"synchronize() was called {event.waits} times with spec_publish_wait {'on' if switch_on else 'off'}: "
+        "wait through synchronize() whatever the flag says")

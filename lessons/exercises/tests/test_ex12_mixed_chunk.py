@@ -24,6 +24,25 @@ SWITCH_RULE = ("with mixed_prefix_from_launched off the position is committed_le
                "under the overlap): keep the switch")
 
 
+class RowRuleBroken(AssertionError):
+    """One part of ROW_RULE a mixed row broke, named as it happened."""
+
+
+def check_rows(sched, tokens, rows: list, before: dict[int, tuple[int, int, int]]) -> None:
+    """Each row the region appended against its request's lengths before it ran: the position,
+    then launched_len, inflight_samples and the KV slots allocated, each advanced by one."""
+    positions = tokens.positions[len(tokens.positions) - len(rows):]
+    for req, position in zip(rows, positions):
+        launched, samples, allocated = before[id(req)]
+        if sched.mechanisms.on("mixed_prefix_from_launched") and position != launched:
+            raise RowRuleBroken(f"{ROW_RULE}: a row was put at position {position}, its launched length is {launched}")
+        moved = {"launched_len": req.launched_len - launched, "inflight_samples": req.inflight_samples - samples,
+                 "KV slots allocated": req.allocated_len - allocated}
+        wrong = [f"{name} by {step}" for name, step in moved.items() if step != 1]
+        if wrong:
+            raise RowRuleBroken(f"{ROW_RULE}: a mixed row advanced {', '.join(wrong)}, each must advance by one")
+
+
 def generate(qwen3: str, loop: str, *disabled: str, mixed: bool = True, llm: LLM | None = None,
              prompts: list[list[int]] = PROMPTS) -> tuple[LLM, list[list[int]]]:
     llm = llm or LLM(qwen3, loop=loop, disable=disabled, chunk_size=16, max_running_requests=4, device_delay_ms=2,
@@ -34,9 +53,11 @@ def generate(qwen3: str, loop: str, *disabled: str, mixed: bool = True, llm: LLM
         mix = feature.mix
 
         def counted(sched, tokens, reqs, *rest):
-            before = len(reqs)
+            first = len(reqs)
+            lengths = {id(r): (r.launched_len, r.inflight_samples, r.allocated_len) for r in sched.running.reqs}
             mix(sched, tokens, reqs, *rest)
-            llm.rows_mixed.append(len(reqs) - before)
+            llm.rows_mixed.append(len(reqs) - first)
+            check_rows(sched, tokens, reqs[first:], lengths)
 
         feature.mix = counted
     try:
@@ -47,7 +68,7 @@ def generate(qwen3: str, loop: str, *disabled: str, mixed: bool = True, llm: LLM
         while llm.has_unfinished():
             outs.update({o.rid: o.token_ids for o in llm.step()})
     except Exception as exc:  # noqa: BLE001 - a crash is reported as the rule it breaks
-        if "exercise 12" in str(exc):
+        if "exercise 12" in str(exc) or isinstance(exc, RowRuleBroken):
             raise
         raise AssertionError(f"{ROW_RULE} ({type(exc).__name__}: {exc})") from None
     return llm, [outs[r] for r in rids]

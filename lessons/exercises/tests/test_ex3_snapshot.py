@@ -42,6 +42,21 @@ def test_the_request_list_is_copied():
         f"list in place, and the snapshot then lists requests {[r.rid for r in snap.reqs]} instead of [0, 1, 2]")
 
 
+def test_the_request_list_is_copied_for_a_batch_of_one():
+    """One request decoding alone: its last step in flight, the length lookahead takes it off the
+    live list before that step's commit. A snapshot sharing the list then holds no request, the
+    token is never committed, and the request never finishes."""
+    live = RunningBatch()
+    live.batch_id = 7
+    live.reqs[:] = [make_req(0, row=10, generation=0)]
+    snap = live.snapshot()
+    live.reqs[:] = []  # the next schedule(): the request leaves the live batch
+    assert [r.rid for r in snap.reqs] == [0], (
+        "the snapshot must hold its own copy of the request list whatever the batch's size, one request included: "
+        f"schedule() emptied the live list in place, and the snapshot then lists {[r.rid for r in snap.reqs]} "
+        "instead of [0] (its last token would never be committed)")
+
+
 def test_the_requests_themselves_are_shared():
     snap, (a, b, c) = live_batch_and_snapshot()
     launched = {r.rid: r for r in (a, b, c)}
