@@ -19,7 +19,8 @@ batches [SIZES [VARIANTS]]: steady decode at 256, 192, 128, 64, 32, 8 and 1 requ
    settings) are engines built in turn;
 gemm [SHAPE [ROWS]]: the four layer GEMMs of the 0.6B (or SHAPE: 8b) shape, timed inside a CUDA graph
    (as the engine runs them) from 1 to 256 rows (or ROWS: "136,256"): cuBLAS, plain and with swapped
-   operands, against their floor (weights read or FLOPs). MODEL_DIR is not read.
+   operands, and cuBLASLt (torch's preferred_blas_library), against their floor (weights read or FLOPs).
+   MODEL_DIR is not read.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def layer_gemms(shape: str) -> tuple[tuple[str, int, int], ...]:
 
 def gemms_in_graph(shape: str, rows: tuple[int, ...]) -> None:
     """Each layer GEMM shape, 28 different weights (as 28 layers: no L2 reuse) in one graph:
-    cuBLAS as x @ w^T and swapped (w @ x^T), against the floor (the weights read at the measured HBM
+    cuBLAS as x @ w^T and swapped (w @ x^T), cuBLASLt as x @ w^T, against the floor (the weights read at the measured HBM
     bandwidth, or the FLOPs at the measured matmul rate, whichever is longer). (A small-tile Triton
     kernel timed here too was never faster by more than 0.5 us and was removed: RESULTS.md, fifth
     session.)"""
@@ -214,8 +215,12 @@ def gemms_in_graph(shape: str, rows: tuple[int, ...]) -> None:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             cublas = graph_seconds(lambda: [torch.nn.functional.linear(x, w) for w in weights]) / 28
             swapped = graph_seconds(lambda: [torch.mm(w, x.t()) for w in weights]) / 28
+            torch.backends.cuda.preferred_blas_library("cublaslt")  # its own heuristics: another tiling or split
+            lt = graph_seconds(lambda: [torch.nn.functional.linear(x, w) for w in weights]) / 28
+            torch.backends.cuda.preferred_blas_library("cublas")
             print(f"{shape} {name:13s} M={m:3d} floor {floor * 1e6:.1f}us cublas {cublas * 1e6:.1f}us "
-                  f"({floor / cublas:.0%}) swapped {swapped * 1e6:.1f}us ({floor / swapped:.0%})", flush=True)
+                  f"({floor / cublas:.0%}) swapped {swapped * 1e6:.1f}us ({floor / swapped:.0%}) "
+                  f"cublaslt {lt * 1e6:.1f}us ({floor / lt:.0%})", flush=True)
         del weights
 
 
