@@ -526,6 +526,19 @@ sched.stats.delayed_samples += 1
           "refuse to sample a batch before every earlier batch is committed", delayed_sample(check="")),
     Wrong(10, "ignores-switch", "delays the sampling even with grammar_delayed_sample off", "keep the switch",
           {"delay the sampling": "delay_sample = True"}),
+    Wrong(10, "masks-in-row-order", "builds the masks of the batch's requests sorted by row", "in the batch's order",
+          delayed_sample(reqs="sorted(inflight.view.reqs, key=lambda r: r.row)")),
+    Wrong(10, "counts-constraining-only", "counts a delayed sampling only when its masks constrain something",
+          "also one whose masks constrain nothing", {"launch the delayed sampling": f"""
+result = inflight.result
+{COMMITTED}
+with sched.tracer.host(SpanName.SAMPLE, result.batch_id):
+    reqs = inflight.view.reqs
+    mask = {MASK_NOW}
+    launch_sample(sched.engine, result, mask)
+if mask.constrains:
+    sched.stats.delayed_samples += 1
+"""}),
     Wrong(10, "no-mask-when-off", "with the switch off, builds no mask at all", "keep the switch",
           {"delay the sampling": 'delay_sample = self.on("grammar_delayed_sample")'}),
 ]
@@ -561,6 +574,11 @@ if (req.row, req.row_generation) != (row, generation) and self.on("retract_skip_
     req.inflight_samples -= 1
     self.stats.retracted_late_results += 1
     continue
+"""}),
+    Wrong(8, "wait-only-with-pinned-copy", "waits for copy_done only with pinned_copy on (off, a GPU's copy blocks "
+          "in launch(), but not every device's)", "whatever the switches", {"the host waits for copy_done": """
+if self.on("pinned_copy"):
+    result.copy_done.synchronize()
 """}),
     Wrong(8, "no-wait-on-early-commit", "waits for copy_done except at an early commit (a sync boundary), where "
           "the batch is thought to be over already: a failed batch committed early is read as if it had worked",
@@ -663,6 +681,10 @@ WRONG += [
     # ---------------------------------------------------------------- exercise 12: mixed chunk
     Wrong(12, "serial-formula", "puts the row at committed length - 1, SGLang's serial formula, in both loops",
           "is a decode row", mixed_row(position="req.committed_len - 1")),
+    Wrong(12, "delta-by-loop", "puts the row at committed length - 1 in the normal loop and at the committed length in "
+          "the overlap loop (one token in flight, SGLang's old delta)", "is a decode row", mixed_row(
+              position='req.committed_len - (0 if sched.config.loop == "overlap" else 1) if self.on('
+                       '"mixed_prefix_from_launched") else req.committed_len - 1')),
     Wrong(12, "committed-length", "puts the row at the committed length", "is a decode row",
           mixed_row(position="req.committed_len")),
     Wrong(12, "committed-input", "feeds the last committed token instead of the FutureMap's", "is a decode row",

@@ -88,6 +88,53 @@ def test_each_delayed_sampling_is_counted_and_in_the_timeline(qwen3):
         f"the tracer's host span SpanName.SAMPLE with the batch id; host SAMPLE spans for batches {host}")
 
 
+def test_a_batch_whose_masks_constrain_nothing_is_counted_too(qwen3):
+    """A grammar of two tokens: each request ends with its second token, while its next step is in
+    flight; that step's delayed sampling has masks that constrain nothing, and is one all the same."""
+    two_tokens = Grammar.sequence_of([[5, 6], [7, 8]])
+    sp = [SamplingParams(max_new_tokens=12, ignore_eos=True, grammar=two_tokens, temperature=0.0)] * len(PROMPTS)
+    llm, outs = generate(qwen3, "overlap", sp)
+    stats = llm.stats
+    llm.close()
+    assert all(len(o) == 2 for o in outs) and stats.overshoot_tokens > 0  # the case: steps in flight past the end
+    assert stats.delayed_samples == stats.batches, (
+        "count each delayed sampling in stats.delayed_samples, also one whose masks constrain nothing (here every "
+        "request's grammar had ended while its next step was in flight): "
+        f"{stats.delayed_samples} counted for {stats.batches} batches")
+
+
+OTHER = Grammar({0: {30: 1, 31: 1}, 1: {40: 0, 41: 0}})  # tokens no state of CYCLE allows
+
+
+def test_masks_follow_the_batch_order_when_rows_are_reused(qwen3):
+    """Three rows for six requests of two grammars: a later request takes the row a finished one
+    freed, so a batch's rows are no longer in increasing order, and a mask put in row order lands on
+    another request, of the other grammar."""
+    grammars = [CYCLE, OTHER] * 3
+    sp = [SamplingParams(max_new_tokens=3 + 4 * i, ignore_eos=True, grammar=g, temperature=0.0)
+          for i, g in enumerate(grammars)]
+    llm = LLM(qwen3, loop="overlap", max_running_requests=3, device_delay_ms=2)
+    rows_launched, launch = [], llm.scheduler.launch
+
+    def spy(planned):
+        rows_launched.append(list(planned.view.rows))
+        return launch(planned)
+
+    llm.scheduler.launch = spy
+    try:
+        outs = [o.token_ids for o in llm.generate(PROMPTS + ["one more"], sp)]
+    except Exception as exc:  # noqa: BLE001 - a crash is reported as the rule it breaks
+        if "exercise 10" in str(exc):
+            raise
+        raise AssertionError(f"{ROW_RULE} ({type(exc).__name__}: {exc})") from None
+    finally:
+        llm.close()
+    assert any(rows != sorted(rows) for rows in rows_launched)  # the case: a batch out of row order
+    wrong = [i for i, (out, g) in enumerate(zip(outs, grammars)) if not g.accepts_prefix(out)]
+    assert not wrong, (f"outputs {wrong} break their grammar, in batches whose rows are out of order: {ROW_RULE} "
+                       "(the batch's order is its requests' order in the view, not the order of their rows)")
+
+
 def test_sampling_before_the_previous_batch_is_committed_is_refused(qwen3):
     """Drive the overlap loop's steps by hand: batch 1 launched while batch 0 is not committed yet."""
     llm = LLM(qwen3, loop="overlap")
