@@ -98,7 +98,7 @@ def test_an_added_import_or_scratch_file_is_reported_and_an_edit_around_a_region
 
 
 @pytest.mark.parametrize("kind", ["symlink", "symlink-loop", "fifo", "broken-patch", "huge-patch", "not-a-patch",
-                                  "file-is-a-folder", "link-to-root-in-patch"])
+                                  "file-is-a-folder", "link-to-root-in-patch", "binary-patch"])
 def test_a_malformed_submission_is_not_gradable_with_one_reason(kind, base, reference, tmp_path):
     if kind == "symlink":
         entry = tmp_path / "alice"
@@ -123,6 +123,10 @@ def test_a_malformed_submission_is_not_gradable_with_one_reason(kind, base, refe
         entry = put_regions(reference, {}, tmp_path / "alice")
         (entry / "minisgl" / "batch.py").unlink()
         (entry / "minisgl" / "batch.py").mkdir()
+    elif kind == "binary-patch":  # zlib-compressed: a few MiB of it once wrote gigabytes
+        entry = tmp_path / "alice.patch"
+        entry.write_text("diff --git a/x.bin b/x.bin\nnew file mode 100644\nindex 0000000..1111111\n"
+                         "GIT binary patch\nliteral 3\nKcmZ>gU;qFB0RR91\n\nliteral 0\nHcmV?d00001\n\n")
     else:
         entry = tmp_path / "alice.patch"
         entry.write_text("diff --git a/minisgl/batch.py b/minisgl/batch.py\ndeleted file mode 100644\n"
@@ -132,6 +136,7 @@ def test_a_malformed_submission_is_not_gradable_with_one_reason(kind, base, refe
     with pytest.raises(submission.NotGradable) as caught:
         read(entry, base, tmp_path)
     assert "\n" not in str(caught.value) and len(str(caught.value)) < 300
+    assert kind != "binary-patch" or "binary patch" in str(caught.value)  # refused before git apply runs it
 
 
 def test_every_reference_and_known_wrong_region_may_run_and_code_that_reaches_outside_may_not():
@@ -257,6 +262,14 @@ REACHES_OUTSIDE_FROM = [
     # a fifth round: a storage shrunk under its tensor (memory past the buffer); the ABC registry
     ("publish", "import torch\na = torch.zeros(1 << 20, dtype=torch.uint8)\na.untyped_storage().resize_(1)"),
     ("delay the sampling", "Sequence.register(int)"),
+    # a sixth round: a tensor made from a raw address (read and write anywhere), by a class's method
+    # one level below an allowed module, by the legacy constructor's hidden keyword, or by keywords
+    # that no rule sees
+    ("publish", "import torch\nx = torch.Tensor.new(torch.zeros(1), cdata=5)"),
+    ("publish", "import torch\np = torch.Tensor.const_data_ptr(torch.zeros(1))"),
+    ("publish", "import torch\nx = torch.Tensor(cdata=id(self) + 16)"),
+    ("publish", "import torch\nx = torch.Tensor(**{'cda' + 'ta': 5})"),
+    ("publish", "p = print\np(1, **{'fi' + 'le': self})"),
 ]
 
 
@@ -501,6 +514,25 @@ def test_a_check_is_confined_and_named_apart_from_the_teachers_checkout():
         os.environ["PATH"] = old
     if Path(os.path.realpath(sys.prefix)) != ROOT / ".venv":
         assert not judge_process._interpreter().startswith(str(ROOT) + os.sep)
+
+
+def test_what_python_or_a_diff_cannot_read_in_time_costs_a_row_not_the_run(base, reference, tmp_path):
+    """A red-team trial stopped whole runs: a region nested past Python's recursion limit (ast.dump
+    raised RecursionError), a file name that is not UTF-8 (the sheet could not be written), and a
+    marked file padded with millions of lines (a quadratic diff, minutes a student)."""
+    subs = tmp_path / "subs"
+    deep = put_regions(reference, {2: {"resolve": "x = " + "+".join(["1"] * 1000) + "\nreturn input_ids\n"}},
+                       subs / "deep")
+    (deep / os.fsdecode(b"scratch_\xe9t\xe9.py")).write_text("x = 1\n")
+    padded = put_regions(reference, {}, subs / "padded")
+    (padded / "minisgl" / "batch.py").write_text((padded / "minisgl" / "batch.py").read_text() + "\n" * 100_000)
+    put_regions(reference, {}, subs / "honest")
+    out = tmp_path / "out"
+    sheet = grade.main([str(subs), "--out", str(out), "--exercises", "3", "--jobs", "1"])
+    rows = {row[0]: row for row in csv.reader(open(out / "grades.csv", encoding="utf-8"))}
+    assert sheet == 0 and rows["honest"][1] == "1" and rows["padded"][1] == "0", rows
+    assert "too much added to compare" in rows["padded"][-2] + rows["padded"][-1], rows["padded"]
+    assert "scratch_\\udce9t\\udce9.py" in open(out / "grades.csv", encoding="utf-8").read()
 
 
 def test_a_marked_file_missing_costs_only_its_exercises(base, reference, tmp_path):

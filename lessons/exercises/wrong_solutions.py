@@ -94,6 +94,13 @@ if self._must_commit_first(last, planned):
 ]
 WRONG += [
     # ---------------------------------------------------------------- exercise 2: FutureMap
+    Wrong(2, "host-loop-except-on-meta", "reads the values on the host, except on the meta device (where that "
+          "would raise)", "must be tensor operations that stay on the device", {"publish": """
+if str(rows.device) == "meta":
+    return
+for row, token in zip(rows.tolist(), next_tokens.tolist()):
+    self.tokens[row] = token
+"""}),
     Wrong(2, "no-publish", "publish does nothing (only resolve written)", "publish wrote nothing",
           {"publish": "pass"}),
     Wrong(2, "key-by-position", "publishes by position in the batch instead of by row",

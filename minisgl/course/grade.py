@@ -88,7 +88,7 @@ def fingerprint(number: int, bodies: dict[str, str]) -> CheckKey:
     for name in sorted(bodies):
         try:
             parts.append(ast.dump(ast.parse("def region():\n" + textwrap.indent(bodies[name] or "pass\n", "    "))))
-        except SyntaxError:
+        except (SyntaxError, ValueError, RecursionError, MemoryError):  # too deep for ast.dump too: the text
             parts.append(bodies[name])
     return number, hashlib.sha256(repr((sorted(bodies), parts)).encode()).hexdigest()
 
@@ -167,6 +167,8 @@ def read_class(submissions: Path, edition: Path, scratch: Path) -> list[Submissi
             sub.not_gradable = str(exc)
         except (OSError, UnicodeError) as exc:
             sub.not_gradable = f"cannot be read ({type(exc).__name__})"
+        except (RecursionError, MemoryError):  # Python's own parser gives up: no check could read it either
+            sub.not_gradable = "its code nests too deeply for Python's parser"
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return subs
@@ -249,12 +251,14 @@ def write_sheet(grades: list[StudentGrade], numbers: list[int], out: Path) -> No
     files["grade-details.csv"] = detail
     for name, table in files.items():
         tmp = out / f".{name}.tmp"
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
+        # A name that is not UTF-8 (a file from an old system, read back with surrogates) is written
+        # escaped, not left to stop the run after every check.
+        with open(tmp, "w", newline="", encoding="utf-8", errors="backslashreplace") as f:
             csv.writer(f).writerows(table)
         os.replace(tmp, out / name)
     tmp = out / ".grades.json.tmp"
     tmp.write_text(json.dumps([dict(asdict(g), total=g.total, status=g.status, why=g.why) for g in grades], indent=1,
-                              ensure_ascii=False) + "\n")
+                              ensure_ascii=False) + "\n", encoding="utf-8", errors="backslashreplace")
     os.replace(tmp, out / "grades.json")
 
 

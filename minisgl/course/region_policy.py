@@ -35,7 +35,8 @@ a few harmless modules, and makes or reads the package's classes. So a region is
 - classes stay put: a class of the package or of a module is only called, read from, compared,
   subscripted, raised, caught or given to isinstance/issubclass (`BatchView.snapshot = ...` and
   `c = BatchView` are refused); a type hint may name any class or module;
-- no `global`, `nonlocal`, class definition, async code, nor `file=` argument.
+- no `global`, `nonlocal`, class definition, async code, `file=` or `cdata=` argument, nor
+  `**keywords` in a call (their names go unchecked).
 
 A region that breaks a rule is not run; its exercise gets no marks, with the rule it broke. The
 student's checker (`course exercise N`) applies the same rules first, with the same message
@@ -220,9 +221,11 @@ def region_problems(code: str, package: Path = PACKAGE_DIR, region: str | None =
             problems.append(f"a region may not use `{type(node).__name__.lower()}`")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_dunder(node.value.strip()):
             problems.append(f"a region may not write a dunder name, even as a string (`{node.value.strip()}`)")
-        elif isinstance(node, ast.keyword) and (node.arg == "file" or node.arg is None and isinstance(
-                parents.get(node), ast.Call) and isinstance(parents[node].func, ast.Name) and parents[node].func.id == "print"):
-            problems.append("a region may not pass `file=` (it reaches outside the engine), nor print(**keywords)")
+        elif isinstance(node, ast.keyword) and node.arg in ("file", "cdata", None):
+            # file=: print's way to a file; cdata=: torch.Tensor(cdata=ADDRESS) takes any integer for a
+            # C++ tensor (reads and writes anywhere); **keywords: names no rule here sees (`**{"file": f}`)
+            problems.append(f"a region may not pass `{node.arg}=`" if node.arg else
+                            "a region may not pass **keywords (their names go unchecked)")
         elif isinstance(node, ast.Name) and node.id not in nameable:
             problems.append(f"a region may not use the name `{node.id}`: neither the region, its function nor its "
                             f"file defines it (a module it needs: import it in the region; a name the module gets from outside is never reached)")
@@ -231,13 +234,12 @@ def region_problems(code: str, package: Path = PACKAGE_DIR, region: str | None =
                                        hint=id(node) in annotations)
         elif isinstance(node, ast.Attribute):
             why = attribute_problem(node.attr)
-            root = node.value
-            while isinstance(root, ast.Attribute):
-                root = root.value
             if why:
                 problems.append(why)
-            elif not (isinstance(root, ast.Name) and root.id in modules) and node.attr not in (
-                    known.attributes | TENSOR_METHODS | BUILTIN_METHODS):  # a module's names: MODULE_NAMES
+            # A name read straight off an allowed module is MODULE_NAMES' to judge; one level further
+            # (`torch.Tensor.new`, a class's attribute) it is held to the lists as on any object.
+            elif _module_path(node.value, modules) not in MODULE_NAMES and node.attr not in (
+                    known.attributes | TENSOR_METHODS | BUILTIN_METHODS):
                 problems.append(f"a region may not use the attribute `.{node.attr}`: neither the engine's code, a "
                                 f"tensor (region_policy_lists.TENSOR_METHODS) nor a builtin type has it")
             elif node.attr.startswith("_") and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
@@ -257,6 +259,17 @@ def first_few(items: tuple[str, ...] | list[str], separator: str, most: int = 3)
     and never cut mid-sentence (the refusal above; a cell of the grader's sheet, grade.py)."""
     more = f" (and {len(items) - most} more)" if len(items) > most else ""
     return separator.join(items[:most]) + more
+
+
+def _module_path(node: ast.AST, modules: dict[str, str]) -> str | None:
+    """The dotted name `node` reads from an imported module (`torch.cuda` for `torch.cuda`, with
+    `import torch`), or None where it is not such a chain."""
+    if isinstance(node, ast.Name):
+        return modules.get(node.id)
+    if isinstance(node, ast.Attribute):
+        above = _module_path(node.value, modules)
+        return None if above is None else f"{above}.{node.attr}"
+    return None
 
 
 def _name_problems(node: ast.Name, parent: ast.AST | None, parents: dict, modules: dict[str, str],

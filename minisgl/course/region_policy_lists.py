@@ -138,6 +138,9 @@ DENIED_ATTRIBUTES = frozenset({
     # buffer; an ABC's register changes what isinstance accepts everywhere
     "untyped_storage", "storage", "resize_", "resize_as_", "set_", "as_strided", "as_strided_", "data_ptr",
     "share_memory_", "apply_", "map_", "map2_", "register",
+    # a sixth: Tensor.new(cdata=ADDRESS) takes any integer for a C++ tensor, and const_data_ptr gave
+    # the addresses to aim it with (read and write anywhere: print's method entry became exec's)
+    "new", "const_data_ptr", "mutable_data_ptr", "cdata",
 })
 # builtins that make a function of the package one a region may not import
 REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",

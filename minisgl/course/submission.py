@@ -26,6 +26,7 @@ import ast
 import codecs
 import difflib
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -43,6 +44,7 @@ MAX_PATCH_BYTES = 16 << 20  # a patch of the exercise regions is kilobytes
 MAX_FILE_BYTES = 16 << 20
 MAX_TREE_BYTES = 256 << 20
 MAX_FILES = 20_000
+MAX_ADDED_LINES = 5_000  # outside the regions of a marked file, beyond twice the edition's lines
 IGNORED_NAMES = frozenset({".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache",
                            ".idea", ".vscode", "__MACOSX", ".DS_Store", "Thumbs.db", "desktop.ini", "work",
                            "build"})
@@ -203,6 +205,10 @@ def tree_from_entry(entry: Path, edition: Path, scratch: Path) -> tuple[Path, li
         raise NotGradable(f"{entry.name} holds more than {MAX_PATCH_BYTES >> 20} MiB: not a patch of the exercises")
     with open(entry, "rb") as f:
         patch = normalize_text(f.read(MAX_PATCH_BYTES + 1))
+    # A binary hunk is zlib-compressed: a few MiB of patch wrote gigabytes (a red-team trial). The
+    # exercises are text; git apply then meets nothing that grows past the patch's own size.
+    if re.search(rb"^GIT binary patch", patch, re.MULTILINE):
+        raise NotGradable(f"{entry.name} holds a binary patch: the exercises are text")
     (scratch / "patch").write_bytes(patch)
     applied = scratch / "applied"
     shutil.copytree(edition, applied, ignore=shutil.ignore_patterns(".git"), symlinks=True)
@@ -295,7 +301,7 @@ def read_tree(sub: Submission, edition: Path, tree: Path, marked: dict[str, list
         if not path.is_file() or path.is_symlink():
             raise NotGradable(f"{rel} is not a regular file")
         try:
-            after = path.read_text()
+            after = path.read_text(encoding="utf-8")
             after_regions = regions(after.splitlines())
         except UnicodeDecodeError:
             cost(numbers, f"{rel}: not text")
@@ -303,7 +309,7 @@ def read_tree(sub: Submission, edition: Path, tree: Path, marked: dict[str, list
         except ValueError:
             cost(numbers, f"{rel}: its exercise markers are broken")
             continue
-        before = (edition / rel).read_text()
+        before = (edition / rel).read_text(encoding="utf-8")
         before_regions = regions(before.splitlines())
         if [(r.number, r.name) for r in after_regions] != [(r.number, r.name) for r in before_regions]:
             changed = {r.number for r in set(before_regions) ^ set(after_regions)} or set(numbers)
@@ -318,6 +324,10 @@ def read_tree(sub: Submission, edition: Path, tree: Path, marked: dict[str, list
             cost(*tabs)
         outside_before, origin = _outside(before.splitlines(keepends=True))
         outside_after, origin_after = _outside(lines)
+        if len(outside_after) > MAX_ADDED_LINES + 2 * len(outside_before):  # the diff below is quadratic
+            cost(numbers, f"{rel}: {len(outside_after)} lines outside its regions against the edition's "
+                          f"{len(outside_before)}: too much added to compare")
+            continue
         owners_before, owners_after = exercises_by_line(before), exercises_by_line(after)
         matcher = difflib.SequenceMatcher(a=outside_before, b=outside_after, autojunk=False)
         for tag, i1, i2, j1, j2 in matcher.get_opcodes():

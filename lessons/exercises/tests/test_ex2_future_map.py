@@ -3,6 +3,7 @@ Each test checks one rule and says which (readings §6, lesson 4); they run in t
 that the first failure points at the first rule broken."""
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from minisgl.future_map import FutureMap, placeholder
 
@@ -82,3 +83,38 @@ def test_publish_and_resolve_stay_on_the_device():
                              "values on the host (.item(), .tolist(), int(), a loop over values) makes the host "
                              f"wait for the device on a GPU ({type(exc).__name__}: {exc})") from None
     assert out.shape == (3,) and out.device == meta
+
+
+class HostReads(TorchFunctionMode):
+    """Refuses what makes a GPU's host wait for the device: a value read on the host (.tolist(),
+    .item(), int(), bool(), a tensor as a Python index) or a boolean mask, whose result's size only
+    the device knows (nonzero)."""
+
+    READS = frozenset({"tolist", "item", "__int__", "__index__", "__bool__", "__float__", "nonzero", "argwhere",
+                       "numpy"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        masked = name in ("__getitem__", "__setitem__") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (
+                args[1] if isinstance(args[1], tuple) else (args[1],)))
+        if name in self.READS or masked:
+            raise RuntimeError(f"a host read: {name}{' with a boolean mask' if masked else ''}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_publish_and_resolve_read_no_value_on_the_host_on_any_device():
+    """The same rule where tensors have values (this CPU): a region that does one thing on the meta
+    device and another elsewhere is held to it too."""
+    fm = FutureMap(max_running_requests=8, device=torch.device("cpu"))
+    try:
+        with HostReads():
+            fm.publish(torch.tensor([5, 2]), torch.tensor([41, 17]))
+            out = fm.resolve(torch.tensor([placeholder(2), 99, placeholder(5)]))
+    except RuntimeError as exc:
+        if "exercise 2" in str(exc):
+            raise
+        raise AssertionError("publish and resolve must be tensor operations that stay on the device: reading "
+                             "values on the host (.item(), .tolist(), int(), a loop over values, a boolean mask) "
+                             f"makes the host wait for the device on a GPU ({type(exc).__name__}: {exc})") from None
+    assert out.tolist() == [17, 99, 41], f"resolve gave {out.tolist()}, not rows 2 and 5's tokens around 99"
