@@ -10,6 +10,8 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.features.speculative.verify import accept_greedy
 
+from .host_reads import HostReads
+
 K = 3
 PROMPTS = [[3, 4, 5 + i] * (2 + i) for i in range(3)] + [[9, 10, 11, 12, 13, 14, 15]]
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 5, 9, 14)]
@@ -92,6 +94,16 @@ def test_the_accept_length_stays_on_the_device():
                              "drafts on the host (.tolist(), a loop over values) makes the verify step wait for the "
                              f"device ({type(exc).__name__}: {exc})") from None
     assert out.shape == (4,) and out.device == meta
+    try:  # where tensors have values, the same rule
+        with HostReads():
+            out = accept_greedy(torch.tensor([[1, 2, 3], [1, 9, 3]]), torch.tensor([[1, 2, 3, 4]] * 2))
+    except RuntimeError as exc:
+        if "exercise 11" in str(exc):
+            raise
+        raise AssertionError("the accept length must be computed with tensor operations on the device, on every "
+                             "device: reading the drafts on the host (.tolist(), .item(), a loop over values) makes "
+                             f"the verify step wait for the device ({type(exc).__name__}: {exc})") from None
+    assert out.tolist() == [4, 2], ACCEPT_RULE
 
 
 class PublishedOnTheHostOnly:

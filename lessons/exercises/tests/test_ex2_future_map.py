@@ -3,9 +3,10 @@ Each test checks one rule and says which (readings §6, lesson 4); they run in t
 that the first failure points at the first rule broken."""
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from minisgl.future_map import FutureMap, placeholder
+
+from .host_reads import HostReads
 
 CPU = torch.device("cpu")
 
@@ -83,24 +84,6 @@ def test_publish_and_resolve_stay_on_the_device():
                              "values on the host (.item(), .tolist(), int(), a loop over values) makes the host "
                              f"wait for the device on a GPU ({type(exc).__name__}: {exc})") from None
     assert out.shape == (3,) and out.device == meta
-
-
-class HostReads(TorchFunctionMode):
-    """Refuses what makes a GPU's host wait for the device: a value read on the host (.tolist(),
-    .item(), int(), bool(), a tensor as a Python index) or a boolean mask, whose result's size only
-    the device knows (nonzero)."""
-
-    READS = frozenset({"tolist", "item", "__int__", "__index__", "__bool__", "__float__", "nonzero", "argwhere",
-                       "numpy"})
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        masked = name in ("__getitem__", "__setitem__") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (
-                args[1] if isinstance(args[1], tuple) else (args[1],)))
-        if name in self.READS or masked:
-            raise RuntimeError(f"a host read: {name}{' with a boolean mask' if masked else ''}")
-        return func(*args, **(kwargs or {}))
 
 
 def test_publish_and_resolve_read_no_value_on_the_host_on_any_device():
