@@ -157,7 +157,7 @@ def test_every_exercise_keeps_at_least_four_wrong_solutions():
 
 # The fast tier puts in one known-wrong solution per exercise (the quickest to be caught, measured);
 # the full tier all of them.
-FAST_WRONG = {1: "live-view-like-normal-loop", 2: "key-by-position", 3: "deep-copied-requests", 4: "no-lookahead",
+FAST_WRONG = {1: "live-view-like-normal-loop", 2: "key-by-position", 3: "copied-requests", 4: "no-lookahead",
               5: "not-reported", 6: "one-batch-too-early", 7: "inverted-query", 8: "reversed-stream-wait",
               9: "no-skip", 10: "grammar-rows-only", 11: "counts-every-agreement", 12: "serial-formula"}
 

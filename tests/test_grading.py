@@ -270,6 +270,10 @@ REACHES_OUTSIDE_FROM = [
     ("publish", "import torch\nx = torch.Tensor(cdata=id(self) + 16)"),
     ("publish", "import torch\nx = torch.Tensor(**{'cda' + 'ta': 5})"),
     ("publish", "p = print\np(1, **{'fi' + 'le': self})"),
+    # a seventh: deepcopy's memo keeps the live __dict__ of what it copied (a dunder planted there
+    # made numpy read any address); a partial's keywords, a live dict, bring any keyword back
+    ("publish", "import copy\nmemo = {}\ncopy.deepcopy(self, memo)\nd = memo[id(memo)]"),
+    ("publish", "import functools\np = functools.partial(print)\np.keywords.update([('fi' + 'le', self)])"),
 ]
 
 

@@ -101,6 +101,14 @@ if str(rows.device) == "meta":
 for row, token in zip(rows.tolist(), next_tokens.tolist()):
     self.tokens[row] = token
 """}),
+    Wrong(2, "host-loop-unless-it-raises", "reads the values on the host, and falls back to tensor operations when "
+          "that raises (as it does only while a test watches)", "whether or not it is caught", {"publish": """
+try:
+    for row, token in zip(rows.tolist(), next_tokens.tolist()):
+        self.tokens[row] = token
+except (RuntimeError, NotImplementedError):
+    self.tokens[rows] = next_tokens
+"""}),
     Wrong(2, "no-publish", "publish does nothing (only resolve written)", "publish wrote nothing",
           {"publish": "pass"}),
     Wrong(2, "key-by-position", "publishes by position in the batch instead of by row",
@@ -130,9 +138,9 @@ WRONG += [
           "its own copy of the request list", {"snapshot": """
 return BatchView(self.batch_id, False, self.reqs, self.rows, self.generations, self.samples, self.qo_lens)
 """}),
-    Wrong(3, "deep-copied-requests", "deep-copies the requests as well", "the very same Req objects", {"snapshot": """
+    Wrong(3, "copied-requests", "copies the requests as well", "the very same Req objects", {"snapshot": """
 import copy
-reqs = copy.deepcopy(self.reqs)
+reqs = [copy.copy(req) for req in self.reqs]
 return BatchView(self.batch_id, False, reqs, self.rows, self.generations, self.samples, self.qo_lens)
 """}),
     Wrong(3, "wrong-batch-id", "gives the snapshot the next batch id", "must be the value at launch", {"snapshot": """

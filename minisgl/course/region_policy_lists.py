@@ -35,7 +35,10 @@ MODULE_NAMES: dict[str, frozenset[str] | None] = {
     "torch": TORCH_NAMES,
     "torch.cuda": frozenset({"Event", "Stream", "current_stream", "default_stream", "stream", "synchronize",
                              "is_available", "device_count", "current_device"}),
-    "copy": frozenset({"copy", "deepcopy"}),
+    # no deepcopy: its memo's keep-alive list hands out the live __dict__ of what it copied (a red-team
+    # trial planted __array_interface__ there and numpy read any address), and it looks
+    # __reduce_ex__ up on the instance, whose state it then sets with setattr
+    "copy": frozenset({"copy"}),
     "time": frozenset({"perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns", "sleep"}),
     "functools": frozenset({"partial", "reduce", "lru_cache", "cache", "cached_property", "cmp_to_key"}),
     "collections": frozenset({"deque", "defaultdict", "Counter", "OrderedDict"}),
@@ -141,6 +144,8 @@ DENIED_ATTRIBUTES = frozenset({
     # a sixth: Tensor.new(cdata=ADDRESS) takes any integer for a C++ tensor, and const_data_ptr gave
     # the addresses to aim it with (read and write anywhere: print's method entry became exec's)
     "new", "const_data_ptr", "mutable_data_ptr", "cdata",
+    # a seventh: a partial's keywords, a live dict, bring back any keyword the call rules refuse
+    "keywords",
 })
 # builtins that make a function of the package one a region may not import
 REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",

@@ -14,11 +14,18 @@ class HostReads(TorchFunctionMode):
     READS = frozenset({"tolist", "item", "__int__", "__index__", "__bool__", "__float__", "nonzero", "argwhere",
                        "numpy"})
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []  # every host read tried, whether or not its error was caught
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         masked = name in ("__getitem__", "__setitem__") and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (
                 args[1] if isinstance(args[1], tuple) else (args[1],)))
         if name in self.READS or masked:
-            raise RuntimeError(f"a host read: {name}{' with a boolean mask' if masked else ''}")
+            # Kept as well as raised: code that catches the error and then does it another way
+            # (only while watched) still did the read.
+            self.reads.append(f"{name}{' with a boolean mask' if masked else ''}")
+            raise RuntimeError(f"a host read: {self.reads[-1]}")
         return func(*args, **(kwargs or {}))
