@@ -274,6 +274,13 @@ REACHES_OUTSIDE_FROM = [
     # made numpy read any address); a partial's keywords, a live dict, bring any keyword back
     ("publish", "import copy\nmemo = {}\ncopy.deepcopy(self, memo)\nd = memo[id(memo)]"),
     ("publish", "import functools\np = functools.partial(print)\np.keywords.update([('fi' + 'le', self)])"),
+    # an eighth: `self` bound by the region (any object's private attributes), an engine method or
+    # the tests' audit switch replaced on a live object, a tensor's memory moved under a numpy view
+    ("staging write-after-read wait", "def g(self):\n    return self._host_np\narr = g(buf)"),
+    ("the engine stream waits for the scheduler stream", "(lambda self: self._queue)(self.stream).put(None)"),
+    ("the commit point", "self.check_each_step = False"),
+    ("the commit point", "self.kv_ledger.allocate = len"),
+    ("staging write-after-read wait", "import torch\nx = torch.zeros(4, out=buf.blocks[0])"),
 ]
 
 

@@ -299,6 +299,16 @@ else:
 ]
 WRONG += [
     # ---------------------------------------------------------------- exercise 7: staging write-after-read
+    Wrong(7, "waits-only-for-a-gate", "waits only for an event that can be completed by hand (a test's, it "
+          "guesses), never for a real one", "must wait for THAT buffer's consumed event", {
+              "staging write-after-read wait": """
+if buf.consumed is not None and not buf.consumed.query():
+    if self.war_wait and hasattr(buf.consumed, "complete"):
+        self.waits += 1
+        buf.consumed.synchronize()
+    elif not self.war_wait:
+        self.unread_overwrites += 1
+"""}),
     Wrong(7, "no-wait", "counts the wait but never waits", "must wait for THAT buffer's consumed event",
           {"staging write-after-read wait": """
 if buf.consumed is not None and not buf.consumed.query():

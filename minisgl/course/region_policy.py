@@ -35,8 +35,11 @@ a few harmless modules, and makes or reads the package's classes. So a region is
 - classes stay put: a class of the package or of a module is only called, read from, compared,
   subscripted, raised, caught or given to isinstance/issubclass (`BatchView.snapshot = ...` and
   `c = BatchView` are refused); a type hint may name any class or module;
-- no `global`, `nonlocal`, class definition, async code, `file=` or `cdata=` argument, nor
-  `**keywords` in a call (their names go unchecked).
+- no `global`, `nonlocal`, class definition, async code, nor a keyword DENIED_KEYWORDS names
+  (`file=`, `cdata=`, `out=`, `stream_id=`; `**keywords`, whose names go unchecked);
+- `self` is the method's own: never bound in a region (a parameter or variable of that name would
+  open any object's private attributes); no method of the package's classes and no switch of the
+  tests (`check_each_step`) is assigned or deleted on an object.
 
 A region that breaks a rule is not run; its exercise gets no marks, with the rule it broke. The
 student's checker (`course exercise N`) applies the same rules first, with the same message
@@ -59,9 +62,9 @@ import types
 from pathlib import Path
 from typing import Callable
 
-from minisgl.course.region_policy_lists import (ALLOWED_IMPORTS, BUILTIN_METHODS, DENIED_ATTRIBUTES, DENIED_NAMES,
-                                                DENIED_NODES, MODULE_NAMES, NAMES_FROM, NARROWED, SAFE_BUILTINS,
-                                                TENSOR_METHODS)
+from minisgl.course.region_policy_lists import (ALLOWED_IMPORTS, BUILTIN_METHODS, DENIED_ATTRIBUTES, DENIED_KEYWORDS,
+                                                DENIED_NAMES, DENIED_NODES, MODULE_NAMES, NAMES_FROM, NARROWED,
+                                                SAFE_BUILTINS, TENSOR_METHODS, TEST_SWITCHES)
 from minisgl.course.region_policy_package import PACKAGE_DIR, bound_or_named, package_names
 
 _MISSING = object()
@@ -221,11 +224,14 @@ def region_problems(code: str, package: Path = PACKAGE_DIR, region: str | None =
             problems.append(f"a region may not use `{type(node).__name__.lower()}`")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_dunder(node.value.strip()):
             problems.append(f"a region may not write a dunder name, even as a string (`{node.value.strip()}`)")
-        elif isinstance(node, ast.keyword) and node.arg in ("file", "cdata", None):
-            # file=: print's way to a file; cdata=: torch.Tensor(cdata=ADDRESS) takes any integer for a
-            # C++ tensor (reads and writes anywhere); **keywords: names no rule here sees (`**{"file": f}`)
-            problems.append(f"a region may not pass `{node.arg}=`" if node.arg else
-                            "a region may not pass **keywords (their names go unchecked)")
+        elif isinstance(node, ast.keyword) and node.arg in DENIED_KEYWORDS:
+            problems.append(f"a region may not pass `{node.arg}=` ({DENIED_KEYWORDS[node.arg]})" if node.arg else
+                            f"a region may not pass **keywords ({DENIED_KEYWORDS[None]})")
+        elif isinstance(node, ast.arg) and node.arg == "self" or isinstance(node, ast.Name) and node.id == "self" \
+                and not isinstance(node.ctx, ast.Load):
+            # `self` is the method's own: a parameter or variable of that name would open any
+            # object's private attributes (the rule below spells them by that name)
+            problems.append("a region may not bind the name `self` (a parameter, lambda argument or variable)")
         elif isinstance(node, ast.Name) and node.id not in nameable:
             problems.append(f"a region may not use the name `{node.id}`: neither the region, its function nor its "
                             f"file defines it (a module it needs: import it in the region; a name the module gets from outside is never reached)")
@@ -244,6 +250,11 @@ def region_problems(code: str, package: Path = PACKAGE_DIR, region: str | None =
                                 f"tensor (region_policy_lists.TENSOR_METHODS) nor a builtin type has it")
             elif node.attr.startswith("_") and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
                 problems.append(f"a region may use a private attribute only on `self`, not `.{node.attr}`")
+            elif not isinstance(node.ctx, ast.Load) and (node.attr in known.methods or node.attr in TEST_SWITCHES):
+                # an engine method replaced on a live object (`self.kv_ledger.allocate = ...`), or the
+                # tests' own audit switched off, changes what the tests see, not what the code does
+                problems.append(f"a region may not assign or delete `.{node.attr}` (a method of the engine's "
+                                f"classes, or a switch of the tests)")
     return list(dict.fromkeys(problems))
 
 

@@ -147,6 +147,16 @@ DENIED_ATTRIBUTES = frozenset({
     # a seventh: a partial's keywords, a live dict, bring back any keyword the call rules refuse
     "keywords",
 })
+# keyword arguments a region may not pass, and why (None: `**keywords`)
+DENIED_KEYWORDS = {
+    "file": "print's way to a file",
+    "cdata": "torch.Tensor(cdata=ADDRESS) takes any integer for a C++ tensor: read and write anywhere",
+    "out": "a result written into a tensor another object points into moves or frees its memory",
+    "stream_id": "a CUDA stream made from any integer",
+    None: "their names go unchecked, `**{'file': f}`",
+}
+# attributes the tests set on the engine: a region that assigns them changes what the tests see
+TEST_SWITCHES = frozenset({"check_each_step"})
 # builtins that make a function of the package one a region may not import
 REACHING_BUILTINS = frozenset({"open", "eval", "exec", "compile", "__import__", "breakpoint", "input", "globals",
                                "locals", "vars"})

@@ -41,6 +41,10 @@ class PackageNames:
                                      if isinstance(n, ast.Attribute)}
         self.attributes |= {name for tree in trees.values() for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
                             for node in cls.body for name in _class_member_names(node)}  # fields, methods
+        # the methods (and properties) of the package's classes: a region may call them, never replace them
+        self.methods: set[str] = {node.name for tree in trees.values() for cls in ast.walk(tree)
+                                  if isinstance(cls, ast.ClassDef) for node in cls.body
+                                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
         # region name -> (its file, the names its enclosing functions bind): the scope it runs in
         self.scopes: dict[str, tuple[str, set[str]]] = dict(_region_scopes(trees))
         for rel, tree in trees.items():

@@ -8,34 +8,30 @@ import torch
 
 from minisgl.mechanisms import Mechanisms
 from minisgl.staging import StagingRing
+from minisgl.streams import CpuEvent
 
 CPU = torch.device("cpu")
 
 
-class Gate:
-    """A `consumed` event that completes when the test says so (the device's read of a buffer)."""
-
-    def __init__(self, done: bool = False) -> None:
-        self._done = threading.Event()
-        if done:
-            self._done.set()
-
-    def query(self) -> bool:
-        return self._done.is_set()
-
-    def synchronize(self) -> None:
-        self._done.wait(10)
-
-    def complete(self) -> None:
-        self._done.set()
+def gate(done: bool = False) -> CpuEvent:
+    """A `consumed` event the test completes by hand (the device's read of a buffer): the engine's
+    own kind of event, so that nothing tells a test's event from a real one."""
+    event = CpuEvent()
+    if done:
+        event._set()
+    else:  # a wait that never ends (for the wrong event, say) is over after 10 s: the test fails, not hangs
+        timer = threading.Timer(10, event._set)
+        timer.daemon = True
+        timer.start()
+    return event
 
 
-def ring_with_unread_buffer(*disabled: str) -> tuple[StagingRing, Gate]:
+def ring_with_unread_buffer(*disabled: str) -> tuple[StagingRing, CpuEvent]:
     """Two buffers: the next acquire() returns buffer 0, whose copy to the device is not done."""
     ring = StagingRing(4, 2, CPU, Mechanisms(disabled))
-    unread = Gate()
+    unread = gate()
     ring.acquire().consumed = unread  # batch n-1 staged here, the device has not copied it yet
-    ring.acquire().consumed = Gate(done=True)  # batch n, already copied
+    ring.acquire().consumed = gate(done=True)  # batch n, already copied
     return ring, unread
 
 
@@ -51,7 +47,7 @@ def test_acquire_waits_until_the_device_has_copied_the_buffer():
     thread, got = acquire_in_thread(ring)
     thread.join(2)  # a wrong acquire() returns at once; a right one blocks until the device's read
     returned_early = not thread.is_alive()
-    unread.complete()
+    unread._set()
     thread.join(10)
     assert not returned_early, (
         "write-after-read: acquire() handed out a buffer whose previous contents the device had not copied yet "
@@ -66,7 +62,7 @@ def test_acquire_waits_until_the_device_has_copied_the_buffer():
 
 def test_no_wait_when_the_device_has_already_copied_it():
     ring, unread = ring_with_unread_buffer()
-    unread.complete()
+    unread._set()
     thread, got = acquire_in_thread(ring)
     thread.join(5)
     assert got and ring.waits == 0 and ring.unread_overwrites == 0, (
@@ -79,7 +75,7 @@ def test_switched_off_the_hazard_is_counted_not_waited_for():
     thread, got = acquire_in_thread(ring)
     thread.join(2)
     waited = thread.is_alive()
-    unread.complete()
+    unread._set()
     thread.join(10)
     assert not waited and ring.unread_overwrites == 1 and ring.waits == 0, (
         "keep the switch: with staging_war_wait off acquire() must not wait; it counts the rewrite of an unread "
