@@ -41,10 +41,13 @@ class PackageNames:
                                      if isinstance(n, ast.Attribute)}
         self.attributes |= {name for tree in trees.values() for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
                             for node in cls.body for name in _class_member_names(node)}  # fields, methods
-        # the methods (and properties) of the package's classes: a region may call them, never replace them
+        # the methods (and properties) of the package's classes that its code never assigns as a field
+        # anywhere: a region may call them, never replace them (a name that is a field elsewhere, `rows`, stays)
         self.methods: set[str] = {node.name for tree in trees.values() for cls in ast.walk(tree)
                                   if isinstance(cls, ast.ClassDef) for node in cls.body
-                                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))} - {
+            n.attr for tree in trees.values() for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and not isinstance(n.ctx, ast.Load)}
         # region name -> (its file, the names its enclosing functions bind): the scope it runs in
         self.scopes: dict[str, tuple[str, set[str]]] = dict(_region_scopes(trees))
         for rel, tree in trees.items():

@@ -176,9 +176,9 @@ class EngineClient:
         """The client went away, or the server stops: `rid` is cut short (counted as aborted)."""
         if rid in self._submissions:
             self.metrics.aborted.inc()
-        self.stop(sub, rid)
+        self.stop_generation(sub, rid)
 
-    def stop(self, sub: Submission, rid: int) -> None:
+    def stop_generation(self, sub: Submission, rid: int) -> None:
         """The engine stops generating `rid`: its client has what it asked for (a stop string), or is gone."""
         sub.open.discard(rid)
         if rid in self._submissions:  # else the engine is done with it already: nothing to stop

@@ -109,7 +109,7 @@ class Generation:
             text += choice.detokenizer.flush()
         text, stopped = choice.stops.feed(text)
         if stopped:  # the request's own end, not an abort: the engine just stops early
-            self.client.stop(self.sub, delta.rid)
+            self.client.stop_generation(self.sub, delta.rid)
             finish = "stop"
         elif finish is not None:
             text += choice.stops.flush()
